@@ -1,0 +1,29 @@
+"""Packaging for tf_pxg: per-example gradients and DP-SGD for TensorFlow 2 / Keras 3."""
+
+import setuptools
+
+setuptools.setup(
+    name="tf_pxg",
+    version="0.1.0",
+    description=(
+        "Per-example gradients (a drop-in tf.GradientTape) and "
+        "differentially private training for Keras 3."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=setuptools.find_packages(include=["tf_pxg", "tf_pxg.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "tensorflow>=2.16",
+        "keras>=3.0",
+        # TFP needs tf-keras importable; the [tf] extra pins a compatible one.
+        "tensorflow-probability[tf]>=0.24",
+        "absl-py>=1.0",
+        "dp-accounting>=0.4.4",
+    ],
+    extras_require={
+        "test": ["pytest>=7"],
+        "examples": ["scikit-learn>=1.0"],
+    },
+    entry_points={"console_scripts": ["tf-pxg=tf_pxg.cli:run"]},
+)

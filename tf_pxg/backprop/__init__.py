@@ -1,0 +1,1 @@
+"""Backpropagation over a recorded tape (a Python port of TF's imperative_grad)."""

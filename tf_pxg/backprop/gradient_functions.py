@@ -1,0 +1,120 @@
+"""Calling TensorFlow's registered gradient function for one recorded entry.
+
+Eager entries are presented to the gradient function as TF's own light mock op
+(`backprop._MockOp`, the object `tf.GradientTape` uses); graph entries as the
+real `tf.Operation`, seen through a thin view that adds `skip_input_indices`
+(the hint TF's gradient functions read to skip inputs nobody needs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import backprop as tf_backprop
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.framework import ops
+
+from tf_pxg.tape.recording import Entry
+
+# Some gradient functions accept `None` for output gradients they ignore, so no
+# zeros need be built for them (the seed's `_grad_fn_accepts_none_for_indices`).
+GRAD_FN_ACCEPTS_NONE_FOR_INDICES = {
+    "SoftmaxCrossEntropyWithLogits": (1,),
+    "SparseSoftmaxCrossEntropyWithLogits": (1,),
+    "FusedBatchNorm": (1, 2, 3, 4),
+    "FusedBatchNormV2": (1, 2, 3, 4),
+    "FusedBatchNormV3": (1, 2, 3, 4, 5),
+}
+
+
+class _GraphOpView:
+  """A `tf.Operation` with replaceable inputs/outputs and `skip_input_indices`."""
+
+  def __init__(self, op, skip_input_indices, inputs=None, outputs=None):
+    self._op = op
+    self.skip_input_indices = skip_input_indices
+    self.inputs = list(op.inputs) if inputs is None else list(inputs)
+    self.outputs = list(op.outputs) if outputs is None else list(outputs)
+
+  def __getattr__(self, name):
+    return getattr(self._op, name)
+
+
+def op_view(entry: Entry,
+            skip_input_indices: Optional[Sequence[int]] = None,
+            inputs: Optional[Sequence[Any]] = None,
+            outputs: Optional[Sequence[Any]] = None):
+  """An op-like object for `entry` as TF's gradient functions expect it."""
+  skip = tuple(skip_input_indices) if skip_input_indices else None
+  if entry.op is None:
+    return tf_backprop._MockOp(  # pylint: disable=protected-access
+        entry.attrs,
+        list(entry.inputs if inputs is None else inputs),
+        list(entry.outputs if outputs is None else outputs),
+        entry.op_type, skip)
+  return _GraphOpView(entry.op, skip, inputs, outputs)
+
+
+def get_attr(entry: Entry, name: str):
+  """Reads attr `name` of a recorded op (eager or graph)."""
+  return op_view(entry).get_attr(name)
+
+
+def lookup(entry: Entry):
+  """TF's registered gradient function for `entry`, or None if not differentiable.
+
+  Raises:
+    LookupError: if TF has no gradient registered for the op type.
+  """
+  op_type = entry.op_type
+  if entry.op is not None:
+    try:  # tf.custom_gradient in graphs: IdentityN with a private gradient.
+      op_type = entry.op.get_attr("_gradient_op_type").decode()
+    except (ValueError, AttributeError):
+      pass
+  try:
+    return ops._gradient_registry.lookup(op_type)  # pylint: disable=protected-access
+  except LookupError as e:
+    raise LookupError(
+        f"No gradient defined for {entry.describe()} (op type '{op_type}'). "
+        "TensorFlow has no registered gradient for it; register one with "
+        "tf.RegisterGradient or keep the op out of the differentiated path."
+    ) from e
+
+
+def call_gradient_function(entry: Entry,
+                           out_grads: Sequence[Any],
+                           skip_input_indices: Optional[Sequence[int]] = None,
+                           inputs: Optional[Sequence[Any]] = None,
+                           outputs: Optional[Sequence[Any]] = None) -> list:
+  """Runs TF's gradient function; returns one gradient (or None) per input."""
+  n = len(entry.inputs)
+  grad_fn = lookup(entry)
+  if grad_fn is None:
+    return [None] * n
+  view = op_view(entry, skip_input_indices, inputs, outputs)
+  with tf.name_scope("gradient_tape"):
+    in_grads = grad_fn(view, *out_grads)
+  if not isinstance(in_grads, (list, tuple)):
+    in_grads = [in_grads]
+  in_grads = list(in_grads)
+  if len(in_grads) < n:  # Some functions omit trailing non-differentiable inputs.
+    in_grads += [None] * (n - len(in_grads))
+  if skip_input_indices:
+    for i in skip_input_indices:
+      in_grads[i] = None
+  return in_grads[:n]
+
+
+def aggregate(grads: Sequence[Any]):
+  """Sums a list of gradients (Tensors and/or IndexedSlices)."""
+  return tf_backprop._aggregate_grads(list(grads))  # pylint: disable=protected-access
+
+
+def num_elements(grad) -> int:
+  if isinstance(grad, indexed_slices.IndexedSlices):
+    shape = grad.values.shape
+  else:
+    shape = grad.shape
+  return shape.num_elements() or 0

@@ -1,0 +1,199 @@
+"""Finding the interface: where parameters meet the data.
+
+Every tensor the tape saw is classified as
+
+* PARAM: derived from the sources alone (a variable read, its cast to
+  float16, `W + A @ B`, a reshaped kernel);
+* DATA: carries examples on axis 0 (the inputs, and anything computed from
+  them);
+* CONST: neither (scalars, graph constants, reads of non-source variables,
+  shape arithmetic).
+
+An *interface* entry consumes a PARAM tensor and produces DATA. Backprop
+(phase 1) runs from the target down to the interfaces, and the per-example
+rule of each interface op turns its output gradients into per-example
+quantities for its PARAM input. The PARAM-only region between the interface
+and the sources is then differentiated with ordinary (or batched) gradient
+functions (phase 2).
+
+Integer inputs are shape arithmetic except at the positions that carry
+examples as indices (gathers), listed in `INTEGER_DATA_INPUTS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_pxg.tape.recording import Entry, Recorder
+
+PARAM, CONST, DATA = "param", "const", "data"
+
+INTEGER_DATA_INPUTS = {
+    "GatherV2": (1,),
+    "Gather": (1,),
+    "ResourceGather": (1,),
+    "GatherNd": (1,),
+    "ResourceGatherNd": (1,),
+}
+
+_NON_DATA_DTYPES = (tf.resource, tf.variant, tf.string, tf.bool)
+
+# Ops whose outputs never carry examples, whatever their input.
+_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs")
+
+
+def _is_float(dtype) -> bool:
+  return dtype.is_floating or dtype.is_complex
+
+
+@dataclasses.dataclass
+class Interface:
+  """One use of a PARAM tensor by an interface entry."""
+  entry: Entry
+  param_index: int
+  output_grads: list
+  data_indices: tuple
+
+  @property
+  def param_id(self) -> int:
+    return self.entry.input_ids[self.param_index]
+
+  @property
+  def param(self):
+    return self.entry.inputs[self.param_index]
+
+
+class Classifier:
+  """Classifies the recorded tensors as PARAM, CONST or DATA (see module doc).
+
+  Args:
+    recorder: the tape's recorder (entries in topological order).
+    source_ids: tensor ids of the sources (variable handles, watched tensors).
+    batch_size: B if statically known, used to tell constants (leading dim
+      != B) from data among tensors the tape did not see being made.
+  """
+
+  def __init__(self, recorder: Recorder, source_ids: Sequence[int],
+               batch_size: Optional[int]):
+    self._sources = set(source_ids)
+    self._batch_size = batch_size
+    self.status: Dict[int, str] = {}
+    for entry in recorder.entries:
+      if entry.op_type in _SHAPE_OPS:
+        st = CONST
+      else:
+        st = CONST
+        for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs)):
+          s = self.input_status(entry, i, tid, t)
+          if s == DATA:
+            st = DATA
+            break
+          if s == PARAM:
+            st = PARAM
+      for tid in entry.output_ids:
+        self.status[tid] = PARAM if tid in self._sources else st
+
+  def input_status(self, entry: Entry, i: int, tid: int, t) -> str:
+    if tid in self._sources:
+      return PARAM
+    dtype = t.dtype
+    if not _is_float(dtype) and i not in INTEGER_DATA_INPUTS.get(
+        entry.op_type, ()):
+      return CONST
+    if tid in self.status:
+      return self.status[tid]
+    return self._external(t)
+
+  def _external(self, t) -> str:
+    """Status of a tensor made before/outside the tape.
+
+    Scalars and handles are constants. With B known, a tensor whose leading
+    dimension is not a multiple of B is a constant; anything else is data
+    (this includes graph constants, as tf.function captures small eager
+    inputs by value). With B unknown (scalar target), graph constants are
+    constants.
+    """
+    if t.dtype in _NON_DATA_DTYPES:
+      return CONST
+    rank = t.shape.rank
+    if rank == 0:
+      return CONST
+    if rank is None:
+      return DATA
+    lead = t.shape[0]
+    if self._batch_size is not None:
+      if lead is not None and (self._batch_size == 0 or
+                               lead % self._batch_size):
+        return CONST
+      return DATA
+    if getattr(getattr(t, "op", None), "type", None) == "Const" and not (
+        hasattr(t, "numpy") and tf.executing_eagerly()):
+      return CONST
+    return DATA
+
+  def param_inputs(self, entry: Entry) -> List[int]:
+    return [i for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs))
+            if self.input_status(entry, i, tid, t) == PARAM]
+
+  def data_inputs(self, entry: Entry) -> tuple:
+    return tuple(
+        i for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs))
+        if self.input_status(entry, i, tid, t) == DATA and t.shape.rank != 0)
+
+  def is_interface(self, entry: Entry) -> bool:
+    return (any(self.status.get(t) != PARAM for t in entry.output_ids) and
+            bool(self.param_inputs(entry)))
+
+  def param_ids(self) -> set:
+    return {t for t, s in self.status.items() if s == PARAM} | self._sources
+
+
+# Reductions that, over axis 0 of a per-example tensor, mix examples.
+_REDUCTIONS = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm")
+_BATCH_NORMS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+
+
+def _layer_hint(entry: Entry) -> str:
+  scope = entry.scope.strip("/")
+  if not scope:
+    return ""
+  return f" (layer '{scope.split('/')[0] if '/' not in scope else scope}')"
+
+
+def check_examples_independent(entry: Entry, classifier: Classifier,
+                               vector_target: bool) -> None:
+  """Raises if `entry` mixes the examples of a per-example computation.
+
+  Raises:
+    ValueError: for batch-normalisation in training mode, or (when the target
+      has one entry per example) a reduction over the batch axis of data.
+  """
+  why = None
+  if entry.op_type in _BATCH_NORMS:
+    from tf_pxg.backprop import gradient_functions  # pylint: disable=g-import-not-at-top
+    try:
+      training = gradient_functions.get_attr(entry, "is_training")
+    except (ValueError, KeyError):
+      training = True
+    if training:
+      why = "normalises with statistics of the whole batch"
+  elif vector_target and entry.op_type in _REDUCTIONS:
+    data, axis = entry.inputs[0], tf.get_static_value(entry.inputs[1])
+    rank = data.shape.rank
+    if (axis is not None and rank and rank >= 2 and
+        classifier.status.get(entry.input_ids[0]) == DATA):
+      axes = {int(a) % rank for a in tf.reshape(axis, [-1]).numpy()} if hasattr(
+          axis, "numpy") else {int(a) % rank for a in
+                               __import__("numpy").reshape(axis, [-1])}
+      if 0 in axes:
+        why = "reduces over the batch axis 0 (batch statistics)"
+  if why:
+    raise ValueError(
+        f"{entry.describe()}{_layer_hint(entry)} mixes examples: it {why}, so "
+        "an example's gradient depends on the other examples and has no "
+        "per-example value. BatchNormalization in training does this; use "
+        "keras.layers.GroupNormalization or keras.layers.LayerNormalization "
+        "instead (or freeze the layer and call it with training=False).")

@@ -1,0 +1,292 @@
+"""The per-example engine: one backward pass to the interface, then rules.
+
+`PerExampleBackprop` answers the tape's three per-example questions:
+
+1. phase 1 backpropagates the target down to the interface entries
+   (`tf_pxg.interface`), computing data gradients with TF's gradient
+   functions and skipping the parameter inputs;
+2. each interface's rule (`tf_pxg.registry`) gives per-example gradients,
+   squared norms or clip-weighted sums for its PARAM input;
+3. phase 2 carries those through the PARAM-only region (casts, reshapes,
+   `W + A @ B`) to the sources: weighted sums with ordinary gradient
+   functions, per-example gradients with batched ones.
+
+Norms take a rule's `sq_norm` shortcut (ghost norms, Goodfellow's trick)
+when a source reaches exactly one interface through norm-preserving ops;
+otherwise the source's per-example gradient is materialised and summed over
+its uses first (a tied weight's norm is the norm of the sum, not the sum of
+norms).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_pxg import registry
+from tf_pxg.backprop import gradient_functions
+from tf_pxg.backprop.imperative_grad import imperative_grad
+from tf_pxg.interface import (Classifier, Interface,
+                              check_examples_independent)
+from tf_pxg.rules import base
+from tf_pxg.tape.recording import Entry, Recorder
+
+# Ops through which a per-example gradient keeps its norm (phase 2 shortcut).
+_NORM_PRESERVING = ("ReadVariableOp", "Identity", "Cast", "Reshape",
+                    "ExpandDims", "Squeeze", "Transpose")
+
+
+class NoPerExampleRuleError(NotImplementedError):
+  """An op consumes a parameter and no per-example rule applies to it."""
+
+
+def _rule_for(entry: Entry):
+  rule = registry.lookup(entry.op_type)
+  if rule is None:
+    return _FALLBACK
+  return rule
+
+
+class _VectorizedFallback(base.Rule):
+  """Unregistered ops: TF's gradient under tf.vectorized_map, per example."""
+
+
+_FALLBACK = _VectorizedFallback()
+
+
+class PerExampleBackprop:
+  """One per-example backward pass over a recorder's entries.
+
+  Args:
+    recorder: the tape's recorder.
+    target: a `[B]` per-example target, or a scalar that is a sum over examples.
+    source_ids: one tensor id per source (None for an unwatched source).
+    output_gradients: optional gradient of the target (defaults to ones).
+  """
+
+  def __init__(self, recorder: Recorder, target, source_ids: Sequence[Optional[int]],
+               output_gradients=None):
+    from tf_pxg.tape.recording import tensor_id  # pylint: disable=g-import-not-at-top
+    self._recorder = recorder
+    self._producer = recorder.producer
+    self._source_ids = list(source_ids)
+    self.vector_target = target.shape.rank is None or target.shape.rank > 0
+    if target.shape.rank and target.shape.rank > 1:
+      raise ValueError(
+          f"A per-example target must have shape [B] (one value per example) "
+          f"or be a scalar sum over examples; got shape {target.shape}. "
+          "Reduce the non-batch axes of your loss first, e.g. "
+          "tf.reduce_sum(losses, axis=range(1, rank)).")
+    if self.vector_target:
+      static_b = target.shape[0]
+      self.batch_size = static_b if static_b is not None else tf.shape(target)[0]
+    else:
+      self.batch_size = None
+    known = [s for s in self._source_ids if s is not None]
+    self._classifier = Classifier(
+        recorder, known,
+        self.batch_size if isinstance(self.batch_size, int) else None)
+    if output_gradients is None:
+      output_gradients = tf.ones_like(target)
+    self.interfaces = self._phase_one(tensor_id(target), output_gradients)
+    self._uses = collections.defaultdict(list)
+    for itf in self.interfaces:
+      self._uses[itf.param_id].append(itf)
+
+  # Phase 1 ------------------------------------------------------------------
+
+  def _phase_one(self, target_id: int, output_gradient) -> List[Interface]:
+    classifier = self._classifier
+    param_ids = classifier.param_ids()
+    found: List[Interface] = []
+
+    def backward(entry, out_grads, skip):
+      check_examples_independent(entry, classifier, self.vector_target)
+      if not classifier.is_interface(entry):
+        return gradient_functions.call_gradient_function(entry, out_grads, skip)
+      params = classifier.param_inputs(entry)
+      data = classifier.data_inputs(entry)
+      for i in params:
+        found.append(Interface(entry, i, list(out_grads), data))
+      skip = sorted(set(skip) | set(params))
+      if len(skip) == len(entry.inputs):
+        return [None] * len(entry.inputs)
+      return gradient_functions.call_gradient_function(entry, out_grads, skip)
+
+    if classifier.status.get(target_id) == "param":
+      raise ValueError(
+          "The target depends on the parameters but on no input that carries "
+          "examples, so it has no per-example gradients. Pass the batch as a "
+          "tf.function argument (captured eager tensors become constants) and "
+          "the target as a [B] vector of per-example values.")
+    imperative_grad(self._producer, {target_id: [output_gradient]}, param_ids,
+                    backward)
+    for itf in found:
+      rule = _rule_for(itf.entry)
+      rule.check(self._context(itf))
+    return found
+
+  def _context(self, itf: Interface) -> base.Context:
+    b = self.batch_size
+    if b is None:  # Scalar target: each data operand's axis 0 is the batch.
+      if not itf.data_indices:
+        raise ValueError(
+            f"{itf.entry.describe()} consumes a parameter but no input that "
+            "carries examples on axis 0 was found, so its per-example "
+            "gradient is undefined. Pass a [B] per-example target.")
+      d = itf.entry.inputs[itf.data_indices[0]]
+      b = d.shape[0] if d.shape[0] is not None else tf.shape(d)[0]
+    return base.Context(itf.entry, itf.param_index, itf.output_grads, b,
+                        itf.data_indices)
+
+  # Rules --------------------------------------------------------------------
+
+  def _apply(self, itf: Interface, form: str, *args):
+    rule = _rule_for(itf.entry)
+    ctx = self._context(itf)
+    try:
+      return getattr(rule, form)(ctx, *args)
+    except NoPerExampleRuleError:
+      raise
+    except (ValueError, TypeError, NotImplementedError, LookupError,
+            tf.errors.InvalidArgumentError) as e:
+      if rule is not _FALLBACK:
+        raise
+      raise NoPerExampleRuleError(
+          f"{itf.entry.describe()} consumes a parameter and has no "
+          f"per-example rule; the vectorized fallback failed ({e}). Register "
+          f"one:\n\n  @tf_pxg.register('{itf.entry.op_type}')\n"
+          "  class MyRule(tf_pxg.rules.base.Rule):\n"
+          "    def per_example(self, ctx):  # -> [B, *ctx.param.shape]\n"
+          "      ...\n\nOp types with rules: "
+          f"{', '.join(registry.registered_op_types())}.") from e
+
+  # Phase 2 ------------------------------------------------------------------
+
+  def _param_backprop(self, initial: Dict[int, List[Any]], batched: bool):
+    stop = {s for s in self._source_ids if s is not None}
+    if batched:
+      backward = _batched_backward
+      zeros = lambda t: tf.zeros(tf.concat([[self._batch_for_zeros()],
+                                            tf.shape(t)], 0), t.dtype)
+    else:
+      backward = lambda e, g, skip: gradient_functions.call_gradient_function(
+          e, g, skip)
+      zeros = None
+    return imperative_grad(self._producer, initial, stop, backward, zeros)
+
+  def _batch_for_zeros(self):
+    if self.batch_size is not None:
+      return self.batch_size
+    return self._context(self.interfaces[0]).batch_size
+
+  def _gather(self, results: Dict[int, Any]) -> list:
+    return [None if s is None else results.get(s) for s in self._source_ids]
+
+  def per_example_gradients(self, source_subset: Optional[set] = None) -> list:
+    """`[B, *source.shape]` per source (None where not connected)."""
+    initial = collections.defaultdict(list)
+    for itf in self.interfaces:
+      if source_subset is not None and itf.param_id not in self._reaching(
+          source_subset):
+        continue
+      initial[itf.param_id].append(self._apply(itf, "per_example"))
+    results = self._param_backprop(initial, batched=True)
+    for s in self._source_ids:
+      if s is not None and s in initial and s not in results:
+        results[s] = gradient_functions.aggregate(initial[s])
+    return [None if g is None else base.to_dense(g)
+            for g in self._gather(results)]
+
+  def _reaching(self, source_subset: set) -> set:
+    """PARAM tensors at interfaces that lead to any of `source_subset`."""
+    out = set()
+    for pid in self._uses:
+      if self._origins(pid)[0] & source_subset:
+        out.add(pid)
+    return out
+
+  def _origins(self, pid: int):
+    """(sources reached from PARAM tensor `pid`, reached via norm-preserving ops only)."""
+    sources = {s for s in self._source_ids if s is not None}
+    stack, seen, found, simple = [pid], set(), set(), True
+    while stack:
+      t = stack.pop()
+      if t in seen:
+        continue
+      seen.add(t)
+      if t in sources:
+        found.add(t)
+        continue
+      entry = self._producer.get(t)
+      if entry is None:
+        continue
+      params = [i for i in self._classifier.param_inputs(entry)]
+      if entry.op_type not in _NORM_PRESERVING or len(params) != 1:
+        simple = False
+      stack.extend(entry.input_ids[i] for i in params)
+    return found, simple
+
+  def sq_norms(self):
+    """`[B]` float32 squared global norms over all sources."""
+    uses_per_source = collections.Counter()
+    origin = {}
+    for pid in self._uses:
+      found, simple = self._origins(pid)
+      origin[pid] = (found, simple)
+      for s in found:
+        uses_per_source[s] += len(self._uses[pid])
+    total = []
+    materialize = set()
+    for pid, itfs in self._uses.items():
+      found, simple = origin[pid]
+      if simple and len(found) == 1 and uses_per_source[next(iter(found))] == 1:
+        total.append(tf.cast(self._apply(itfs[0], "sq_norm"), tf.float32))
+      else:
+        materialize |= found
+    if materialize:
+      for g in self.per_example_gradients(materialize):
+        if g is not None:
+          total.append(base.batch_sq_norm(g))
+    if not total:
+      return tf.zeros([self._batch_for_zeros()], tf.float32)
+    return tf.add_n(total)
+
+  def weighted_sums(self, c) -> list:
+    """`sum_b c[b] g_b` per source, the shape of the source."""
+    initial = collections.defaultdict(list)
+    for itf in self.interfaces:
+      initial[itf.param_id].append(self._apply(itf, "weighted_sum", c))
+    results = self._param_backprop(initial, batched=False)
+    for s in self._source_ids:
+      if s is not None and s in initial and s not in results:
+        results[s] = gradient_functions.aggregate(initial[s])
+    return self._gather(results)
+
+
+def _batched_backward(entry: Entry, out_grads: list, skip: list) -> list:
+  """Backward for `[B, ...]` output gradients of a PARAM-only entry."""
+  n = len(entry.inputs)
+  keep = [i for i in range(n) if i not in skip]
+  t = entry.op_type
+  if t in ("ReadVariableOp", "Identity") and keep == [0]:
+    return [out_grads[0]] + [None] * (n - 1)
+  if t == "Cast":
+    return [tf.cast(out_grads[0], entry.inputs[0].dtype)]
+  if t in ("Reshape", "ExpandDims", "Squeeze") and keep == [0]:
+    g = out_grads[0]
+    shape = tf.concat([tf.shape(g)[:1], tf.shape(entry.inputs[0])], 0)
+    return [tf.reshape(g, shape)] + [None] * (n - 1)
+
+  def one(gs):
+    grads = gradient_functions.call_gradient_function(entry, list(gs), skip)
+    return [base.to_dense(grads[i]) for i in keep]
+
+  batched = [g if g is not None else None for g in out_grads]
+  outs = tf.vectorized_map(one, batched, fallback_to_while_loop=True)
+  result = [None] * n
+  for i, g in zip(keep, outs):
+    result[i] = g
+  return result

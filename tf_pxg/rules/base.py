@@ -1,0 +1,243 @@
+"""What a per-example rule sees and must provide (the rule author's one import).
+
+At an interface op (an op with a parameter-derived input and a data input),
+backprop hands the rule a `Context`: the recorded op, which input is the
+parameter, the gradients of the op's outputs, and the number of examples B.
+Batch is axis 0 of the data operands; an operand may merge examples with
+other axes as long as each example's rows are contiguous (a `[B*T, d]`
+reshape of `[B, T, d]`), which `Context.split_batch` undoes.
+
+A rule has three forms (`Rule`):
+
+* `per_example(ctx)` -> `[B, *param.shape]`, example b's gradient;
+* `sq_norm(ctx)` -> `[B]`, the squared L2 norm of each example's gradient;
+* `weighted_sum(ctx, c)` -> `param.shape`, `sum_b c[b] * g_b`.
+
+The defaults derive `sq_norm` from `per_example` and compute `weighted_sum`
+as TensorFlow's own weight gradient with each example's output gradient
+scaled by `c[b]` (exactly `x^T diag(c) dz` for a MatMul), which costs the same
+as the non-private weight gradient. `per_example` defaults to running the
+op's TF gradient function on one example at a time under
+`tf.vectorized_map`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.framework import indexed_slices
+
+from tf_pxg.backprop import gradient_functions
+from tf_pxg.tape.recording import Entry
+
+
+def to_dense(g):
+  """Converts IndexedSlices to a dense tensor; passes tensors through."""
+  if isinstance(g, indexed_slices.IndexedSlices):
+    return tf.convert_to_tensor(g)
+  return g
+
+
+def _dim(t, axis):
+  d = t.shape[axis]
+  return d if d is not None else tf.shape(t)[axis]
+
+
+@dataclasses.dataclass
+class Context:
+  """The interface op as a rule sees it.
+
+  Attributes:
+    entry: the recorded op.
+    param_index: which input is the parameter (or parameter-derived tensor).
+    output_grads: gradient of the (per-example) target for each op output.
+    batch_size: B, the number of examples (int if static, else scalar tensor).
+    data_indices: inputs that carry examples on axis 0.
+  """
+  entry: Entry
+  param_index: int
+  output_grads: list
+  batch_size: Any
+  data_indices: tuple
+
+  @property
+  def op_type(self) -> str:
+    return self.entry.op_type
+
+  @property
+  def inputs(self) -> tuple:
+    return self.entry.inputs
+
+  @property
+  def outputs(self) -> tuple:
+    return self.entry.outputs
+
+  @property
+  def param(self):
+    return self.entry.inputs[self.param_index]
+
+  @property
+  def dz(self):
+    """The gradient of the first output."""
+    return self.output_grads[0]
+
+  @property
+  def param_shape(self):
+    """Static-or-dynamic shape of the parameter (resource handles resolved)."""
+    p = self.param
+    if p.dtype == tf.resource:
+      return variable_shape(p)
+    return p.shape if p.shape.is_fully_defined() else tf.shape(p)
+
+  @property
+  def param_dtype(self):
+    p = self.param
+    if p.dtype == tf.resource:
+      return self.dz.dtype
+    return p.dtype
+
+  def attr(self, name: str):
+    return gradient_functions.get_attr(self.entry, name)
+
+  def describe(self) -> str:
+    return self.entry.describe()
+
+  def split_batch(self, t, axis: int = 0):
+    """Reshapes axis `axis` of size B*k into two axes [B, k]."""
+    return split_batch(t, self.batch_size, axis)
+
+  def scale_examples(self, t, c, axis: int = 0):
+    """Multiplies example b's rows of `t` (batch on `axis`) by `c[b]`."""
+    return scale_examples(t, c, self.batch_size, axis)
+
+  def tf_gradient(self, output_grads: Optional[Sequence[Any]] = None,
+                  inputs=None, outputs=None):
+    """TF's batch gradient of the op for the parameter input alone."""
+    skip = [i for i in range(len(self.inputs)) if i != self.param_index]
+    grads = gradient_functions.call_gradient_function(
+        self.entry, self.output_grads if output_grads is None else output_grads,
+        skip, inputs=inputs, outputs=outputs)
+    return grads[self.param_index]
+
+
+def variable_shape(handle):
+  from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-import-not-at-top
+  return resource_variable_ops.variable_shape(handle)
+
+
+def split_batch(t, batch_size, axis: int = 0):
+  """`[..., B*k, ...]` -> `[..., B, k, ...]` at `axis` (examples contiguous)."""
+  axis = axis % t.shape.rank
+  shape = [_dim(t, i) for i in range(t.shape.rank)]
+  n = shape[axis]
+  if isinstance(n, int) and isinstance(batch_size, int):
+    if batch_size == 0 or n % batch_size:
+      raise ValueError(
+          f"An operand with {n} rows on its batch axis {axis} cannot be split "
+          f"into {batch_size} examples. The batch must be axis 0 of the data "
+          "(possibly merged with following axes); check the batch axis of "
+          "your inputs and that the target has one entry per example.")
+    k = n // batch_size if batch_size else 0
+  else:
+    k = n // batch_size
+  new_shape = shape[:axis] + [batch_size, k] + shape[axis + 1:]
+  if all(isinstance(s, int) for s in new_shape):
+    return tf.reshape(t, new_shape)
+  return tf.reshape(t, tf.stack([tf.cast(s, tf.int32) for s in new_shape]))
+
+
+def scale_examples(t, c, batch_size, axis: int = 0):
+  """Multiplies the rows of each example of `t` by `c[b]` (t: batch on axis)."""
+  axis = axis % t.shape.rank
+  c = tf.cast(c, t.dtype)
+  n = t.shape[axis]
+  if isinstance(batch_size, int) and n == batch_size:
+    shape = [1] * t.shape.rank
+    shape[axis] = batch_size
+    return t * tf.reshape(c, shape)
+  s = split_batch(t, batch_size, axis)
+  shape = [1] * s.shape.rank
+  shape[axis] = -1
+  return tf.reshape(s * tf.reshape(c, shape), tf.shape(t))
+
+
+def batch_sq_norm(g):
+  """`[B, ...]` -> `[B]` float32 squared norms."""
+  g = tf.cast(g, tf.float32)
+  return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1)
+
+
+def vectorized_per_example(ctx: Context):
+  """Per-example gradient by running TF's gradient function per example.
+
+  Every data input, output and output gradient is split into `[B, k, ...]`
+  and `tf.vectorized_map` runs the op's gradient function on each example's
+  `[k, ...]` slice. This is exact for any op whose output rows of example b
+  depend only on example b's input rows.
+  """
+  b = ctx.batch_size
+  data = list(ctx.data_indices)
+  outs = [i for i, o in enumerate(ctx.outputs)
+          if o.shape.rank and ctx.output_grads[i] is not None]
+  elems = ([ctx.split_batch(ctx.inputs[i]) for i in data] +
+           [ctx.split_batch(ctx.outputs[i]) for i in outs] +
+           [ctx.split_batch(ctx.output_grads[i]) for i in outs])
+
+  def one(args):
+    ins, rest = args[:len(data)], args[len(data):]
+    new_outs, new_grads = rest[:len(outs)], rest[len(outs):]
+    inputs = list(ctx.inputs)
+    for i, x in zip(data, ins):
+      inputs[i] = x
+    outputs = list(ctx.outputs)
+    grads = list(ctx.output_grads)
+    for i, o, g in zip(outs, new_outs, new_grads):
+      outputs[i], grads[i] = o, g
+    return to_dense(ctx.tf_gradient(grads, inputs=inputs, outputs=outputs))
+
+  del b
+  return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
+
+
+class Rule:
+  """Base class of per-example rules. Override `per_example` at least."""
+
+  def per_example(self, ctx: Context):
+    """`[B, *param.shape]`: example b's gradient of the target's entry b."""
+    return vectorized_per_example(ctx)
+
+  def sq_norm(self, ctx: Context):
+    """`[B]` float32: squared L2 norm of each example's gradient."""
+    return batch_sq_norm(self.per_example(ctx))
+
+  def weighted_sum(self, ctx: Context, c):
+    """`param.shape`: sum_b c[b] g_b, via TF's gradient with scaled dz."""
+    grads = [None if g is None or not g.shape.rank else
+             ctx.scale_examples(g, c) for g in ctx.output_grads]
+    return ctx.tf_gradient(grads)
+
+  def check(self, ctx: Context) -> None:
+    """Raises ValueError if this op instance has no per-example gradient."""
+
+
+class _FunctionRule(Rule):
+
+  def __init__(self, fn: Callable):
+    self._fn = fn
+
+  def per_example(self, ctx):
+    return self._fn(ctx)
+
+
+def as_rule(rule_like) -> Rule:
+  if isinstance(rule_like, Rule):
+    return rule_like
+  if inspect.isclass(rule_like) and issubclass(rule_like, Rule):
+    return rule_like()
+  if callable(rule_like):
+    return _FunctionRule(rule_like)
+  raise TypeError(f"Cannot register {rule_like!r} as a per-example rule: "
+                  "expected a Rule subclass, instance, or function(ctx).")

@@ -1,0 +1,298 @@
+"""`tf_pxg.GradientTape`: a drop-in for `tf.GradientTape` that also answers
+per-example questions.
+
+`gradient()` is computed by our own Python port of TF's `imperative_grad`
+(`tf_pxg.backprop.imperative_grad`) over the ops the tape recorded through
+TF's op-callback hook, eagerly and inside `tf.function`, calling TF's
+registered gradient functions; it equals `tf.GradientTape.gradient`.
+
+On top of that (batch is axis 0 of the data; the target is a `[B]` vector of
+per-example values, or a scalar that is a sum over examples):
+
+* `per_example_gradient(target, sources)` -> `[B, *source.shape]` each;
+* `per_example_norms(target, sources)` -> `[B]` global L2 norms;
+* `clipped_gradient_sum(target, sources, l2_norm_clip)` ->
+  `(sum_b min(1, C/||g_b||) g_b per source, norms)` in one backward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import tensorflow as tf
+from tensorflow.python.eager import record
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+
+from tf_pxg.backprop import gradient_functions
+from tf_pxg.backprop.imperative_grad import imperative_grad
+from tf_pxg.dp.clipping import clip_factors
+from tf_pxg.per_example import PerExampleBackprop
+from tf_pxg.tape.recording import Recorder, tensor_id
+
+
+def _tf_variable(v):
+  """The `tf.Variable` behind a Keras 3 variable (or `v` itself)."""
+  inner = getattr(v, "_value", None)
+  if inner is not None and resource_variable_ops.is_resource_variable(inner):
+    return inner
+  return v
+
+
+def _is_variable(v) -> bool:
+  return resource_variable_ops.is_resource_variable(_tf_variable(v))
+
+
+class GradientTape:
+  """Records operations for automatic and per-example differentiation.
+
+  Same constructor and methods as `tf.GradientTape` (`watch`,
+  `stop_recording`, `reset`, `watched_variables`, `gradient` with
+  `output_gradients` and `unconnected_gradients`), plus the per-example
+  methods. Nested tapes work as with TF: an outer tape records the inner
+  tape's gradient computation.
+
+  Args:
+    persistent: allow several gradient computations (per-example ones
+      included) from one recording.
+    watch_accessed_variables: watch trainable variables read while recording.
+  """
+
+  def __init__(self, persistent: bool = False,
+               watch_accessed_variables: bool = True):
+    self._persistent = persistent
+    self._watch_accessed_variables = watch_accessed_variables
+    self._recorder = Recorder()
+    self._watched_tensors: dict = {}
+    self._watched_vars: dict = {}
+    self._variable_watcher = None
+    self._accessed: list = []
+    self._used = False
+    self._in_context = False
+
+  # Context ------------------------------------------------------------------
+
+  def __enter__(self):
+    self._in_context = True
+    self._push()
+    return self
+
+  def __exit__(self, typ, value, traceback):
+    self._pop()
+    self._in_context = False
+
+  def _push(self):
+    self._recorder.start()
+    self._variable_watcher = record.VariableWatcher()
+    self._variable_watcher.__enter__()
+
+  def _pop(self):
+    if self._variable_watcher is not None:
+      self._accessed.extend(self._variable_watcher.watched_variables())
+      self._variable_watcher.__exit__(None, None, None)
+      self._variable_watcher = None
+    self._recorder.stop()
+
+  @contextlib.contextmanager
+  def stop_recording(self):
+    """Temporarily stops recording; ops run inside are not differentiated."""
+    if not self._recorder.active:
+      raise ValueError("Tape must be recording when stop_recording is used.")
+    self._pop()
+    try:
+      yield
+    finally:
+      self._push()
+
+  def reset(self):
+    """Clears everything recorded so far (and keeps recording if active)."""
+    self._recorder.clear()
+    self._accessed = []
+    self._watched_tensors.clear()
+    self._watched_vars.clear()
+    self._used = False
+
+  def watch(self, tensor) -> None:
+    """Ensures `tensor` (a tensor, variable, or nest of them) is traced."""
+    for t in tf.nest.flatten(tensor):
+      if _is_variable(t):
+        self._watched_vars[id(_tf_variable(t))] = t
+      elif isinstance(t, (tf.Tensor, tf.__internal__.CompositeTensor)):
+        if not (t.dtype.is_floating or t.dtype.is_complex):
+          tf.get_logger().warning(
+              "tf_pxg.GradientTape.watch: %s has dtype %s; only floating "
+              "tensors have gradients.", getattr(t, "name", "tensor"), t.dtype)
+        self._watched_tensors[tensor_id(t)] = t
+      else:
+        raise ValueError(f"Passed in object {t!r} of type {type(t).__name__}, "
+                         "not a tf.Tensor or tf.Variable to watch.")
+
+  def watched_variables(self) -> tuple:
+    """Variables watched explicitly or read while recording (trainable)."""
+    seen, out = set(), []
+    accessed = list(self._accessed)
+    if self._variable_watcher is not None:
+      accessed += list(self._variable_watcher.watched_variables())
+    candidates = list(self._watched_vars.values())
+    if self._watch_accessed_variables:
+      candidates += [v for v in accessed if getattr(v, "trainable", False)]
+    for v in candidates:
+      if id(_tf_variable(v)) not in seen:
+        seen.add(id(_tf_variable(v)))
+        out.append(v)
+    return tuple(out)
+
+  # Sources and targets ------------------------------------------------------
+
+  def _source_id(self, s) -> Optional[int]:
+    if _is_variable(s):
+      var = _tf_variable(s)
+      watched = id(var) in self._watched_vars or (
+          self._watch_accessed_variables and var.trainable)
+      if not watched:
+        return None
+      handle = var.handle
+      graph = self._recorder.graph
+      if graph is not None and getattr(handle, "graph", None) is not graph:
+        internal = {id(ext): inner for ext, inner in
+                    getattr(graph, "captures", ())}.get(id(handle))
+        if internal is None:
+          return None
+        handle = internal
+      return tensor_id(handle)
+    if s is None:
+      raise TypeError("A source is None; expected tensors or variables.")
+    tid = tensor_id(s)
+    return tid if tid in self._watched_tensors else None
+
+  def _begin_gradient(self):
+    if self._used and not self._persistent:
+      raise RuntimeError(
+          "A non-persistent GradientTape can only be used to compute one set "
+          "of gradients (or per-example quantities); pass persistent=True.")
+    if self._recorder.active and not self._persistent:
+      self._pop()
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if self._recorder.graph is not None and graph is not self._recorder.graph:
+      raise RuntimeError(
+          "tf_pxg.GradientTape recorded inside one tf.function graph and is "
+          "asked for gradients in another context; compute the gradient in "
+          "the same tf.function as the forward pass.")
+    self._recorder.paused += 1
+
+  def _end_gradient(self):
+    self._recorder.paused -= 1
+    if not self._persistent:
+      self._used = True
+      self._recorder.clear()
+
+  @contextlib.contextmanager
+  def _computing(self):
+    self._begin_gradient()
+    try:
+      yield
+    finally:
+      self._end_gradient()
+
+  def _sources(self, sources):
+    flat = tf.nest.flatten(sources)
+    return flat, [self._source_id(s) for s in flat]
+
+  @staticmethod
+  def _unconnected(s, unconnected_gradients, batch_shape=()):
+    if UnconnectedGradients(unconnected_gradients) == UnconnectedGradients.ZERO:
+      shape = list(batch_shape) + list(tf.TensorShape(s.shape).as_list())
+      return tf.zeros(shape, s.dtype if not _is_variable(s) else
+                      _tf_variable(s).dtype)
+    return None
+
+  # Gradients ----------------------------------------------------------------
+
+  def gradient(self, target, sources, output_gradients=None,
+               unconnected_gradients=UnconnectedGradients.NONE):
+    """Same contract as `tf.GradientTape.gradient`."""
+    if target is None:
+      raise TypeError("Argument `target` should be a list or nested structure "
+                      "of Tensors, but received None.")
+    with self._computing():
+      flat_targets = [tf.convert_to_tensor(t) if _is_variable(t) else t
+                      for t in tf.nest.flatten(target)]
+      if output_gradients is not None:
+        output_gradients = tf.nest.flatten(output_gradients)
+      initial = {}
+      for i, t in enumerate(flat_targets):
+        g = None if output_gradients is None else output_gradients[i]
+        g = tf.ones_like(t) if g is None else tf.convert_to_tensor(g, t.dtype)
+        initial.setdefault(tensor_id(t), []).append(g)
+      flat_sources, ids = self._sources(sources)
+      stop = {i for i in ids if i is not None}
+      results = imperative_grad(
+          self._recorder.producer, initial, stop,
+          lambda e, g, skip: gradient_functions.call_gradient_function(
+              e, g, skip))
+      out = []
+      for s, i in zip(flat_sources, ids):
+        g = results.get(i) if i is not None else None
+        out.append(g if g is not None else
+                   self._unconnected(s, unconnected_gradients))
+    return tf.nest.pack_sequence_as(sources, out)
+
+  def _per_example(self, target, sources):
+    flat_sources, ids = self._sources(sources)
+    target = tf.convert_to_tensor(target)
+    engine = PerExampleBackprop(self._recorder, target, ids)
+    return flat_sources, engine
+
+  def per_example_gradient(self, target, sources,
+                           unconnected_gradients=UnconnectedGradients.NONE):
+    """One gradient per example and source.
+
+    Args:
+      target: `[B]` per-example values (e.g. unreduced losses), or a scalar
+        that is a sum over examples.
+      sources: a tensor/variable or nest of them.
+      unconnected_gradients: as in `gradient`.
+
+    Returns:
+      The structure of `sources`, each `[B, *source.shape]`.
+
+    Raises:
+      ValueError: for ops that mix examples (batch normalisation) or a
+        target that is not `[B]` or scalar.
+      NotImplementedError: an op consuming a parameter has no per-example
+        rule and the vectorized fallback cannot handle it.
+    """
+    with self._computing():
+      flat_sources, engine = self._per_example(target, sources)
+      grads = engine.per_example_gradients()
+      b = engine.batch_size
+      out = [g if g is not None else self._unconnected(
+          s, unconnected_gradients, [b] if isinstance(b, int) else [0])
+             for s, g in zip(flat_sources, grads)]
+    return tf.nest.pack_sequence_as(sources, out)
+
+  def per_example_norms(self, target, sources):
+    """`[B]` float32: each example's gradient norm over all sources jointly."""
+    with self._computing():
+      _, engine = self._per_example(target, sources)
+      return tf.sqrt(engine.sq_norms())
+
+  def clipped_gradient_sum(self, target, sources, l2_norm_clip):
+    """Sum over examples of per-example gradients clipped to `l2_norm_clip`.
+
+    Flat clipping: example b's gradient over all sources together is scaled
+    by `c_b = min(1, l2_norm_clip / ||g_b||)`, so each example contributes at
+    most `l2_norm_clip` in L2 norm to the sum (the DP-SGD sensitivity).
+    Computed in one backward pass: norms first, then each interface's
+    clip-weighted sum `sum_b c_b g_b` (Book-keeping, Bu et al. 2023).
+
+    Returns:
+      `(sums, norms)`: the structure of `sources` with `sum_b c_b g_b` each
+      (None for unconnected sources), and the `[B]` unclipped norms.
+    """
+    with self._computing():
+      flat_sources, engine = self._per_example(target, sources)
+      norms = tf.sqrt(engine.sq_norms())
+      sums = engine.weighted_sums(clip_factors(norms, l2_norm_clip))
+    return tf.nest.pack_sequence_as(sources, sums), norms

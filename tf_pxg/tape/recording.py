@@ -1,0 +1,127 @@
+"""Recording: the op-callback hook that turns executed or built ops into entries.
+
+A `Recorder` registers a TensorFlow op callback (the hook tfdbg v2 uses). The
+callback fires for every op executed eagerly and for every op *built* while a
+`tf.function` is traced, so one mechanism records both modes:
+
+* eager: the recorder's graph is `None` and only eagerly executed ops count;
+* inside `tf.function`: only ops built in the graph that was the default graph
+  when recording started count (ops of nested branch/body graphs are reached
+  through their outer functional op, whose TF gradient handles them).
+
+Op callbacks are thread-local, so a recorder records the thread that started
+it; this is what a replica thread of `tf.distribute` needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+from tensorflow.python.framework import op_callbacks
+
+
+def tensor_id(t: Any) -> int:
+  """A key for a tensor: TF's unique `_id` (eager and graph tensors share
+  one counter), or `id()` for objects without one."""
+  i = getattr(t, "_id", None)
+  return i if isinstance(i, int) else id(t)
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+  """One recorded op.
+
+  Attributes:
+    op_type: the TF op type, e.g. "MatMul".
+    inputs: the op's input tensors.
+    outputs: the op's output tensors.
+    attrs: eager attrs as a flat (name, value, ...) tuple; `None` in graphs.
+    op: the `tf.Operation` when built in a graph, else `None`.
+    scope: the name scope (graph: the op name) for error messages.
+    index: position in recording order (a topological order).
+  """
+  op_type: str
+  inputs: tuple
+  outputs: tuple
+  attrs: Optional[tuple]
+  op: Optional[Any]
+  scope: str
+  index: int = 0
+  input_ids: tuple = ()
+  output_ids: tuple = ()
+
+  def __post_init__(self):
+    self.input_ids = tuple(tensor_id(t) for t in self.inputs)
+    self.output_ids = tuple(tensor_id(t) for t in self.outputs)
+
+  def describe(self) -> str:
+    where = f" in '{self.scope}'" if self.scope else ""
+    return f"op '{self.op_type}'{where}"
+
+
+class Recorder:
+  """Collects `Entry` objects while active.
+
+  `start()`/`stop()` may be called repeatedly (`stop_recording`); `paused` is a
+  counter that also suppresses recording while the owning tape runs its own
+  backward pass, so those ops are never recorded by the tape that builds them.
+  """
+
+  def __init__(self):
+    self.entries: list[Entry] = []
+    self.producer: dict[int, Entry] = {}
+    self._graph = None
+    self._active = False
+    self.paused = 0
+
+  @property
+  def graph(self):
+    return self._graph
+
+  def start(self):
+    if self._active:
+      return
+    self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    op_callbacks.add_op_callback(self._callback)
+    self._active = True
+
+  def stop(self):
+    if not self._active:
+      return
+    op_callbacks.remove_op_callback(self._callback)
+    self._active = False
+
+  @property
+  def active(self) -> bool:
+    return self._active
+
+  def clear(self):
+    self.entries = []
+    self.producer = {}
+
+  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
+                graph=None):
+    if self.paused or not outputs or graph is not self._graph:
+      return None
+    if isinstance(op_type, bytes):
+      op_type = op_type.decode()
+    if graph is None:
+      op = None
+      scope = context.context().scope_name or ""
+    else:
+      op = outputs[0].op
+      scope = op.name
+      attrs = None
+    entry = Entry(op_type, tuple(inputs), tuple(outputs), attrs, op, scope,
+                  index=len(self.entries))
+    self.entries.append(entry)
+    for i in entry.output_ids:
+      self.producer[i] = entry
+    return None
+
+
+def flat_tensors(xs: Sequence[Any]) -> list:
+  return list(tf.nest.flatten(xs))
