@@ -1,0 +1,127 @@
+"""One DP-SGD step for a Keras model: clip, noise, scale, apply or skip.
+
+Per global step with R replicas, each holding `B_r` examples
+(`B = sum_r B_r`, the global batch):
+
+1. replica r computes `S_r = sum_{b in r} min(1, C/||g_b||) g_b` with
+   `tf_pxg.GradientTape.clipped_gradient_sum` (flat clipping over all
+   trainable variables);
+2. it adds `n_r ~ N(0, (sigma C)^2 / R)` — std `sigma C / sqrt(R)`, from a
+   `tf.random.Generator` created in the strategy scope, which gives each
+   replica an independent stream — and divides by `B`;
+3. Keras' optimizer all-reduces (sums) the replicas' gradients, giving
+   `(sum_r S_r + sum_r n_r) / B`; the `n_r` are independent, so
+   `sum_r n_r ~ N(0, R * (sigma C)^2 / R) = N(0, (sigma C)^2)`: the noise of
+   one global step is added exactly once, whatever R is.
+
+Weight-regularizer gradients (data-independent) are added unclipped and
+un-noised, divided by R so that the all-reduce sums them once.
+
+If any example's gradient norm is non-finite (on any replica) the whole update
+is skipped — weights and optimizer slots untouched — but
+`optimizer.iterations` still advances, so privacy accounting (which counts
+iterations) stays conservative.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tf_pxg.keras import _validation
+from tf_pxg.keras import losses as pe_losses
+from tf_pxg.tape.gradient_tape import GradientTape
+
+
+def _num_replicas() -> int:
+  return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def _dense(g):
+  if isinstance(g, tf.IndexedSlices):
+    return tf.convert_to_tensor(g)
+  return g
+
+
+def _apply_or_skip(optimizer, grads, variables, finite):
+  """Applies `grads` with `optimizer` if `finite`, else only counts the step.
+
+  `finite` must be equal on all replicas. Follows
+  `keras.optimizers.LossScaleOptimizer`: under strategies that need
+  `merge_call` the `cond` is taken in cross-replica context.
+  """
+  if not optimizer.built:
+    optimizer.build(variables)
+
+  def skip():
+    optimizer.iterations.assign_add(1)
+
+  if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    tf.cond(finite, lambda: optimizer.apply(grads, variables), skip)
+    return
+
+  def cross_replica(distribution, grads, finite):
+    finite = distribution.experimental_local_results(finite)[0]
+
+    def apply():
+      distribution.extended.call_for_each_replica(
+          lambda g: optimizer.apply(g, variables), args=(grads,))
+
+    tf.cond(finite, apply, skip)
+
+  tf.distribute.get_replica_context().merge_call(
+      cross_replica, args=(grads, finite))
+
+
+def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
+                  noise_multiplier: float, generator: tf.random.Generator,
+                  optimizer, skipped_tracker):
+  """Runs one DP-SGD step of `model` on `data`; returns the metric logs."""
+  from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
+
+  x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+  variables = list(model.trainable_variables)
+  with GradientTape() as tape:
+    if model._call_has_training_arg:
+      y_pred = model(x, training=True)
+    else:
+      y_pred = model(x)
+    losses = pe_losses.per_example_losses(model, y, y_pred, sample_weight)
+  _validation.check_no_data_dependent_losses(model)
+  sums, norms = tape.clipped_gradient_sum(losses, variables, l2_norm_clip)
+
+  replicas = _num_replicas()
+  local_batch = tf.shape(losses)[0]
+  global_batch = tf.cast(local_batch * replicas, tf.float32)
+  sums = [tf.zeros_like(v) if s is None else _dense(s)
+          for s, v in zip(sums, variables)]
+  stddev = dp_noise.replica_noise_stddev(
+      noise_multiplier * l2_norm_clip if noise_multiplier else 0.0, replicas)
+  noisy = dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
+  grads = [tf.cast(g / tf.cast(global_batch, g.dtype), v.dtype)
+           for g, v in zip(noisy, variables)]
+
+  # Data-independent weight regularizers: unclipped, un-noised, counted once.
+  with tf.GradientTape() as reg_tape:
+    reg_losses = model._get_regularization_losses()
+    reg_loss = (tf.add_n([tf.cast(r, tf.float32) for r in reg_losses])
+                if reg_losses else tf.constant(0.0))
+  if reg_losses:
+    reg_grads = reg_tape.gradient(reg_loss, variables)
+    grads = [g if r is None else g + tf.cast(r, g.dtype) / replicas
+             for g, r in zip(grads, reg_grads)]
+
+  bad = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(norms)),
+                              tf.int32))
+  ctx = tf.distribute.get_replica_context()
+  if ctx is not None and replicas > 1:
+    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+  finite = tf.equal(bad, 0)
+  _apply_or_skip(optimizer, grads, variables, finite)
+  skipped_tracker.update_state(
+      tf.cast(tf.logical_not(finite), tf.float32) / replicas)
+
+  model._loss_tracker.update_state(
+      tf.reduce_mean(losses) + reg_loss, sample_weight=local_batch)
+  return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

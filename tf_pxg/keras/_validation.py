@@ -1,0 +1,81 @@
+"""Checks of DP settings and models, with errors that say what to do."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Tuple
+
+import keras
+
+
+def validate_l2_norm_clip(value, owner: str = "l2_norm_clip") -> float:
+  """`l2_norm_clip` as a float: positive, not NaN; `inf` means no clipping."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"`{owner}` must be a positive number (float('inf') for "
+                    f"no clipping); got {value!r} of type "
+                    f"{type(value).__name__}.")
+  value = float(value)
+  if math.isnan(value) or value <= 0:
+    raise ValueError(
+        f"`{owner}` must be > 0 (the largest L2 norm an example's gradient "
+        f"may have; float('inf') disables clipping); got {value}.")
+  return value
+
+
+def validate_noise_multiplier(value, owner: str = "noise_multiplier") -> float:
+  """`noise_multiplier` as a float: finite and >= 0."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"`{owner}` must be a finite number >= 0; got {value!r} "
+                    f"of type {type(value).__name__}.")
+  value = float(value)
+  if not math.isfinite(value) or value < 0:
+    raise ValueError(
+        f"`{owner}` must be finite and >= 0 (noise std = noise_multiplier * "
+        f"l2_norm_clip; 0 means no noise and no privacy); got {value}.")
+  return value
+
+
+def validate_dp_params(l2_norm_clip, noise_multiplier,
+                       where: str) -> Tuple[Optional[float], Optional[float]]:
+  """Both None (settings come from a DPOptimizer) or both valid."""
+  if l2_norm_clip is None and noise_multiplier is None:
+    return None, None
+  if l2_norm_clip is None or noise_multiplier is None:
+    missing = "l2_norm_clip" if l2_norm_clip is None else "noise_multiplier"
+    raise ValueError(
+        f"{where}: `{missing}` is missing. Pass both `l2_norm_clip` and "
+        "`noise_multiplier`, or neither and compile with a "
+        "`tf_pxg.keras.DPOptimizer` that carries them.")
+  return (validate_l2_norm_clip(l2_norm_clip),
+          validate_noise_multiplier(noise_multiplier))
+
+
+def check_no_batch_mixing_layers(model: keras.Model) -> None:
+  """Raises for trainable BatchNormalization layers (they mix examples).
+
+  A BatchNormalization layer with `trainable=False` runs in inference mode
+  (moving statistics), so each example's output depends on that example only;
+  it is allowed.
+  """
+  for layer in model._flatten_layers(include_self=False):
+    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+      raise ValueError(
+          f"Layer {layer.name!r} of model {model.name!r} is a "
+          "BatchNormalization layer: in training it normalises with "
+          "statistics of the whole batch, so an example's gradient depends on "
+          "the other examples and per-example clipping cannot bound its "
+          "influence (no DP guarantee). Replace it with "
+          "keras.layers.GroupNormalization or keras.layers.LayerNormalization "
+          "(or freeze it with `layer.trainable = False`).")
+
+
+def check_no_data_dependent_losses(model: keras.Model) -> None:
+  """Raises for activity regularizers (batch-level, data-dependent losses)."""
+  for layer in model._flatten_layers(include_self=True):
+    if getattr(layer, "activity_regularizer", None) is not None:
+      raise ValueError(
+          f"Layer {layer.name!r} has an activity_regularizer: it adds a "
+          "batch-level loss that depends on the data, which DP training "
+          "cannot clip per example. Remove it, or express it as part of a "
+          "per-example loss.")

@@ -1,0 +1,225 @@
+"""Keras models that train with DP-SGD through `model.fit`.
+
+`DPModel` (functional), `DPSequential`, `make_dp_model_class(cls)` (any model
+class, e.g. subclassed) and `make_private(model)` share one `train_step`
+(`tf_pxg.keras._train_step.dp_train_step`): per-example losses from the
+compiled loss, flat per-example clipping, Gaussian noise once per global
+step, division by the global batch size, and the compiled optimizer.
+`evaluate`, `predict`, callbacks and saving are Keras'.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+import tensorflow as tf
+from keras.src.models.functional import Functional
+from keras.src.saving import serialization_lib
+
+from tf_pxg.keras import _validation
+from tf_pxg.keras._train_step import dp_train_step
+from tf_pxg.keras.optimizers import DPOptimizer
+
+_DP_CONFIG_KEYS = ("l2_norm_clip", "noise_multiplier")
+
+
+class _DPTrainingMixin:
+  """DP-SGD `train_step` and DP settings for a Keras model class.
+
+  DP keyword arguments (both or neither; neither means "take them from the
+  `DPOptimizer` passed to `compile`"):
+    l2_norm_clip: each example's gradient, over all trainable variables
+      together, is scaled to L2 norm at most this (`float('inf')`: no
+      clipping).
+    noise_multiplier: Gaussian noise with std `noise_multiplier *
+      l2_norm_clip` is added to the summed clipped gradients once per global
+      step (under a distribution strategy with R replicas, each replica adds
+      std `noise_multiplier * l2_norm_clip / sqrt(R)` and the all-reduce sums
+      them), then the sum is divided by the global batch size.
+    seed: seeds the noise generator (tests only); by default it is seeded
+      from OS entropy. The seed is not saved with the model, so a reloaded
+      model never replays the noise of a previous run.
+
+  Non-finite policy: if any example's gradient norm is NaN or inf, the whole
+  update is skipped (weights and optimizer slots untouched) but
+  `optimizer.iterations` still advances, so accounting stays conservative.
+  Skipped steps are counted by the `dp_skipped_steps` metric (per epoch in
+  the logs).
+
+  Raises (at `compile`, or at the first training step, before any update):
+    ValueError: trainable BatchNormalization layers (they mix examples:
+      use GroupNormalization/LayerNormalization), activity regularizers,
+      missing DP settings, settings that differ between the model and its
+      `DPOptimizer`, losses that do not give per-example values.
+  """
+
+  def __init__(self, *args, l2_norm_clip: Optional[float] = None,
+               noise_multiplier: Optional[float] = None,
+               seed: Optional[int] = None, **kwargs):
+    clip, noise = _validation.validate_dp_params(
+        l2_norm_clip, noise_multiplier, type(self).__name__)
+    super().__init__(*args, **kwargs)
+    from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
+    self._dp_l2_norm_clip = clip
+    self._dp_noise_multiplier = noise
+    with tf.init_scope():
+      self._dp_generator = dp_noise.make_generator(seed)
+    self._dp_skipped = keras.metrics.Sum(name="dp_skipped_steps")
+
+  # Settings -----------------------------------------------------------------
+
+  @property
+  def l2_norm_clip(self) -> Optional[float]:
+    """The effective clip (the model's, else its DPOptimizer's)."""
+    return self._resolve_dp_params(getattr(self, "optimizer", None))[0]
+
+  @property
+  def noise_multiplier(self) -> Optional[float]:
+    """The effective noise multiplier (the model's, else its DPOptimizer's)."""
+    return self._resolve_dp_params(getattr(self, "optimizer", None))[1]
+
+  def _resolve_dp_params(self, optimizer, strict: bool = False):
+    own = (self._dp_l2_norm_clip, self._dp_noise_multiplier)
+    if isinstance(optimizer, DPOptimizer):
+      opt = (optimizer.l2_norm_clip, optimizer.noise_multiplier)
+      if own[0] is not None and own != opt:
+        raise ValueError(
+            f"Model {self.name!r} has l2_norm_clip={own[0]}, "
+            f"noise_multiplier={own[1]} but its DPOptimizer has "
+            f"l2_norm_clip={opt[0]}, noise_multiplier={opt[1]}. Set the DP "
+            "parameters in one place: on the model, or on the DPOptimizer "
+            "(then create the model without them).")
+      return opt
+    if strict and own[0] is None:
+      raise ValueError(
+          f"Model {self.name!r} has no DP settings: pass `l2_norm_clip` and "
+          "`noise_multiplier` to the model, or compile it with a "
+          "tf_pxg.keras.DPOptimizer (e.g. tf_pxg.keras.DPSGD(...)).")
+    return own
+
+  def _check_trainable_for_dp(self, optimizer):
+    self._resolve_dp_params(optimizer, strict=True)
+    _validation.check_no_batch_mixing_layers(self)
+    _validation.check_no_data_dependent_losses(self)
+
+  # Keras hooks --------------------------------------------------------------
+
+  def compile(self, optimizer="rmsprop", *args, **kwargs):
+    optimizer = keras.optimizers.get(optimizer)
+    self._check_trainable_for_dp(optimizer)
+    super().compile(optimizer, *args, **kwargs)
+
+  def compile_from_config(self, config):
+    config = serialization_lib.deserialize_keras_object(config)
+    self.compile(**config)
+    if hasattr(self, "optimizer") and self.built:
+      self.optimizer.build(self.trainable_variables)
+
+  def train_step(self, data):
+    self._check_trainable_for_dp(self.optimizer)
+    clip, noise = self._resolve_dp_params(self.optimizer, strict=True)
+    optimizer = self.optimizer
+    if isinstance(optimizer, DPOptimizer):
+      optimizer = optimizer.inner_optimizer
+    return dp_train_step(self, data, clip, noise, self._dp_generator,
+                         optimizer, self._dp_skipped)
+
+  def get_config(self):
+    config = super().get_config()
+    config["l2_norm_clip"] = self._dp_l2_norm_clip
+    config["noise_multiplier"] = self._dp_noise_multiplier
+    return config
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    dp = {k: config.pop(k, None) for k in _DP_CONFIG_KEYS}
+    model = super().from_config(config, custom_objects=custom_objects)
+    clip, noise = _validation.validate_dp_params(
+        dp["l2_norm_clip"], dp["noise_multiplier"], cls.__name__)
+    model._dp_l2_norm_clip = clip
+    model._dp_noise_multiplier = noise
+    return model
+
+
+@keras.saving.register_keras_serializable(package="tf_pxg")
+class DPModel(_DPTrainingMixin, keras.Model):
+  """A functional Keras model trained with DP-SGD by `fit`.
+
+  `DPModel(inputs, outputs, l2_norm_clip=1.0, noise_multiplier=1.1)`; see
+  `_DPTrainingMixin` for the DP arguments, noise derivation and errors. For
+  subclassed models use `make_dp_model_class(MyModel)`.
+  """
+
+
+@keras.saving.register_keras_serializable(package="tf_pxg")
+class DPSequential(_DPTrainingMixin, keras.Sequential):
+  """A `keras.Sequential` trained with DP-SGD by `fit`.
+
+  `DPSequential([layers...], l2_norm_clip=1.0, noise_multiplier=1.1)`.
+  """
+
+
+_DP_CLASSES = {keras.Model: DPModel, keras.Sequential: DPSequential}
+
+
+def make_dp_model_class(cls: type) -> type:
+  """A subclass of the Keras model class `cls` that trains with DP-SGD.
+
+  The new class takes `l2_norm_clip`, `noise_multiplier` and `seed` keyword
+  arguments in addition to `cls`'s own, and is registered as
+  `tf_pxg>DP<cls.__name__>` for `keras.models.load_model` (pass it in
+  `custom_objects` if another class of that name was registered first).
+
+  Raises:
+    TypeError: `cls` is not a `keras.Model` subclass, or already DP.
+  """
+  if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
+    raise TypeError(f"make_dp_model_class expects a keras.Model subclass; "
+                    f"got {cls!r}.")
+  if issubclass(cls, _DPTrainingMixin):
+    raise TypeError(f"{cls.__name__} already trains with DP.")
+  if cls in _DP_CLASSES:
+    return _DP_CLASSES[cls]
+  new_cls = type(f"DP{cls.__name__}", (_DPTrainingMixin, cls),
+                 {"__module__": cls.__module__,
+                  "__doc__": f"{cls.__name__} trained with DP-SGD "
+                             "(see tf_pxg.keras.make_dp_model_class)."})
+  _DP_CLASSES[cls] = new_cls
+  name = f"tf_pxg>{new_cls.__name__}"
+  if keras.saving.get_registered_object(name) is None:
+    keras.saving.register_keras_serializable(package="tf_pxg")(new_cls)
+  return new_cls
+
+
+def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
+                 noise_multiplier: Optional[float] = None,
+                 seed: Optional[int] = None) -> keras.Model:
+  """A DP model sharing `model`'s layers and weights.
+
+  Works for functional and `Sequential` models (the result is a `DPModel` or
+  `DPSequential` over the same layer objects: training one trains the
+  other). Compile the result before `fit`.
+
+  Raises:
+    TypeError: `model` is a subclassed model (use `make_dp_model_class`) or
+      already DP.
+    ValueError: invalid DP settings or a BatchNormalization layer (named).
+  """
+  if isinstance(model, _DPTrainingMixin):
+    raise TypeError(f"Model {model.name!r} already trains with DP.")
+  clip, noise = _validation.validate_dp_params(l2_norm_clip, noise_multiplier,
+                                               "make_private")
+  _validation.check_no_batch_mixing_layers(model)
+  kwargs = dict(l2_norm_clip=clip, noise_multiplier=noise, seed=seed)
+  if isinstance(model, keras.Sequential):
+    return DPSequential(model.layers, name=f"dp_{model.name}", **kwargs)
+  if isinstance(model, Functional):
+    return DPModel(inputs=model.inputs, outputs=model.outputs,
+                   name=f"dp_{model.name}", **kwargs)
+  raise TypeError(
+      f"make_private works for functional and Sequential models; "
+      f"{model.name!r} is a subclassed {type(model).__name__}. Use "
+      f"tf_pxg.keras.make_dp_model_class({type(model).__name__}) to get a DP "
+      "version of the class, then build and load the weights into it.")
