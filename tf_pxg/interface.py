@@ -31,18 +31,32 @@ from tf_pxg.tape.recording import Entry, Recorder
 
 PARAM, CONST, DATA = "param", "const", "data"
 
+# Where an integer input of an op with floating outputs carries examples:
+# gather indices, and the shape of a batch-sized fill (an RNN's zero state).
 INTEGER_DATA_INPUTS = {
     "GatherV2": (1,),
     "Gather": (1,),
     "ResourceGather": (1,),
     "GatherNd": (1,),
     "ResourceGatherNd": (1,),
+    "Fill": (0,),
+    "BroadcastTo": (1,),
 }
 
-_NON_DATA_DTYPES = (tf.resource, tf.variant, tf.string, tf.bool)
+_NON_DATA_DTYPES = (tf.resource, tf.variant, tf.string)
 
-# Ops whose outputs never carry examples, whatever their input.
-_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs")
+# Ops whose outputs never depend on parameter values (only on shapes).
+_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "VariableShape")
+
+# Ops creating a tensor from a shape; one of batch shape is data (it stands
+# for the examples' initial RNN state, say), judged like an external tensor.
+# Ops without inputs (graph constants, placeholders) are judged the same way.
+_FILLS = ("Fill", "BroadcastTo")
+
+# Ops that move spatial blocks into the batch axis with the example index
+# minor ([blocks * B]), and their inverses.
+_TO_BATCH_MINOR = ("SpaceToBatchND", "SpaceToBatch")
+_FROM_BATCH_MINOR = ("BatchToSpaceND", "BatchToSpace")
 
 
 def _is_float(dtype) -> bool:
@@ -56,6 +70,7 @@ class Interface:
   param_index: int
   output_grads: list
   data_indices: tuple
+  batch_minor: bool = False
 
   @property
   def param_id(self) -> int:
@@ -81,27 +96,41 @@ class Classifier:
     self._sources = set(source_ids)
     self._batch_size = batch_size
     self.status: Dict[int, str] = {}
+    self.batch_minor: set = set()
     for entry in recorder.entries:
-      if entry.op_type in _SHAPE_OPS:
+      st = CONST
+      minor = False
+      for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs)):
+        s = self.input_status(entry, i, tid, t)
+        if s == DATA:
+          st = DATA
+          minor = minor or tid in self.batch_minor
+        elif s == PARAM and st != DATA:
+          st = PARAM
+      if entry.op_type in _SHAPE_OPS and st == PARAM:
         st = CONST
-      else:
-        st = CONST
-        for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs)):
-          s = self.input_status(entry, i, tid, t)
-          if s == DATA:
-            st = DATA
-            break
-          if s == PARAM:
-            st = PARAM
+      elif (entry.op_type in _FILLS or not entry.inputs) and st == CONST:
+        st = self._external(entry.outputs[0])  # A zero state [B, units]?
+      if entry.op_type in _TO_BATCH_MINOR:
+        minor = True
+      elif entry.op_type in _FROM_BATCH_MINOR:
+        minor = False
       for tid in entry.output_ids:
         self.status[tid] = PARAM if tid in self._sources else st
+        if minor and st == DATA:
+          self.batch_minor.add(tid)
 
   def input_status(self, entry: Entry, i: int, tid: int, t) -> str:
+    """Status of input `i` of `entry` as it affects the entry's outputs.
+
+    Integer inputs of ops with floating outputs are shape arithmetic, except
+    at the positions in `INTEGER_DATA_INPUTS`.
+    """
     if tid in self._sources:
       return PARAM
-    dtype = t.dtype
-    if not _is_float(dtype) and i not in INTEGER_DATA_INPUTS.get(
-        entry.op_type, ()):
+    if (not _is_float(t.dtype) and entry.outputs and
+        _is_float(entry.outputs[0].dtype) and
+        i not in INTEGER_DATA_INPUTS.get(entry.op_type, ())):
       return CONST
     if tid in self.status:
       return self.status[tid]
@@ -135,8 +164,10 @@ class Classifier:
     return DATA
 
   def param_inputs(self, entry: Entry) -> List[int]:
+    """Differentiable inputs of `entry` that are PARAM."""
     return [i for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs))
-            if self.input_status(entry, i, tid, t) == PARAM]
+            if self.input_status(entry, i, tid, t) == PARAM and
+            (_is_float(t.dtype) or tid in self._sources)]
 
   def data_inputs(self, entry: Entry) -> tuple:
     return tuple(
@@ -144,8 +175,12 @@ class Classifier:
         if self.input_status(entry, i, tid, t) == DATA and t.shape.rank != 0)
 
   def is_interface(self, entry: Entry) -> bool:
-    return (any(self.status.get(t) != PARAM for t in entry.output_ids) and
+    return (any(self.status.get(t) == DATA for t in entry.output_ids) and
             bool(self.param_inputs(entry)))
+
+  def is_batch_minor(self, entry: Entry) -> bool:
+    """Whether the entry's data inputs hold examples minor on axis 0."""
+    return any(t in self.batch_minor for t in entry.input_ids)
 
   def param_ids(self) -> set:
     return {t for t, s in self.status.items() if s == PARAM} | self._sources

@@ -108,8 +108,9 @@ class PerExampleBackprop:
         return gradient_functions.call_gradient_function(entry, out_grads, skip)
       params = classifier.param_inputs(entry)
       data = classifier.data_inputs(entry)
+      minor = classifier.is_batch_minor(entry)
       for i in params:
-        found.append(Interface(entry, i, list(out_grads), data))
+        found.append(Interface(entry, i, list(out_grads), data, minor))
       skip = sorted(set(skip) | set(params))
       if len(skip) == len(entry.inputs):
         return [None] * len(entry.inputs)
@@ -139,7 +140,7 @@ class PerExampleBackprop:
       d = itf.entry.inputs[itf.data_indices[0]]
       b = d.shape[0] if d.shape[0] is not None else tf.shape(d)[0]
     return base.Context(itf.entry, itf.param_index, itf.output_grads, b,
-                        itf.data_indices)
+                        itf.data_indices, itf.batch_minor)
 
   # Rules --------------------------------------------------------------------
 

@@ -5,3 +5,6 @@ rule, read this list (or call `tf_pxg.registry.registered_op_types()`).
 """
 
 from tf_pxg.rules import base  # noqa: F401
+from tf_pxg.rules import contraction  # noqa: F401
+from tf_pxg.rules import elementwise  # noqa: F401
+from tf_pxg.rules import gather  # noqa: F401

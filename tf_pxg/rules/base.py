@@ -56,12 +56,15 @@ class Context:
     output_grads: gradient of the (per-example) target for each op output.
     batch_size: B, the number of examples (int if static, else scalar tensor).
     data_indices: inputs that carry examples on axis 0.
+    batch_minor: the data's axis 0 is `[k, B]` (example index minor, as after
+      SpaceToBatchND) rather than the usual `[B, k]`.
   """
   entry: Entry
   param_index: int
   output_grads: list
   batch_size: Any
   data_indices: tuple
+  batch_minor: bool = False
 
   @property
   def op_type(self) -> str:
@@ -107,11 +110,11 @@ class Context:
 
   def split_batch(self, t, axis: int = 0):
     """Reshapes axis `axis` of size B*k into two axes [B, k]."""
-    return split_batch(t, self.batch_size, axis)
+    return split_batch(t, self.batch_size, axis, self.batch_minor)
 
   def scale_examples(self, t, c, axis: int = 0):
     """Multiplies example b's rows of `t` (batch on `axis`) by `c[b]`."""
-    return scale_examples(t, c, self.batch_size, axis)
+    return scale_examples(t, c, self.batch_size, axis, self.batch_minor)
 
   def tf_gradient(self, output_grads: Optional[Sequence[Any]] = None,
                   inputs=None, outputs=None):
@@ -128,8 +131,12 @@ def variable_shape(handle):
   return resource_variable_ops.variable_shape(handle)
 
 
-def split_batch(t, batch_size, axis: int = 0):
-  """`[..., B*k, ...]` -> `[..., B, k, ...]` at `axis` (examples contiguous)."""
+def split_batch(t, batch_size, axis: int = 0, minor: bool = False):
+  """`[..., B*k, ...]` -> `[..., B, k, ...]` at `axis`.
+
+  Examples are contiguous (`minor=False`, a reshape of `[B, k]`) or, after
+  SpaceToBatchND, interleaved (`minor=True`, a reshape of `[k, B]`).
+  """
   axis = axis % t.shape.rank
   shape = [_dim(t, i) for i in range(t.shape.rank)]
   n = shape[axis]
@@ -140,27 +147,31 @@ def split_batch(t, batch_size, axis: int = 0):
           f"into {batch_size} examples. The batch must be axis 0 of the data "
           "(possibly merged with following axes); check the batch axis of "
           "your inputs and that the target has one entry per example.")
-    k = n // batch_size if batch_size else 0
-  else:
-    k = n // batch_size
-  new_shape = shape[:axis] + [batch_size, k] + shape[axis + 1:]
+  k = n // batch_size
+  pair = [k, batch_size] if minor else [batch_size, k]
+  new_shape = shape[:axis] + pair + shape[axis + 1:]
   if all(isinstance(s, int) for s in new_shape):
-    return tf.reshape(t, new_shape)
-  return tf.reshape(t, tf.stack([tf.cast(s, tf.int32) for s in new_shape]))
+    out = tf.reshape(t, new_shape)
+  else:
+    out = tf.reshape(t, tf.stack([tf.cast(s, tf.int32) for s in new_shape]))
+  if minor:
+    perm = list(range(out.shape.rank))
+    perm[axis], perm[axis + 1] = perm[axis + 1], perm[axis]
+    out = tf.transpose(out, perm)
+  return out
 
 
-def scale_examples(t, c, batch_size, axis: int = 0):
-  """Multiplies the rows of each example of `t` by `c[b]` (t: batch on axis)."""
+def scale_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
+  """Multiplies the rows of each example of `t` (batch on `axis`) by `c[b]`."""
   axis = axis % t.shape.rank
   c = tf.cast(c, t.dtype)
-  n = t.shape[axis]
-  if isinstance(batch_size, int) and n == batch_size:
-    shape = [1] * t.shape.rank
-    shape[axis] = batch_size
-    return t * tf.reshape(c, shape)
-  s = split_batch(t, batch_size, axis)
-  shape = [1] * s.shape.rank
-  shape[axis] = -1
+  shape = [1] * (t.shape.rank + 1)
+  if isinstance(batch_size, int) and t.shape[axis] == batch_size:
+    return t * tf.reshape(c, shape[1:axis + 1] + [batch_size] + shape[axis + 2:])
+  shape[axis + (1 if minor else 0)] = -1
+  s = split_batch(t, batch_size, axis) if not minor else tf.reshape(
+      t, tf.concat([tf.shape(t)[:axis], [-1, batch_size],
+                    tf.shape(t)[axis + 1:]], 0))
   return tf.reshape(s * tf.reshape(c, shape), tf.shape(t))
 
 

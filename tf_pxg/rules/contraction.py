@@ -1,0 +1,238 @@
+"""Bilinear contractions: MatMul, BatchMatMulV2/V3 and Einsum.
+
+Each op is described as a two-operand einsum `data_sub,param_sub->out_sub`
+with a batch letter X (examples) on the data operand. Then
+
+* per-example: `einsum(data, dz -> X param_sub)`, after splitting a merged
+  batch axis `[B*k]` into `[B, k]` (the k rows join the summed letters R);
+* squared norm: either materialise, or the ghost form (Goodfellow 2015;
+  Li et al. 2022) `sum_S sum_{r,r'} <d_r, d_r'>_Pd <dz_r, dz_r'>_Po`, which
+  costs B*S*R^2*(Pd+Po) instead of B*S*R*Pd*Po; the cheaper is chosen from
+  static sizes (for a 2-D MatMul, R=1 gives ||x_b||^2 ||dz_b||^2);
+* weighted sum: TF's own weight gradient with dz scaled per example.
+
+Letters: R = summed (in data and out, not param), Pd = param letters in data
+only (contracted), Po = param letters in out only, S = param letters in all
+three (e.g. per-head weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_pxg.registry import register
+from tf_pxg.rules import base
+
+_LETTERS = string.ascii_letters
+
+
+@dataclasses.dataclass
+class Spec:
+  data_sub: str
+  param_sub: str
+  out_sub: str
+  batch: str
+  data_index: int
+  param_keep: Optional[list] = None  # param axes kept (others are size-1)
+
+
+def _fresh(used: str, n: int) -> str:
+  out = [c for c in _LETTERS if c not in used][:n]
+  if len(out) < n:
+    raise NotImplementedError("einsum equation uses too many letters")
+  return "".join(out)
+
+
+def _unsupported(ctx, why):
+  return NotImplementedError(f"{ctx.describe()}: {why}")
+
+
+def _matmul_spec(ctx) -> Spec:
+  ta, tb = ctx.attr("transpose_a"), ctx.attr("transpose_b")
+  a_sub = "ji" if ta else "ij"
+  b_sub = "kj" if tb else "jk"
+  if ctx.param_index == 1:
+    return Spec(a_sub, b_sub, "ik", "i", 0)
+  return Spec(b_sub, a_sub, "ik", "k", 1)
+
+
+def _batch_matmul_spec(ctx) -> Spec:
+  x, y = ctx.inputs[0], ctx.inputs[1]
+  adj_x, adj_y = ctx.attr("adj_x"), ctx.attr("adj_y")
+  rx, ry = x.shape.rank, y.shape.rank
+  if rx is None or ry is None:
+    raise _unsupported(ctx, "operands of unknown rank")
+  ro = max(rx, ry)
+  batch_letters = _fresh("ijk", ro - 2)
+  xb, yb = batch_letters[ro - rx:], batch_letters[ro - ry:]
+  x_sub = xb + ("ji" if adj_x else "ij")
+  y_sub = yb + ("kj" if adj_y else "jk")
+  out_sub = batch_letters + "ik"
+  subs = [x_sub, y_sub]
+  shapes = [x.shape, y.shape]
+  d, p = (0, 1) if ctx.param_index == 1 else (1, 0)
+  keep = []
+  param_sub = ""
+  for ax, c in enumerate(subs[p]):
+    size_p = shapes[p][ax]
+    if c in batch_letters and c in subs[d]:
+      size_d = shapes[d][subs[d].index(c)]
+      if size_p == 1 and size_d != 1:
+        continue  # Broadcast parameter axis: dropped, restored by reshape.
+    keep.append(ax)
+    param_sub += c
+  data_sub = subs[d]
+  batch = data_sub[0]
+  if batch not in out_sub or batch in param_sub:
+    raise _unsupported(ctx, "axis 0 of the data operand is not a batch axis")
+  return Spec(data_sub, param_sub, out_sub, batch, d,
+              keep if len(keep) != len(subs[p]) else None)
+
+
+def _expand_ellipsis(eq: str, ranks):
+  lhs, out = eq.replace(" ", "").split("->")
+  ops = lhs.split(",")
+  if "." not in eq:
+    return ops, out
+  n_ell = max(r - len(s.replace("...", "")) for s, r in zip(ops, ranks)
+              if "..." in s)
+  ell = _fresh(eq, n_ell)
+  ops = [s.replace("...", ell[n_ell - (r - len(s.replace("...", ""))):])
+         for s, r in zip(ops, ranks)]
+  return ops, out.replace("...", ell)
+
+
+def _einsum_spec(ctx) -> Spec:
+  eq = ctx.attr("equation")
+  eq = eq.decode() if isinstance(eq, bytes) else eq
+  if len(ctx.inputs) != 2:
+    raise _unsupported(ctx, "only two-operand einsums have a rule")
+  ops, out = _expand_ellipsis(eq, [t.shape.rank for t in ctx.inputs])
+  d = 1 - ctx.param_index
+  data_sub, param_sub = ops[d], ops[ctx.param_index]
+  if any(len(set(s)) != len(s) for s in (data_sub, param_sub, out)):
+    raise _unsupported(ctx, "repeated letters (diagonals)")
+  batch = data_sub[0]
+  if batch not in out or batch in param_sub:
+    raise _unsupported(
+        ctx, f"axis 0 of the data operand ('{batch}' in '{eq}') must be a "
+        "batch axis that reaches the output and not index the parameter")
+  return Spec(data_sub, param_sub, out, batch, d)
+
+
+def split_operands(s: Spec, data, dz, batch_size, minor=False):
+  """Splits a merged batch axis [B*k] of data and dz into [B, k].
+
+  Returns (data, dz, data_sub, out_sub) with the k rows as a summed letter.
+  """
+  dax, oax = s.data_sub.index(s.batch), s.out_sub.index(s.batch)
+  if isinstance(batch_size, int) and data.shape[dax] == batch_size:
+    return data, dz, s.data_sub, s.out_sub
+  r = _fresh(s.data_sub + s.param_sub + s.out_sub, 1)
+  data = base.split_batch(data, batch_size, dax, minor)
+  dz = base.split_batch(dz, batch_size, oax, minor)
+  return (data, dz, s.data_sub.replace(s.batch, s.batch + r),
+          s.out_sub.replace(s.batch, s.batch + r))
+
+
+def per_example(s: Spec, data, dz, batch_size, minor=False):
+  """`[B, *param_sub sizes]`: einsum of data and dz keeping the batch."""
+  data, dz, data_sub, out_sub = split_operands(s, data, dz, batch_size, minor)
+  dz = tf.cast(dz, data.dtype)
+  return tf.einsum(f"{data_sub},{out_sub}->{s.batch}{s.param_sub}", data, dz)
+
+
+def sq_norm(s: Spec, data, dz, batch_size, minor=False):
+  """`[B]` squared norms, ghost form or materialised, whichever is cheaper."""
+  data, dz, data_sub, out_sub = split_operands(s, data, dz, batch_size, minor)
+  x = s.batch
+  p = set(s.param_sub)
+  summed = "".join(c for c in data_sub if c in out_sub and c not in p and
+                   c != x)
+  pd = "".join(c for c in s.param_sub if c in data_sub and c not in out_sub)
+  po = "".join(c for c in s.param_sub if c in out_sub and c not in data_sub)
+  shared = "".join(c for c in s.param_sub if c in data_sub and c in out_sub)
+  lonely = [c for c in data_sub + out_sub if c not in p and
+            (c not in data_sub or c not in out_sub)]
+  sizes = {}
+  for sub, t in ((data_sub, data), (out_sub, dz)):
+    for c, n in zip(sub, t.shape):
+      sizes[c] = n
+
+  def prod(letters):
+    vals = [sizes.get(c) for c in letters]
+    return None if None in vals else int(np.prod(vals or [1]))
+
+  nr, npd, npo = prod(summed), prod(pd), prod(po)
+  ghost = (not lonely and None not in (nr, npd, npo) and
+           nr * (npd + npo) < npd * npo)
+  data, dz = tf.cast(data, tf.float32), tf.cast(dz, tf.float32)
+  if not ghost:
+    g = tf.einsum(f"{data_sub},{out_sub}->{x}{s.param_sub}", data, dz)
+    return base.batch_sq_norm(g)
+  primed = _fresh(data_sub + out_sub + s.param_sub, len(summed))
+  prime = str.maketrans(summed, primed)
+  keep = f"{x}{shared}{summed}{primed}"
+  gram_d = tf.einsum(f"{data_sub},{data_sub.translate(prime)}->{keep}",
+                     data, data)
+  gram_z = tf.einsum(f"{out_sub},{out_sub.translate(prime)}->{keep}", dz, dz)
+  return tf.reduce_sum(
+      tf.reshape(gram_d * gram_z, [tf.shape(gram_d)[0], -1]), axis=1)
+
+
+class _Contraction(base.Rule):
+  """Per-example/ghost-norm/weighted-sum rules for einsum-like ops."""
+
+  def spec(self, ctx) -> Spec:
+    raise NotImplementedError
+
+  def check(self, ctx):
+    self.spec(ctx)
+
+  def per_example(self, ctx):
+    s = self.spec(ctx)
+    g = per_example(s, ctx.inputs[s.data_index], ctx.dz, ctx.batch_size,
+                    ctx.batch_minor)
+    if s.param_keep is not None:  # Restore broadcast (size-1) axes.
+      g = tf.reshape(g, tf.concat([tf.shape(g)[:1], ctx.param_shape], 0))
+    return g
+
+  def sq_norm(self, ctx):
+    s = self.spec(ctx)
+    return sq_norm(s, ctx.inputs[s.data_index], ctx.dz, ctx.batch_size,
+                   ctx.batch_minor)
+
+  def weighted_sum(self, ctx, c):
+    s = self.spec(ctx)
+    dz = ctx.scale_examples(ctx.dz, c, s.out_sub.index(s.batch))
+    return ctx.tf_gradient([dz] + list(ctx.output_grads[1:]))
+
+
+@register("MatMul")
+class MatMulRule(_Contraction):
+  """`MatMul` with any transpose attrs; the parameter may be either operand."""
+
+  def spec(self, ctx):
+    return _matmul_spec(ctx)
+
+
+@register("BatchMatMulV2")
+@register("BatchMatMulV3")
+class BatchMatMulRule(_Contraction):
+  """`BatchMatMulV2/V3` with broadcasting; batch on axis 0 of the data."""
+
+  def spec(self, ctx):
+    return _batch_matmul_spec(ctx)
+
+
+@register("Einsum")
+class EinsumRule(_Contraction):
+  """Two-operand `Einsum`; batch is the data operand's first letter."""
+
+  def spec(self, ctx):
+    return _einsum_spec(ctx)

@@ -1,0 +1,87 @@
+"""Elementwise ops with broadcasting: AddV2, Add, Sub, Mul, BiasAdd.
+
+For `out = f(data, p)` with `p` broadcast against the data, example b's
+gradient is `dz_b * df/dp` summed over the axes along which `p` was
+broadcast (and over the example's merged rows). Norms and weighted sums use
+the defaults: the per-example tensor is only `B * |p|` (biases, scales).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_pxg.registry import register
+from tf_pxg.rules import base
+
+
+def reduce_to_param(ctx, e):
+  """Sums `e` (shape of the output, batch on axis 0) to `[B, *param.shape]`."""
+  p = ctx.param
+  out_rank, p_rank = e.shape.rank, p.shape.rank
+  if out_rank is None or p_rank is None:
+    raise NotImplementedError(f"{ctx.describe()}: unknown rank")
+  padded = [1] * (out_rank - p_rank) + list(p.shape)
+  if padded[0] not in (1, None) and out_rank == p_rank:
+    raise NotImplementedError(
+        f"{ctx.describe()}: the parameter is not broadcast along the batch "
+        "axis 0, so it is not shared between examples")
+  e = tf.reduce_sum(ctx.split_batch(e), axis=1)  # [B, rest of output]
+  axes = [a for a in range(1, out_rank)
+          if padded[a] == 1 and e.shape[a] != 1]
+  if axes:
+    e = tf.reduce_sum(e, axis=axes, keepdims=True)
+  return tf.reshape(e, tf.concat([tf.shape(e)[:1], tf.shape(p)], 0))
+
+
+class _Broadcasting(base.Rule):
+  """`per_example = reduce_to_param(dz * partial)`."""
+
+  def partial(self, ctx):
+    """df/dp times dz, shaped like the output."""
+    raise NotImplementedError
+
+  def per_example(self, ctx):
+    return reduce_to_param(ctx, self.partial(ctx))
+
+
+@register("AddV2")
+@register("Add")
+class AddRule(_Broadcasting):
+
+  def partial(self, ctx):
+    return ctx.dz * tf.ones_like(ctx.outputs[0])
+
+
+@register("Sub")
+class SubRule(_Broadcasting):
+
+  def partial(self, ctx):
+    sign = 1.0 if ctx.param_index == 0 else -1.0
+    return tf.cast(sign, ctx.dz.dtype) * ctx.dz * tf.ones_like(ctx.outputs[0])
+
+
+@register("Mul")
+class MulRule(_Broadcasting):
+
+  def partial(self, ctx):
+    other = ctx.inputs[1 - ctx.param_index]
+    return ctx.dz * other
+
+
+@register("BiasAdd")
+class BiasAddRule(base.Rule):
+  """`BiasAdd(value, bias)`: sum dz over all but the batch and channel axes."""
+
+  def check(self, ctx):
+    if ctx.param_index != 1:
+      raise NotImplementedError(
+          f"{ctx.describe()}: the parameter is the value, not the bias")
+
+  def per_example(self, ctx):
+    fmt = ctx.attr("data_format")
+    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    dz = ctx.split_batch(ctx.dz)  # [B, k, ...]
+    rank = dz.shape.rank
+    channel = 2 if fmt.startswith("NC") and rank > 3 else rank - 1
+    axes = [a for a in range(1, rank) if a != channel]
+    return tf.reduce_sum(dz, axis=axes)

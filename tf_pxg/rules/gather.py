@@ -1,0 +1,66 @@
+"""Gathers (embedding lookups): GatherV2 and ResourceGather on axis 0.
+
+Example b's gradient is a scatter of its rows of dz into a `[V, ...]` table.
+`per_example` must return that dense `[B, V, ...]` tensor (it is what was
+asked for), but norms and weighted sums never build it:
+
+* squared norm: `sum_{t,s} [id_t == id_s] <dz_t, dz_s>` over the example's
+  tokens (repeated tokens add up before squaring), O(B L^2 D), static shapes
+  so it also compiles with XLA;
+* weighted sum: TF's IndexedSlices gradient of the rows scaled by c_b.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_pxg.registry import register
+from tf_pxg.rules import base
+
+
+class _GatherRule(base.Rule):
+  """Gather with the parameter as the table (input 0) and batched indices."""
+
+  def check(self, ctx):
+    if ctx.param_index != 0:
+      raise NotImplementedError(
+          f"{ctx.describe()}: the parameter is the indices, not the table")
+    if ctx.attr("batch_dims") != 0:
+      raise NotImplementedError(f"{ctx.describe()}: batch_dims != 0")
+    if ctx.op_type == "GatherV2":
+      axis = tf.get_static_value(ctx.inputs[2])
+      if axis is None or int(axis) != 0:
+        raise NotImplementedError(
+            f"{ctx.describe()}: only gathers along axis 0 have a rule")
+
+  def _rows(self, ctx):
+    """ids `[B, L]` and dz `[B, L, D]` (D = row size of the table)."""
+    ids = ctx.split_batch(ctx.inputs[1])
+    b = tf.shape(ids)[0]
+    ids = tf.reshape(ids, [b, -1])
+    dz = ctx.split_batch(ctx.dz)
+    dz = tf.reshape(dz, tf.stack([b, tf.shape(ids)[1], -1]))
+    return ids, dz
+
+  def per_example(self, ctx):
+    ids, dz = self._rows(ctx)
+    shape = ctx.param_shape
+    vocab = shape[0]
+    b = tf.shape(ids)[0]
+    flat = tf.reshape(
+        ids + tf.cast(vocab, ids.dtype) * tf.range(b, dtype=ids.dtype)[:, None],
+        [-1])
+    rows = tf.reshape(dz, tf.stack([-1, tf.shape(dz)[2]]))
+    table = tf.math.unsorted_segment_sum(rows, flat, b * tf.cast(vocab, b.dtype))
+    return tf.reshape(table, tf.concat([[b], tf.cast(shape, tf.int32)], 0))
+
+  def sq_norm(self, ctx):
+    ids, dz = self._rows(ctx)
+    dz = tf.cast(dz, tf.float32)
+    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32)
+    gram = tf.einsum("bld,bmd->blm", dz, dz)
+    return tf.reduce_sum(same * gram, axis=[1, 2])
+
+
+register("GatherV2")(_GatherRule)
+register("ResourceGather")(_GatherRule)
