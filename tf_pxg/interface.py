@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_pxg.tape.recording import Entry, Recorder
@@ -186,16 +187,10 @@ class Classifier:
     return {t for t, s in self.status.items() if s == PARAM} | self._sources
 
 
-# Reductions that, over axis 0 of a per-example tensor, mix examples.
-_REDUCTIONS = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm")
+# Ops that, along axis 0 of a per-example tensor (their input 1), mix examples.
+_REDUCTIONS = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "Cumsum",
+               "Cumprod")
 _BATCH_NORMS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
-
-
-def _layer_hint(entry: Entry) -> str:
-  scope = entry.scope.strip("/")
-  if not scope:
-    return ""
-  return f" (layer '{scope.split('/')[0] if '/' not in scope else scope}')"
 
 
 def check_examples_independent(entry: Entry, classifier: Classifier,
@@ -220,14 +215,11 @@ def check_examples_independent(entry: Entry, classifier: Classifier,
     rank = data.shape.rank
     if (axis is not None and rank and rank >= 2 and
         classifier.status.get(entry.input_ids[0]) == DATA):
-      axes = {int(a) % rank for a in tf.reshape(axis, [-1]).numpy()} if hasattr(
-          axis, "numpy") else {int(a) % rank for a in
-                               __import__("numpy").reshape(axis, [-1])}
-      if 0 in axes:
+      if 0 in {int(a) % rank for a in np.reshape(axis, [-1])}:
         why = "reduces over the batch axis 0 (batch statistics)"
   if why:
     raise ValueError(
-        f"{entry.describe()}{_layer_hint(entry)} mixes examples: it {why}, so "
+        f"{entry.describe()} mixes examples: it {why}, so "
         "an example's gradient depends on the other examples and has no "
         "per-example value. BatchNormalization in training does this; use "
         "keras.layers.GroupNormalization or keras.layers.LayerNormalization "

@@ -164,7 +164,7 @@ def _compare(name: str, actual, expected: np.ndarray, rtol: float,
   An array passes when `|actual - expected| <= atol + rtol * max|expected|`
   elementwise (a normwise tolerance, so tiny entries are not held to a
   relative bound); the relative error is `max|actual - expected| /
-  max|expected|` (the absolute error if `expected` is all zeros).
+  max|expected|` (the absolute error if `max|expected| <= atol`).
   """
   if actual is None:
     actual = np.zeros_like(expected)
@@ -179,7 +179,9 @@ def _compare(name: str, actual, expected: np.ndarray, rtol: float,
   diff = np.abs(actual - expected)
   scale = float(np.max(np.abs(expected)))
   max_diff = float(np.max(diff))
-  rel = max_diff / scale if scale > 0 else max_diff
+  # Tensors at rounding level (e.g. a gradient that is zero in exact
+  # arithmetic) are reported by their absolute error.
+  rel = max_diff / scale if scale > atol else max_diff
   if max_diff <= atol + rtol * scale:
     return rel, None
   where = np.unravel_index(int(np.argmax(diff)), diff.shape)
@@ -269,8 +271,9 @@ def check_per_example_gradients(
     rtol, atol: tolerances; by default from the variables' dtype (float32:
       1e-5, 1e-6; float64: 1e-10, 1e-12; float16: 1e-2, 1e-3). An array
       passes when `|actual - expected| <= atol + rtol * max|expected|`
-      elementwise. Norms are float32, so float64 checks hold them to at
-      least float32 tolerances.
+      elementwise. Norms are float32 by contract, and so are the clip
+      factors derived from them, so norms and clipped sums are held to at
+      least float32 tolerances (1e-5, 1e-6) even for float64 variables.
     reference: precomputed `reference_per_example_gradients` (to reuse one
       reference across modes).
 
@@ -311,7 +314,7 @@ def check_per_example_gradients(
   d_rtol, d_atol = _DEFAULT_TOLERANCES.get(worst, (1e-5, 1e-6))
   rtol = d_rtol if rtol is None else rtol
   atol = d_atol if atol is None else atol
-  # Norms are float32 by contract.
+  # Norms (and so the clip factors) are float32 by contract.
   n_rtol, n_atol = max(rtol, 1e-5), max(atol, 1e-6)
 
   actual = _run_tf_pxg(loss_fn, model_or_fn, variables, inputs, labels,
@@ -336,7 +339,7 @@ def check_per_example_gradients(
   for name, v, s, e in zip(names, variables, actual["clipped_gradient_sum"],
                            expected_sums):
     record(f"clipped_gradient_sum[{name} {list(v.shape)}] (C={l2_norm_clip:.4g})",
-           _numpy(s), e, rtol, atol, False)
+           _numpy(s), e, n_rtol, n_atol, False)
   record("clipped_gradient_sum norms",
          _numpy(actual["clipped_gradient_sum norms"]), expected_norms, n_rtol,
          n_atol, True)

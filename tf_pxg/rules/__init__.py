@@ -8,3 +8,4 @@ from tf_pxg.rules import base  # noqa: F401
 from tf_pxg.rules import contraction  # noqa: F401
 from tf_pxg.rules import elementwise  # noqa: F401
 from tf_pxg.rules import gather  # noqa: F401
+from tf_pxg.rules import conv  # noqa: F401

@@ -11,6 +11,13 @@ callback fires for every op executed eagerly and for every op *built* while a
 
 Op callbacks are thread-local, so a recorder records the thread that started
 it; this is what a replica thread of `tf.distribute` needs.
+
+One gap of the hook is filled here: an eager op called directly with a
+`tf.Variable` (`x * w`) reads the variable inside TF's C++ fast path, which
+runs no Python op callback for that read. The recorder keeps a
+`VariableWatcher` per op (the fast path does notify watchers), and records
+the missing `ReadVariableOp` from the variable's handle to the op input that
+holds its value.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.eager import context
+from tensorflow.python.eager import record
 from tensorflow.python.framework import op_callbacks
 
 
@@ -75,6 +83,7 @@ class Recorder:
     self.producer: dict[int, Entry] = {}
     self._graph = None
     self._active = False
+    self._watcher = None
     self.paused = 0
 
   @property
@@ -85,6 +94,8 @@ class Recorder:
     if self._active:
       return
     self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if self._graph is None:
+      self._renew_watcher()
     op_callbacks.add_op_callback(self._callback)
     self._active = True
 
@@ -92,7 +103,46 @@ class Recorder:
     if not self._active:
       return
     op_callbacks.remove_op_callback(self._callback)
+    self._end_watcher()
     self._active = False
+
+  def _renew_watcher(self):
+    self._end_watcher()
+    self._watcher = record.VariableWatcher()
+    self._watcher.__enter__()
+
+  def _end_watcher(self):
+    if self._watcher is not None:
+      self._watcher.__exit__(None, None, None)
+      self._watcher = None
+
+  def _fast_path_reads(self, op_type, inputs, scope):
+    """Entries for variables the C++ fast path read for this eager op."""
+    accessed = self._watcher.watched_variables() if self._watcher else ()
+    if not accessed:
+      return
+    self._renew_watcher()
+    input_ids = [tensor_id(t) for t in inputs]
+    taken = set()
+    for var in accessed:
+      handle = getattr(var, "handle", None)
+      if handle is None or tensor_id(handle) in input_ids:
+        continue  # Read in Python (its ReadVariableOp was recorded) or by handle.
+      candidates = [
+          i for i, (tid, t) in enumerate(zip(input_ids, inputs))
+          if i not in taken and tid not in self.producer and
+          t.dtype == var.dtype and t.shape == var.shape]
+      if len(candidates) > 1:
+        value = var.read_value()
+        same = [i for i in candidates
+                if bool(tf.reduce_all(tf.equal(inputs[i], value)))]
+        candidates = same or candidates
+      if not candidates:
+        continue
+      i = candidates[0]
+      taken.add(i)
+      self._append(Entry("ReadVariableOp", (handle,), (inputs[i],),
+                         ("dtype", var.dtype.as_datatype_enum), None, scope))
 
   @property
   def active(self) -> bool:
@@ -105,22 +155,28 @@ class Recorder:
   def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
                 graph=None):
     if self.paused or not outputs or graph is not self._graph:
+      if self.paused and graph is None and self._watcher is not None:
+        self._renew_watcher()  # Forget reads made by our own backward pass.
       return None
     if isinstance(op_type, bytes):
       op_type = op_type.decode()
     if graph is None:
       op = None
       scope = context.context().scope_name or ""
+      self._fast_path_reads(op_type, inputs, scope)
     else:
       op = outputs[0].op
       scope = op.name
       attrs = None
-    entry = Entry(op_type, tuple(inputs), tuple(outputs), attrs, op, scope,
-                  index=len(self.entries))
+    self._append(Entry(op_type, tuple(inputs), tuple(outputs), attrs, op,
+                       scope))
+    return None
+
+  def _append(self, entry: Entry):
+    entry.index = len(self.entries)
     self.entries.append(entry)
     for i in entry.output_ids:
       self.producer[i] = entry
-    return None
 
 
 def flat_tensors(xs: Sequence[Any]) -> list:

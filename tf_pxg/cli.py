@@ -1,0 +1,223 @@
+"""`tf-pxg`: privacy budgeting from the command line.
+
+    tf-pxg epsilon --num_examples=60000 --batch_size=256 \\
+        --noise_multiplier=1.1 --epochs=60 [--delta=1e-5] [--accountant=rdp]
+    tf-pxg noise --target_epsilon=3 --num_examples=60000 --batch_size=256 \\
+        --epochs=60 [--delta=1e-5] [--accountant=rdp] [--tolerance=1e-4]
+
+`epsilon` prints ε of a DP-SGD run (`tf_pxg.accounting.compute_epsilon`);
+`noise` prints the smallest noise multiplier that reaches a target ε
+(`tf_pxg.accounting.noise_multiplier_for_epsilon`). Give exactly one of
+`--epochs` and `--steps`. The result is printed alone on stdout, at full
+precision, so scripts can capture it. Bad input prints one line
+`tf-pxg <command>: error: ...` on stderr and exits with status 2.
+`python -m tf_pxg.cli ...` works the same.
+
+Each command parses its flags into its own `absl.flags.FlagValues`, so
+importing this module defines no global flags.
+"""
+
+import dataclasses
+import sys
+from typing import Callable, Dict, List, Optional, Sequence
+
+from absl import app
+from absl import flags
+
+from tf_pxg import accounting
+
+_PROG = "tf-pxg"
+
+
+class _UsageError(Exception):
+  """Bad command line: reported as one line on stderr, exit status 2."""
+
+
+class _HelpRequested(Exception):
+  """--help: print the text in the exception on stdout, exit status 0."""
+
+
+def _define_run_flags(fv: flags.FlagValues) -> None:
+  """Flags shared by both commands: the training run."""
+  flags.DEFINE_integer(
+      "num_examples", None, "Training set size N.", flag_values=fv)
+  flags.DEFINE_integer(
+      "batch_size", None,
+      "Expected batch size B (Poisson sampling rate B/N).", flag_values=fv)
+  flags.DEFINE_float(
+      "epochs", None,
+      "Number of epochs; steps = ceil(epochs * N / B). Exclusive with "
+      "--steps.", flag_values=fv)
+  flags.DEFINE_integer(
+      "steps", None, "Number of optimizer steps. Exclusive with --epochs.",
+      flag_values=fv)
+  flags.DEFINE_float("delta", 1e-5, "Target delta, 0 < delta < 1.",
+                     flag_values=fv)
+  flags.DEFINE_enum(
+      "accountant", "rdp", list(accounting.ACCOUNTANTS),
+      "Privacy accountant: rdp (Renyi DP) or pld (privacy loss "
+      "distributions, tighter).", flag_values=fv)
+  for name in ("num_examples", "batch_size"):
+    flags.mark_flag_as_required(name, flag_values=fv)
+
+
+def _epsilon_flags() -> flags.FlagValues:
+  fv = flags.FlagValues()
+  _define_run_flags(fv)
+  flags.DEFINE_float(
+      "noise_multiplier", None,
+      "Noise std divided by the clipping norm (sigma).", flag_values=fv)
+  flags.mark_flag_as_required("noise_multiplier", flag_values=fv)
+  return fv
+
+
+def _noise_flags() -> flags.FlagValues:
+  fv = flags.FlagValues()
+  _define_run_flags(fv)
+  flags.DEFINE_float("target_epsilon", None, "The epsilon to reach.",
+                     flag_values=fv)
+  flags.DEFINE_float("tolerance", 1e-4,
+                     "Absolute tolerance on the noise multiplier.",
+                     flag_values=fv)
+  flags.mark_flag_as_required("target_epsilon", flag_values=fv)
+  return fv
+
+
+def _run_epsilon(fv: flags.FlagValues) -> float:
+  return accounting.compute_epsilon(
+      num_examples=fv.num_examples,
+      batch_size=fv.batch_size,
+      noise_multiplier=fv.noise_multiplier,
+      epochs=fv.epochs,
+      steps=fv.steps,
+      delta=fv.delta,
+      accountant=fv.accountant)
+
+
+def _run_noise(fv: flags.FlagValues) -> float:
+  return accounting.noise_multiplier_for_epsilon(
+      target_epsilon=fv.target_epsilon,
+      num_examples=fv.num_examples,
+      batch_size=fv.batch_size,
+      epochs=fv.epochs,
+      steps=fv.steps,
+      delta=fv.delta,
+      accountant=fv.accountant,
+      tolerance=fv.tolerance)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+  summary: str
+  make_flags: Callable[[], flags.FlagValues]
+  run: Callable[[flags.FlagValues], float]
+
+
+_COMMANDS: Dict[str, _Command] = {
+    "epsilon": _Command("print epsilon of a DP-SGD run", _epsilon_flags,
+                        _run_epsilon),
+    "noise": _Command("print the noise multiplier that reaches an epsilon",
+                      _noise_flags, _run_noise),
+}
+
+_HELP_ARGS = ("-h", "--help", "-help", "--helpshort", "--helpfull")
+
+
+def _usage() -> str:
+  lines = [f"usage: {_PROG} <command> [--flag=value ...]", "", "commands:"]
+  lines += [f"  {name:<8} {cmd.summary}" for name, cmd in _COMMANDS.items()]
+  lines += ["", f"{_PROG} <command> --help lists the command's flags."]
+  return "\n".join(lines)
+
+
+def _parse(argv: Sequence[str]):
+  """`argv` (program name first) -> (command name, command, parsed flags)."""
+  args = list(argv[1:])
+  if not args:
+    raise _UsageError(f"no command given; expected one of {_command_list()}.")
+  if args[0] in _HELP_ARGS:
+    raise _HelpRequested(_usage())
+  name, rest = args[0], args[1:]
+  if name not in _COMMANDS:
+    raise _UsageError(
+        f"unknown command {name!r}; expected one of {_command_list()}.")
+  command = _COMMANDS[name]
+  fv = command.make_flags()
+  if any(a in _HELP_ARGS for a in rest):
+    raise _HelpRequested(_command_usage(name, command, fv))
+  try:
+    positional = fv([f"{_PROG} {name}"] + rest)[1:]
+  except flags.Error as e:
+    raise _UsageError(_one_line(str(e))) from None
+  if positional:
+    raise _UsageError(f"unexpected argument {positional[0]!r}.")
+  if (fv.epochs is None) == (fv.steps is None):
+    raise _UsageError(
+        "give exactly one of --epochs and --steps; got "
+        f"--epochs={fv.epochs}, --steps={fv.steps}.")
+  return name, command, fv
+
+
+def _command_usage(name: str, command: _Command, fv: flags.FlagValues) -> str:
+  lines = [f"usage: {_PROG} {name} [--flag=value ...]", "",
+           f"{command.summary[0].upper()}{command.summary[1:]}.", "",
+           "flags:"]
+  for flag_name in sorted(fv):
+    flag = fv[flag_name]
+    if flag_name in ("epochs", "steps"):
+      default = "give --epochs or --steps"
+    elif flag.default is None:
+      default = "required"
+    else:
+      default = f"default {flag.value}"
+    lines.append(f"  --{flag_name}: {flag.help} ({default})")
+  return "\n".join(lines)
+
+
+def _command_list() -> str:
+  return ", ".join(repr(n) for n in _COMMANDS)
+
+
+def _one_line(message: str) -> str:
+  return " ".join(message.split())
+
+
+def main(argv: Sequence[str]) -> int:
+  """Runs `tf-pxg` on `argv` (program name first); returns the exit status.
+
+  Prints the result on stdout (status 0), help on stdout (status 0), or one
+  error line on stderr (status 2). Never raises for bad input.
+  """
+  name = argv[1] if len(argv) > 1 and argv[1] in _COMMANDS else None
+  try:
+    _, command, fv = _parse(argv)
+    result = command.run(fv)
+  except _HelpRequested as e:
+    print(str(e))
+    return 0
+  except (_UsageError, ValueError) as e:
+    where = f"{_PROG} {name}" if name else _PROG
+    print(f"{where}: error: {_one_line(str(e))}", file=sys.stderr)
+    return 2
+  print(repr(result))
+  return 0
+
+
+def _absl_flags_parser(argv: List[str]) -> List[str]:
+  """For `app.run`: our commands parse their own flags in `main`.
+
+  absl requires its global FLAGS to be parsed; parse only the program name,
+  leaving absl's own flags (logging etc.) at their defaults.
+  """
+  flags.FLAGS(argv[:1])
+  return argv
+
+
+def run(argv: Optional[Sequence[str]] = None) -> None:
+  """Console-script entry point (`tf-pxg`); exits with `main`'s status."""
+  app.run(main, argv=list(sys.argv if argv is None else argv),
+          flags_parser=_absl_flags_parser)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,206 @@
+"""Gaussian noise for DP-SGD: small pure functions.
+
+DP-SGD adds `N(0, (noise_multiplier * l2_norm_clip)**2)` noise to each
+coordinate of the clipped gradient sum once per global step (Abadi et al.,
+2016). These functions draw that noise, split it correctly across
+`tf.distribute` replicas, and derive independent per-replica seeds. They work
+in eager mode, inside `tf.function` and with `jit_compile=True`.
+
+Randomness comes either from a `tf.random.Generator` (the training default:
+`make_generator()` seeds it from OS entropy; create it inside the strategy
+scope so every replica gets its own stream) or from a stateless seed, a shape
+`[2]` integer tensor (reproducible, for tests).
+
+References:
+  Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
+"""
+
+import math
+from typing import List, Optional, Sequence, Union
+
+import tensorflow as tf
+import tensorflow_probability as tfp
+
+__all__ = [
+    "add_gaussian_noise",
+    "make_generator",
+    "replica_noise_stddev",
+    "replica_seed",
+]
+
+_Stddev = Union[float, tf.Tensor]
+
+
+def add_gaussian_noise(
+    grads: Sequence[Optional[tf.Tensor]],
+    stddev: _Stddev,
+    generator: Optional[tf.random.Generator] = None,
+    seed: Optional[tf.Tensor] = None,
+) -> List[Optional[tf.Tensor]]:
+  """Adds independent `N(0, stddev**2)` noise to every entry of every tensor.
+
+  Give exactly one source of randomness. With `generator`, each call draws
+  fresh noise and advances the generator's state. With a stateless `seed`,
+  the noise is a pure function of the seed: the seed is split into one
+  independent seed per tensor (`tfp.random.split_seed`), so equal seeds give
+  equal noise and the tensors' noises are independent of each other.
+
+  Args:
+    grads: A list of gradient tensors; `None` entries (variables without a
+      gradient) are returned as `None`. `tf.IndexedSlices` are densified,
+      since the noise is dense.
+    stddev: The noise standard deviation, `noise_multiplier * l2_norm_clip`
+      (divided by `sqrt(num_replicas)` under a strategy, see
+      `replica_noise_stddev`); a Python number or scalar tensor, >= 0.
+    generator: A `tf.random.Generator`.
+    seed: A stateless seed: a shape `[2]` int32/int64 tensor (a scalar
+      integer `s` is taken as `[0, s]`).
+
+  Returns:
+    A new list: `g + noise` for each tensor `g` (same shape and dtype), `None`
+    where `grads` has `None`.
+
+  Raises:
+    ValueError: If neither or both of `generator` and `seed` are given, or
+      `seed` is not an integer of shape `[2]` or `[]`.
+
+  Warning:
+    Add the noise once per global step, to the *sum* of clipped per-example
+    gradients, before dividing by the batch size.
+  """
+  if (generator is None) == (seed is None):
+    raise ValueError(
+        "add_gaussian_noise needs exactly one source of randomness: pass "
+        "generator= (a tf.random.Generator, e.g. from make_generator()) or "
+        "seed= (a shape [2] integer tensor); got "
+        f"generator={generator!r}, seed={seed!r}.")
+  grads = list(grads)
+  present = [i for i, g in enumerate(grads) if g is not None]
+  if seed is not None and present:
+    seeds = tfp.random.split_seed(
+        _stateless_seed(seed), n=len(present), salt="add_gaussian_noise")
+  noisy = list(grads)
+  for k, i in enumerate(present):
+    g = tf.convert_to_tensor(grads[i])
+    std = tf.cast(stddev, g.dtype)
+    if generator is not None:
+      noise = generator.normal(tf.shape(g), stddev=std, dtype=g.dtype)
+    else:
+      noise = tf.random.stateless_normal(
+          tf.shape(g), seed=seeds[k], stddev=std, dtype=g.dtype)
+    noisy[i] = g + noise
+  return noisy
+
+
+def _stateless_seed(seed) -> tf.Tensor:
+  """`seed` as a shape `[2]` integer tensor; a scalar `s` becomes `[0, s]`.
+
+  (A Python int must not reach `tfp.random.split_seed` directly: TFP treats
+  an int as a *stateful* seed and returns different seeds on every call.)
+  """
+  seed = tf.convert_to_tensor(seed)
+  if not seed.dtype.is_integer:
+    raise ValueError(
+        f"seed must be an integer tensor of shape [2] (or a scalar integer); "
+        f"got dtype {seed.dtype.name}.")
+  if seed.shape.rank == 0:
+    seed = tf.stack([tf.zeros_like(seed), seed])
+  if not seed.shape.is_compatible_with([2]):
+    raise ValueError(
+        "seed must be an integer tensor of shape [2] (or a scalar integer); "
+        f"got shape {seed.shape}.")
+  return seed
+
+
+def replica_noise_stddev(stddev: _Stddev, num_replicas: int) -> _Stddev:
+  """The noise std each of `num_replicas` replicas adds: `stddev / sqrt(R)`.
+
+  Under a `tf.distribute` strategy each replica holds the clipped gradient
+  sum of its share of the batch, and the per-replica results are all-reduced
+  with a SUM into the global step's gradient. If every replica added the full
+  `N(0, s**2)`, the global step would get the sum of R independent such draws,
+  `N(0, R * s**2)`: std `sqrt(R) * s`, and R times that (`R**1.5 * s`) if the
+  noise were also scaled by R afterwards. Instead each replica adds
+  `N(0, s**2 / R)` with an independent seed; the sum of R independent
+  `N(0, s**2 / R)` variables is `N(0, R * s**2 / R) = N(0, s**2)`, so the
+  global step gets exactly the noise the accounting assumes, once.
+
+  This needs the replicas' noises to be independent (a `tf.random.Generator`
+  created in the strategy scope, or `replica_seed`) and the cross-replica
+  reduction to be a SUM. With a MEAN reduction the global noise std would be
+  `s / R`; add `R * replica_noise_stddev(s, R)` per replica then, or sum.
+
+  Args:
+    stddev: The global step's noise std `s` (`noise_multiplier *
+      l2_norm_clip`); a Python number or scalar tensor.
+    num_replicas: R, e.g. `strategy.num_replicas_in_sync`; a positive integer.
+
+  Returns:
+    `stddev / sqrt(num_replicas)`, a Python float for a Python number, else a
+    tensor.
+
+  Raises:
+    ValueError: If `num_replicas` is not a positive integer.
+  """
+  if (isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or
+      num_replicas < 1):
+    raise ValueError(
+        "num_replicas must be a positive integer (>= 1), e.g. "
+        f"strategy.num_replicas_in_sync; got {num_replicas!r}.")
+  return stddev / math.sqrt(num_replicas)
+
+
+def replica_seed(seed: tf.Tensor, replica_id: Union[int, tf.Tensor],
+                 num_replicas: int) -> tf.Tensor:
+  """An independent stateless seed for one replica, derived from `seed`.
+
+  Splits `seed` into `num_replicas` seeds with `tfp.random.split_seed` (a
+  stateless counter-based split: the children are independent streams) and
+  returns row `replica_id`. All replicas can call this with the same `seed`
+  and their own `replica_id` (e.g.
+  `tf.distribute.get_replica_context().replica_id_in_sync_group`); derive a
+  new `seed` for every step (e.g. split a base seed by the step counter).
+
+  Args:
+    seed: The step's stateless seed, a shape `[2]` integer tensor (a scalar
+      integer `s` is taken as `[0, s]`).
+    replica_id: This replica's index in `[0, num_replicas)`; int or scalar
+      integer tensor.
+    num_replicas: The number of replicas R, a positive Python int.
+
+  Returns:
+    A shape `[2]` int32 tensor, a stateless seed.
+
+  Raises:
+    ValueError: If `num_replicas` is not a positive integer, or `seed` is not
+      an integer of shape `[2]` or `[]`.
+  """
+  if (isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or
+      num_replicas < 1):
+    raise ValueError(
+        "num_replicas must be a positive integer (>= 1); "
+        f"got {num_replicas!r}.")
+  seeds = tf.stack(
+      tfp.random.split_seed(
+          _stateless_seed(seed), n=num_replicas, salt="replica_seed"))
+  return tf.gather(seeds, replica_id)
+
+
+def make_generator(seed: Optional[int] = None) -> tf.random.Generator:
+  """A `tf.random.Generator` for DP noise.
+
+  Without `seed` its state comes from OS entropy
+  (`tf.random.Generator.from_non_deterministic_state`), as privacy requires:
+  noise that an adversary can reproduce protects nothing. Give `seed` only in
+  tests. Call it inside `strategy.scope()` so the generator is a distributed
+  variable that works under XLA and on TPU.
+
+  Args:
+    seed: An optional integer seed (tests only).
+
+  Returns:
+    A new `tf.random.Generator`.
+  """
+  if seed is None:
+    return tf.random.Generator.from_non_deterministic_state()
+  return tf.random.Generator.from_seed(seed)

@@ -1,0 +1,178 @@
+"""Convolutions: Conv2D, Conv3D, DepthwiseConv2dNative, Conv2DBackpropInput.
+
+A convolution's filter gradient is a contraction of input patches with the
+output gradient over the output positions P (im2col; Rochette et al. 2019,
+"Efficient per-example gradient computations in convolutional neural
+networks"). With patches `[N, P, K]` from `tf.image.extract_patches`
+(`tf.extract_volume_patches` in 3-D) the rules reuse the contraction
+engine: per-example gradients are one einsum, and squared norms pick between
+materialising `[B, K, C]` and the ghost form over `P x P` Gram matrices by
+cost. Weighted sums are TF's filter gradient with dz scaled per example.
+
+In 3-D, patches come from a convolution with a one-hot filter (XLA has no
+ExtractVolumePatches kernel). A transposed convolution (`Conv2DBackpropInput`) is the same with the roles
+swapped: patches of its output gradient against its data input.
+
+Unsupported variants (a parameter that is not the filter, filters of
+unknown shape) take the vectorized default.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_pxg.registry import register
+from tf_pxg.rules import base
+from tf_pxg.rules import contraction
+
+
+def _s(v):
+  return v.decode() if isinstance(v, bytes) else v
+
+
+def _to_channels_last(ctx, t):
+  if _s(ctx.attr("data_format")).startswith("NC"):
+    perm = [0] + list(range(2, t.shape.rank)) + [1]
+    return tf.transpose(t, perm)
+  return t
+
+
+def _spatial(ctx, name, rank):
+  """The spatial entries of a per-axis attr (strides/dilations), channels-last."""
+  v = list(ctx.attr(name))
+  if _s(ctx.attr("data_format")).startswith("NC"):
+    return v[2:]
+  return v[1:rank - 1]
+
+
+def _patches(ctx, x, kernel_spatial):
+  """`[N, P, prod(kernel), C]` patches of channels-last `x` for this conv."""
+  rank = x.shape.rank
+  strides = _spatial(ctx, "strides", rank)
+  try:
+    dilations = _spatial(ctx, "dilations", rank)
+  except (ValueError, KeyError):
+    dilations = [1] * (rank - 2)
+  padding = _s(ctx.attr("padding"))
+  if padding == "EXPLICIT":
+    pads = list(ctx.attr("explicit_paddings"))
+    pairs = [pads[i:i + 2] for i in range(0, len(pads), 2)]
+    if _s(ctx.attr("data_format")).startswith("NC"):
+      pairs = [pairs[0]] + pairs[2:] + [pairs[1]]
+    x = tf.pad(x, pairs)
+    padding = "VALID"
+  c = x.shape[-1]
+  if rank == 4:
+    p = tf.image.extract_patches(
+        x, sizes=[1, *kernel_spatial, 1], strides=[1, *strides, 1],
+        rates=[1, *dilations, 1], padding=padding)
+  else:
+    # ExtractVolumePatches has no XLA kernel and no dilations: gather the
+    # patches with a one-hot (identity) filter instead.
+    k = 1
+    for d in kernel_spatial:
+      k *= int(d)
+    eye = tf.reshape(tf.eye(k * c, dtype=x.dtype), [*kernel_spatial, c, k * c])
+    p = tf.nn.conv3d(x, eye, strides=[1, *strides, 1], padding=padding,
+                     dilations=[1, *dilations, 1])
+  n = tf.shape(p)[0]
+  k = 1
+  for d in kernel_spatial:
+    k *= int(d)
+  return tf.reshape(p, tf.stack([n, -1, k, c]))
+
+
+class _PatchContraction(base.Rule):
+  """A conv as `einsum(patches, dz)`; subclasses say how."""
+
+  def operands(self, ctx):
+    """(spec, data, dz) for the contraction engine, or None to fall back."""
+    raise NotImplementedError
+
+  def per_example(self, ctx):
+    ops = self.operands(ctx)
+    if ops is None:
+      return super().per_example(ctx)
+    spec, data, dz = ops
+    g = contraction.per_example(spec, data, dz, ctx.batch_size,
+                                ctx.batch_minor)
+    return tf.reshape(g, tf.concat([tf.shape(g)[:1], ctx.param_shape], 0))
+
+  def sq_norm(self, ctx):
+    ops = self.operands(ctx)
+    if ops is None:
+      return super().sq_norm(ctx)
+    spec, data, dz = ops
+    return contraction.sq_norm(spec, data, dz, ctx.batch_size,
+                               ctx.batch_minor)
+
+
+def _grouped(ctx, x, filt, dz):
+  """Patches/dz/filter letters for a (grouped) conv with filter [..., Ci, Co]."""
+  kernel = [int(d) for d in filt.shape[:-2]]
+  cin_f, cout = int(filt.shape[-2]), int(filt.shape[-1])
+  groups = int(x.shape[-1]) // cin_f
+  patches = _patches(ctx, x, kernel)
+  if patches is None:
+    return None
+  n = tf.shape(patches)[0]
+  data = tf.reshape(patches, tf.stack([n, tf.shape(patches)[1], -1, groups,
+                                       cin_f]))
+  dz = tf.reshape(dz, tf.stack([n, -1, groups, cout // groups]))
+  spec = contraction.Spec("npkgi", "kigo", "npgo", "n", 0)
+  return spec, data, dz
+
+
+@register("Conv2D")
+@register("Conv3D")
+class ConvRule(_PatchContraction):
+  """`Conv2D`/`Conv3D` (any strides, padding, dilations, groups)."""
+
+  def operands(self, ctx):
+    if ctx.param_index != 1 or not ctx.inputs[1].shape.is_fully_defined():
+      return None
+    x = _to_channels_last(ctx, ctx.inputs[0])
+    dz = _to_channels_last(ctx, ctx.dz)
+    return _grouped(ctx, x, ctx.inputs[1], dz)
+
+
+@register("DepthwiseConv2dNative")
+class DepthwiseConvRule(_PatchContraction):
+  """`DepthwiseConv2dNative`: filter [kh, kw, C, M], output channel c*M+m."""
+
+  def operands(self, ctx):
+    filt = ctx.inputs[1]
+    if ctx.param_index != 1 or not filt.shape.is_fully_defined():
+      return None
+    x = _to_channels_last(ctx, ctx.inputs[0])
+    kh, kw, c, m = (int(d) for d in filt.shape)
+    patches = _patches(ctx, x, [kh, kw])
+    n = tf.shape(patches)[0]
+    dz = tf.reshape(_to_channels_last(ctx, ctx.dz), tf.stack([n, -1, c, m]))
+    return contraction.Spec("npkc", "kcm", "npcm", "n", 0), patches, dz
+
+
+@register("Conv2DBackpropInput")
+class ConvTransposeRule(_PatchContraction):
+  """Transposed conv `y = Conv2DBackpropInput(sizes, filter, d)`.
+
+  Its filter gradient is `Conv2DBackpropFilter(dy, filter, d)`: patches of
+  the output gradient dy contracted with the data input d.
+  """
+
+  def operands(self, ctx):
+    filt = ctx.inputs[1]
+    if ctx.param_index != 1 or not filt.shape.is_fully_defined():
+      return None
+    dy = _to_channels_last(ctx, ctx.dz)
+    d = _to_channels_last(ctx, ctx.inputs[2])
+    kh, kw, cy, cd = (int(v) for v in filt.shape)
+    patches = _patches(ctx, dy, [kh, kw])
+    n = tf.shape(patches)[0]
+    d = tf.reshape(d, tf.stack([n, -1, cd]))
+    patches = tf.reshape(patches, tf.stack([n, tf.shape(patches)[1], -1]))
+    return contraction.Spec("npk", "kc", "npc", "n", 0), patches, d
+
+  def check(self, ctx):
+    if ctx.param_index == 2:
+      raise NotImplementedError(f"{ctx.describe()}: parameter as out_backprop")
