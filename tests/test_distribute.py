@@ -1,0 +1,165 @@
+"""Noise under tf.distribute: the global step gets std sigma*C/B, once.
+
+Each case runs in a fresh subprocess (logical devices and TF_CONFIG must be
+set before TensorFlow initialises). The model has zero inputs, zero weights
+and an MSE loss to zero, so every per-example gradient is exactly 0 and the
+update is `-lr * noise / B`; its std over 5050 coordinates is compared with
+`sigma * C / B` (within 5%), which rules out sqrt(R) (1.41x) or R (2x) times
+that, and correlated replica noise.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_SIGMA, _CLIP, _BATCH, _LR = 1.3, 0.7, 16, 0.1
+
+_COMMON = textwrap.dedent(f"""
+    import json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
+    def run(strategy, use_fit=True):
+      import tf_pxg.keras as dpk
+      with strategy.scope():
+        inp = keras.Input((100,))
+        out = keras.layers.Dense(50, kernel_initializer="zeros")(inp)
+        model = dpk.DPModel(inp, out, l2_norm_clip={_CLIP},
+                            noise_multiplier={_SIGMA}, seed=7)
+        model.compile(optimizer=keras.optimizers.SGD({_LR}), loss="mse",
+                      jit_compile=False)
+      x = np.zeros(({_BATCH}, 100), "float32")
+      y = np.zeros(({_BATCH}, 50), "float32")
+      ds = tf.data.Dataset.from_tensor_slices((x, y)).batch({_BATCH})
+      if use_fit:
+        model.fit(ds, epochs=1, verbose=0)
+      else:
+        # Keras 3.15's fit fails under multi-worker MWMS before any step
+        # (`_maybe_symbolic_build` passes the (x, y) tuple of PerReplica to
+        # strategy.reduce); run the same train_step the way fit does.
+        with strategy.scope():
+          model.optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(batch):
+          strategy.run(model.train_step, args=(batch,))
+
+        for batch in strategy.experimental_distribute_dataset(ds):
+          step(batch)
+      update = np.concatenate(
+          [v.numpy().ravel() for v in model.trainable_variables]) / -{_LR}
+      result = dict(std=float(update.std()),
+                    replicas=strategy.num_replicas_in_sync,
+                    iterations=int(keras.ops.convert_to_numpy(
+                        model.optimizer.iterations)))
+      if use_fit:
+        # A NaN in the last example (on the last replica): every replica
+        # skips the update, the step is still counted.
+        before = [v.numpy() for v in model.variables]
+        x[-1, 0] = np.nan
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch({_BATCH})
+        logs = model.fit(ds, epochs=1, verbose=0).history
+        result["skip_weights_unchanged"] = all(
+            np.array_equal(b, v.numpy(), equal_nan=True)
+            for b, v in zip(before, model.variables))
+        result["skip_iterations"] = int(keras.ops.convert_to_numpy(
+            model.optimizer.iterations))
+        result["skipped"] = logs["dp_skipped_steps"][0]
+      return result
+    """)
+
+_MIRRORED = _COMMON + textwrap.dedent("""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    print("RESULT", json.dumps(run(strategy)))
+    """)
+
+_MULTI_WORKER = _COMMON + textwrap.dedent("""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    print("RESULT", json.dumps(run(strategy, use_fit=False)))
+    """)
+
+
+def _env(**extra):
+  env = dict(os.environ)
+  env.update(extra)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] +
+      env.get("PYTHONPATH", "").split(os.pathsep))
+  return env
+
+
+def _result(stdout: str) -> dict:
+  for line in stdout.splitlines():
+    if line.startswith("RESULT "):
+      return json.loads(line[len("RESULT "):])
+  raise AssertionError(f"no RESULT line in output:\n{stdout}")
+
+
+def _check(result, replicas):
+  assert result["replicas"] == replicas
+  assert result["iterations"] == 1
+  expected = _SIGMA * _CLIP / _BATCH
+  ratio = result["std"] / expected
+  assert abs(ratio - 1) < 0.05, (
+      f"update std {result['std']:.5g} vs sigma*C/B {expected:.5g} "
+      f"(ratio {ratio:.3f}; sqrt(R) would be {replicas ** 0.5:.3f})")
+
+
+def test_mirrored_two_replicas_total_noise_and_non_finite_skip():
+  proc = subprocess.run([sys.executable, "-c", _MIRRORED], env=_env(),
+                        capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = _result(proc.stdout)
+  _check(result, replicas=2)
+  assert result["skip_weights_unchanged"]
+  assert result["skip_iterations"] == 2
+  assert result["skipped"] == 1.0
+
+
+def _free_ports(n):
+  socks = [socket.socket() for _ in range(n)]
+  for s in socks:
+    s.bind(("127.0.0.1", 0))
+  ports = [s.getsockname()[1] for s in socks]
+  for s in socks:
+    s.close()
+  return ports
+
+
+def test_multi_worker_two_processes_total_noise_is_sigma_clip_over_batch():
+  ports = _free_ports(2)
+  cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+  procs = []
+  for index in range(2):
+    tf_config = json.dumps({"cluster": cluster,
+                            "task": {"type": "worker", "index": index}})
+    procs.append(subprocess.Popen(
+        [sys.executable, "-c", _MULTI_WORKER],
+        env=_env(TF_CONFIG=tf_config, CUDA_VISIBLE_DEVICES="-1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  outputs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=240)
+      outputs.append((p.returncode, out, err))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for code, out, err in outputs:
+    assert code == 0, err[-4000:]
+  results = [_result(out) for _, out, _ in outputs]
+  for r in results:
+    _check(r, replicas=2)
+  # Both workers hold the same (all-reduced) weights.
+  assert results[0]["std"] == pytest.approx(results[1]["std"], rel=1e-6)
