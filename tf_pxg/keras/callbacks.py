@@ -88,6 +88,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     return self.epsilon(self.steps() + 1) > self.target_epsilon
 
   def on_train_begin(self, logs=None):
+    self.noise_multiplier  # noqa: B018  (raises now, not after an epoch)
     if self._next_step_over_budget():
       raise ValueError(
           f"PrivacyCallback: the budget target_epsilon={self.target_epsilon} "
