@@ -9,8 +9,8 @@ engine: per-example gradients are one einsum, and squared norms pick between
 materialising `[B, K, C]` and the ghost form over `P x P` Gram matrices by
 cost. Weighted sums are TF's filter gradient with dz scaled per example.
 
-In 3-D, patches come from a convolution with a one-hot filter (XLA has no
-ExtractVolumePatches kernel). A transposed convolution (`Conv2DBackpropInput`) is the same with the roles
+Patches come from one-hot (depthwise) convolutions where possible, see
+`_patches`. A transposed convolution (`Conv2DBackpropInput`) is the same with the roles
 swapped: patches of its output gradient against its data input.
 
 Unsupported variants (a parameter that is not the filter, filters of
@@ -46,7 +46,15 @@ def _spatial(ctx, name, rank):
 
 
 def _patches(ctx, x, kernel_spatial):
-  """`[N, P, prod(kernel), C]` patches of channels-last `x` for this conv."""
+  """Patches of channels-last `x` for this conv: `(tensor, subscripts)`.
+
+  The tensor is `[N, P, K, C]` (subscripts "npkc") or `[N, P, C, K]`
+  ("npck"), K the kernel offsets and C the input channels. In 2-D without
+  dilation the patches come from a depthwise convolution with one-hot
+  filters (an order of magnitude faster on CPU than ExtractImagePatches);
+  with dilation from `tf.image.extract_patches`; in 3-D from a convolution
+  with a one-hot filter (XLA has no ExtractVolumePatches kernel).
+  """
   rank = x.shape.rank
   strides = _spatial(ctx, "strides", rank)
   try:
@@ -61,25 +69,28 @@ def _patches(ctx, x, kernel_spatial):
       pairs = [pairs[0]] + pairs[2:] + [pairs[1]]
     x = tf.pad(x, pairs)
     padding = "VALID"
-  c = x.shape[-1]
-  if rank == 4:
-    p = tf.image.extract_patches(
-        x, sizes=[1, *kernel_spatial, 1], strides=[1, *strides, 1],
-        rates=[1, *dilations, 1], padding=padding)
-  else:
-    # ExtractVolumePatches has no XLA kernel and no dilations: gather the
-    # patches with a one-hot (identity) filter instead.
-    k = 1
-    for d in kernel_spatial:
-      k *= int(d)
-    eye = tf.reshape(tf.eye(k * c, dtype=x.dtype), [*kernel_spatial, c, k * c])
-    p = tf.nn.conv3d(x, eye, strides=[1, *strides, 1], padding=padding,
-                     dilations=[1, *dilations, 1])
-  n = tf.shape(p)[0]
+  c = int(x.shape[-1])
   k = 1
   for d in kernel_spatial:
     k *= int(d)
-  return tf.reshape(p, tf.stack([n, -1, k, c]))
+  one_hot = tf.reshape(tf.eye(k, dtype=x.dtype), [*kernel_spatial, 1, k])
+  if rank == 4 and all(d == 1 for d in dilations):
+    p = tf.nn.depthwise_conv2d(x, tf.tile(one_hot, [1, 1, c, 1]),
+                               [1, *strides, 1], padding)
+    sub = "npck"
+    shape = [c, k]
+  elif rank == 4:
+    p = tf.image.extract_patches(
+        x, sizes=[1, *kernel_spatial, 1], strides=[1, *strides, 1],
+        rates=[1, *dilations, 1], padding=padding)
+    sub, shape = "npkc", [k, c]
+  else:
+    eye = tf.reshape(tf.eye(k * c, dtype=x.dtype), [*kernel_spatial, c, k * c])
+    p = tf.nn.conv3d(x, eye, strides=[1, *strides, 1], padding=padding,
+                     dilations=[1, *dilations, 1])
+    sub, shape = "npkc", [k, c]
+  n = tf.shape(p)[0]
+  return tf.reshape(p, tf.stack([n, -1, *shape])), sub
 
 
 class _PatchContraction(base.Rule):
@@ -108,18 +119,18 @@ class _PatchContraction(base.Rule):
 
 
 def _grouped(ctx, x, filt, dz):
-  """Patches/dz/filter letters for a (grouped) conv with filter [..., Ci, Co]."""
+  """Contraction operands for a (grouped) conv with filter [..., Ci, Co]."""
   kernel = [int(d) for d in filt.shape[:-2]]
   cin_f, cout = int(filt.shape[-2]), int(filt.shape[-1])
   groups = int(x.shape[-1]) // cin_f
-  patches = _patches(ctx, x, kernel)
-  if patches is None:
-    return None
-  n = tf.shape(patches)[0]
-  data = tf.reshape(patches, tf.stack([n, tf.shape(patches)[1], -1, groups,
-                                       cin_f]))
+  patches, sub = _patches(ctx, x, kernel)
+  n, p = tf.shape(patches)[0], tf.shape(patches)[1]
+  k = patches.shape[2] if sub == "npkc" else patches.shape[3]
+  split = [groups, cin_f]
+  shape = [n, p, k, *split] if sub == "npkc" else [n, p, *split, k]
+  data = tf.reshape(patches, tf.stack(shape))
   dz = tf.reshape(dz, tf.stack([n, -1, groups, cout // groups]))
-  spec = contraction.Spec("npkgi", "kigo", "npgo", "n", 0)
+  spec = contraction.Spec(sub.replace("c", "gi"), "kigo", "npgo", "n", 0)
   return spec, data, dz
 
 
@@ -146,10 +157,10 @@ class DepthwiseConvRule(_PatchContraction):
       return None
     x = _to_channels_last(ctx, ctx.inputs[0])
     kh, kw, c, m = (int(d) for d in filt.shape)
-    patches = _patches(ctx, x, [kh, kw])
+    patches, sub = _patches(ctx, x, [kh, kw])
     n = tf.shape(patches)[0]
     dz = tf.reshape(_to_channels_last(ctx, ctx.dz), tf.stack([n, -1, c, m]))
-    return contraction.Spec("npkc", "kcm", "npcm", "n", 0), patches, dz
+    return contraction.Spec(sub, "kcm", "npcm", "n", 0), patches, dz
 
 
 @register("Conv2DBackpropInput")
@@ -167,11 +178,10 @@ class ConvTransposeRule(_PatchContraction):
     dy = _to_channels_last(ctx, ctx.dz)
     d = _to_channels_last(ctx, ctx.inputs[2])
     kh, kw, cy, cd = (int(v) for v in filt.shape)
-    patches = _patches(ctx, dy, [kh, kw])
+    patches, sub = _patches(ctx, dy, [kh, kw])
     n = tf.shape(patches)[0]
     d = tf.reshape(d, tf.stack([n, -1, cd]))
-    patches = tf.reshape(patches, tf.stack([n, tf.shape(patches)[1], -1]))
-    return contraction.Spec("npk", "kc", "npc", "n", 0), patches, d
+    return contraction.Spec(sub, "kcd", "npd", "n", 0), patches, d
 
   def check(self, ctx):
     if ctx.param_index == 2:

@@ -1,0 +1,79 @@
+"""Shared pieces of the benchmarks: the models, interleaved timing, memory.
+
+Every benchmark measures a DP variant and its non-private counterpart in the
+same process, alternating between them so machine noise hits both alike,
+and reports the ratio of medians (and of TF allocator peaks), never an
+absolute time alone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def mlp() -> keras.Model:
+  """MLP 784-512-512-10 (DESIGN.md's MLP)."""
+  return keras.Sequential([
+      keras.Input((784,)),
+      keras.layers.Dense(512, activation="relu"),
+      keras.layers.Dense(512, activation="relu"),
+      keras.layers.Dense(10),
+  ])
+
+
+def cnn() -> keras.Model:
+  """Conv2D 16 5x5 s2 -> Conv2D 32 4x4 s2 -> Dense 32 -> Dense 10 on 28x28x1."""
+  return keras.Sequential([
+      keras.Input((28, 28, 1)),
+      keras.layers.Conv2D(16, 5, strides=2, activation="relu"),
+      keras.layers.Conv2D(32, 4, strides=2, activation="relu"),
+      keras.layers.Flatten(),
+      keras.layers.Dense(32, activation="relu"),
+      keras.layers.Dense(10),
+  ])
+
+
+MODELS = {"mlp": (mlp, (784,)), "cnn": (cnn, (28, 28, 1))}
+
+
+def batch(name: str, batch_size: int, seed: int = 0):
+  shape = MODELS[name][1]
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(batch_size, *shape)).astype("float32")
+  y = rng.integers(0, 10, size=(batch_size,)).astype("int32")
+  return x, y
+
+
+def _sync(result):
+  for t in tf.nest.flatten(result):
+    if hasattr(t, "numpy"):
+      t.numpy()
+
+
+def interleaved_median(fns: Dict[str, Callable[[], object]], steps: int,
+                       rounds: int, warmup: int = 3) -> Dict[str, float]:
+  """Median seconds per call of each fn, timed in alternating rounds."""
+  for fn in fns.values():
+    for _ in range(warmup):
+      _sync(fn())
+  times = {k: [] for k in fns}
+  for _ in range(rounds):
+    for k, fn in fns.items():
+      start = time.perf_counter()
+      for _ in range(steps):
+        out = fn()
+      _sync(out)
+      times[k].append((time.perf_counter() - start) / steps)
+  return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def peak_memory(fn: Callable[[], object]) -> int:
+  """TF CPU allocator peak bytes during one call of `fn` (already traced)."""
+  tf.config.experimental.reset_memory_stats("CPU:0")
+  _sync(fn())
+  return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
