@@ -72,6 +72,7 @@ class Interface:
   output_grads: list
   data_indices: tuple
   batch_minor: bool = False
+  rule: Any = None  # Set once the interface is found (registry or fallback).
 
   @property
   def param_id(self) -> int:

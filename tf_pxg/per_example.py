@@ -42,13 +42,6 @@ class NoPerExampleRuleError(NotImplementedError):
   """An op consumes a parameter and no per-example rule applies to it."""
 
 
-def _rule_for(entry: Entry):
-  rule = registry.lookup(entry.op_type)
-  if rule is None:
-    return _FALLBACK
-  return rule
-
-
 class _VectorizedFallback(base.Rule):
   """Unregistered ops: TF's gradient under tf.vectorized_map, per example."""
 
@@ -125,8 +118,11 @@ class PerExampleBackprop:
     imperative_grad(self._producer, {target_id: [output_gradient]}, param_ids,
                     backward)
     for itf in found:
-      rule = _rule_for(itf.entry)
-      rule.check(self._context(itf))
+      itf.rule = registry.lookup(itf.entry.op_type) or _FALLBACK
+      try:
+        itf.rule.check(self._context(itf))
+      except NotImplementedError:  # This instance is outside the rule's scope.
+        itf.rule = _FALLBACK
     return found
 
   def _context(self, itf: Interface) -> base.Context:
@@ -145,7 +141,7 @@ class PerExampleBackprop:
   # Rules --------------------------------------------------------------------
 
   def _apply(self, itf: Interface, form: str, *args):
-    rule = _rule_for(itf.entry)
+    rule = itf.rule
     ctx = self._context(itf)
     try:
       return getattr(rule, form)(ctx, *args)
