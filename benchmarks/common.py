@@ -11,9 +11,17 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict
 
+from absl import flags
 import keras
 import numpy as np
 import tensorflow as tf
+
+
+BATCH = flags.DEFINE_integer("batch_size", 256, "Examples per step.")
+STEPS = flags.DEFINE_integer("steps", 10, "Steps per timing round.")
+ROUNDS = flags.DEFINE_integer("rounds", 7, "Alternating timing rounds.")
+MODELS_FLAG = flags.DEFINE_list("models", ["mlp", "cnn"], "Models to run.")
+JIT = flags.DEFINE_bool("jit_compile", False, "Compile both with XLA.")
 
 
 def mlp() -> keras.Model:
@@ -77,3 +85,27 @@ def peak_memory(fn: Callable[[], object]) -> int:
   tf.config.experimental.reset_memory_stats("CPU:0")
   _sync(fn())
   return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+
+
+def measure(build: Callable[[str, int, bool], Dict[str, Callable]],
+            name: str, batch_size: int, steps: int, rounds: int,
+            jit_compile: bool = False) -> dict:
+  """Times and measures the "plain" and "dp" step functions `build` returns."""
+  keras.utils.set_random_seed(0)
+  fns = build(name, batch_size, jit_compile)
+  t = interleaved_median(fns, steps, rounds)
+  mem = {k: peak_memory(f) for k, f in fns.items()}
+  return {"model": name, "time_plain_ms": 1e3 * t["plain"],
+          "time_dp_ms": 1e3 * t["dp"], "time_ratio": t["dp"] / t["plain"],
+          "mem_ratio": mem["dp"] / mem["plain"]}
+
+
+def report(label: str, what: str, build) -> None:
+  """Runs `measure` for each --models entry and prints one line each."""
+  for name in MODELS_FLAG.value:
+    r = measure(build, name, BATCH.value, STEPS.value, ROUNDS.value,
+                JIT.value)
+    print(f"{label} {r['model']} B={BATCH.value} jit={JIT.value}: {what} "
+          f"time {r['time_ratio']:.2f}x "
+          f"({r['time_dp_ms']:.2f} / {r['time_plain_ms']:.2f} ms), "
+          f"peak memory {r['mem_ratio']:.2f}x", flush=True)
