@@ -53,6 +53,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     self.target_epsilon = target_epsilon
     self.accountant = accountant
     self._noise_multiplier = noise_multiplier
+    self._max_steps_cache = {}
     # Validate the accounting arguments now rather than after an epoch.
     accounting.compute_epsilon(num_examples, batch_size,
                                noise_multiplier if noise_multiplier is not None
@@ -82,10 +83,32 @@ class PrivacyCallback(keras.callbacks.Callback):
         steps=self.steps() if steps is None else steps, delta=self.delta,
         accountant=self.accountant)
 
+  def max_steps(self) -> Optional[int]:
+    """The most steps whose ε stays within `target_epsilon` (None: no target).
+
+    Found by bisection on `compute_epsilon` (ε grows with the step count) and
+    cached per noise multiplier, so the per-batch check is an integer compare.
+    """
+    if self.target_epsilon is None:
+      return None
+    key = self.noise_multiplier
+    if self._max_steps_cache.get("key") != key:
+      within = lambda s: self.epsilon(s) <= self.target_epsilon  # noqa: E731
+      lo, hi = 0, 1
+      while within(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2**40:  # e.g. huge noise: effectively unbounded
+          break
+      while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
+      self._max_steps_cache = {"key": key, "value": lo}
+    return self._max_steps_cache["value"]
+
   def _next_step_over_budget(self) -> bool:
     if self.target_epsilon is None:
       return False
-    return self.epsilon(self.steps() + 1) > self.target_epsilon
+    return self.steps() + 1 > self.max_steps()
 
   def on_train_begin(self, logs=None):
     self.noise_multiplier  # noqa: B018  (raises now, not after an epoch)

@@ -125,6 +125,11 @@ class _DPTrainingMixin:
     return dp_train_step(self, data, clip, noise, self._dp_generator,
                          optimizer, self._dp_skipped)
 
+  def test_step(self, data):
+    logs = super().test_step(data)
+    logs.pop(self._dp_skipped.name, None)  # training-only count
+    return logs
+
   def get_config(self):
     config = super().get_config()
     config["l2_norm_clip"] = self._dp_l2_norm_clip
