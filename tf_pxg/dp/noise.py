@@ -93,7 +93,7 @@ def add_gaussian_noise(
 
 
 def _stateless_seed(seed) -> tf.Tensor:
-  """`seed` as a shape `[2]` integer tensor; a scalar `s` becomes `[0, s]`.
+  """`seed` as a shape `[2]` int32 tensor; a scalar `s` becomes `[0, s]`.
 
   (A Python int must not reach `tfp.random.split_seed` directly: TFP treats
   an int as a *stateful* seed and returns different seeds on every call.)
@@ -109,6 +109,11 @@ def _stateless_seed(seed) -> tf.Tensor:
     raise ValueError(
         "seed must be an integer tensor of shape [2] (or a scalar integer); "
         f"got shape {seed.shape}.")
+  if seed.dtype != tf.int32:
+    # TFP's seed splitting takes int32 seeds: hash the full seed into one.
+    seed = tf.random.stateless_uniform(
+        [2], seed=tf.cast(seed, tf.int64), minval=None, maxval=None,
+        dtype=tf.int32)
   return seed
 
 

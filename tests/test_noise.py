@@ -1,0 +1,232 @@
+"""Tests for tf_pxg.dp.noise: distribution, seeding, replicas, XLA."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_probability as tfp
+
+from tf_pxg import dp
+
+N = 100_000
+KS_CRITICAL = 1.95 / math.sqrt(N)  # two-sided KS, alpha = 1e-3
+
+
+def _ks_statistic(samples, stddev):
+  """sup_x |F_n(x) - F(x)| for F the N(0, stddev^2) CDF."""
+  x = tf.sort(tf.reshape(tf.cast(samples, tf.float64), [-1]))
+  n = tf.cast(tf.size(x), tf.float64)
+  model_cdf = tfp.distributions.Normal(
+      tf.constant(0.0, tf.float64), tf.constant(stddev, tf.float64)).cdf(x)
+  i = tf.range(1, tf.size(x) + 1, dtype=tf.float64)
+  return float(tf.maximum(tf.reduce_max(i / n - model_cdf),
+                          tf.reduce_max(model_cdf - (i - 1) / n)))
+
+
+def _noise(grads, noisy):
+  return tf.concat([tf.reshape(tf.cast(b - a, tf.float64), [-1])
+                    for a, b in zip(grads, noisy) if a is not None], 0)
+
+
+def _grads():
+  # Non-zero gradients of several shapes, 100_000 entries in all.
+  return [tf.fill([200, 300], 3.0), None, tf.fill([40_000], -1.0)]
+
+
+SOURCES = {
+    "generator": lambda: dict(generator=dp.make_generator(seed=7)),
+    "seed": lambda: dict(seed=tf.constant([11, 12], tf.int64)),
+}
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_noise_is_normal_with_stddev(source):
+  stddev = 0.7
+  grads = _grads()
+  noisy = dp.add_gaussian_noise(grads, stddev, **SOURCES[source]())
+  noise = _noise(grads, noisy)
+  assert int(tf.size(noise)) == N
+  assert _ks_statistic(noise, stddev) < KS_CRITICAL
+  assert float(tfp.stats.stddev(noise)) == pytest.approx(stddev, rel=0.02)
+  assert abs(float(tf.reduce_mean(noise))) < 5 * stddev / math.sqrt(N)
+
+
+def test_ks_check_has_power():
+  # The same check rejects noise whose std is 5% off or mean is 0.05 std off.
+  noise = tf.random.stateless_normal([N], seed=[1, 2], dtype=tf.float64)
+  assert _ks_statistic(noise, 1.0) < KS_CRITICAL
+  assert _ks_statistic(1.05 * noise, 1.0) > KS_CRITICAL
+  assert _ks_statistic(noise + 0.05, 1.0) > KS_CRITICAL
+
+
+def test_none_entries_pass_through_and_dtypes_kept():
+  grads = [None, tf.ones([3], tf.float64), None, tf.ones([2, 2], tf.bfloat16)]
+  out = dp.add_gaussian_noise(grads, 1.0, seed=tf.constant([1, 2]))
+  assert out[0] is None and out[2] is None
+  assert out[1].dtype == tf.float64 and out[1].shape == (3,)
+  assert out[3].dtype == tf.bfloat16 and out[3].shape == (2, 2)
+  assert dp.add_gaussian_noise([None], 1.0, seed=tf.constant([1, 2])) == [None]
+
+
+def test_zero_stddev_is_identity_and_indexed_slices_densify():
+  g = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 2]),
+                       tf.constant([4, 3]))
+  out, = dp.add_gaussian_noise([g], 0.0, generator=dp.make_generator(seed=1))
+  np.testing.assert_array_equal(out, tf.convert_to_tensor(g))
+
+
+def test_stateless_seed_reproducible():
+  grads = _grads()
+  a = dp.add_gaussian_noise(grads, 1.0, seed=tf.constant([5, 6]))
+  b = dp.add_gaussian_noise(grads, 1.0, seed=tf.constant([5, 6]))
+  c = dp.add_gaussian_noise(grads, 1.0, seed=tf.constant([5, 7]))
+  np.testing.assert_array_equal(a[0], b[0])
+  np.testing.assert_array_equal(a[2], b[2])
+  assert not np.array_equal(a[0], c[0])
+  # A scalar seed s means [0, s] and is just as deterministic.
+  d = dp.add_gaussian_noise(grads, 1.0, seed=6)
+  e = dp.add_gaussian_noise(grads, 1.0, seed=tf.constant([0, 6]))
+  np.testing.assert_array_equal(d[0], e[0])
+  # int64 seeds use all their bits.
+  f = dp.add_gaussian_noise(grads, 1.0, seed=tf.constant([2**40, 6], tf.int64))
+  g = dp.add_gaussian_noise(grads, 1.0, seed=tf.constant([0, 6], tf.int64))
+  assert not np.array_equal(f[0], g[0])
+
+
+def test_tensors_in_one_call_get_independent_noise():
+  grads = [tf.zeros([N]), tf.zeros([N])]
+  a, b = dp.add_gaussian_noise(grads, 1.0, seed=tf.constant([3, 4]))
+  assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 5 / math.sqrt(N)
+
+
+def test_generator_advances():
+  gen = dp.make_generator(seed=3)
+  a, = dp.add_gaussian_noise([tf.zeros([100])], 1.0, generator=gen)
+  b, = dp.add_gaussian_noise([tf.zeros([100])], 1.0, generator=gen)
+  assert not np.array_equal(a, b)
+  again = dp.make_generator(seed=3)
+  c, = dp.add_gaussian_noise([tf.zeros([100])], 1.0, generator=again)
+  np.testing.assert_array_equal(a, c)
+
+
+def test_unseeded_generators_differ():
+  a = dp.make_generator().normal([8])
+  b = dp.make_generator().normal([8])
+  assert not np.array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------
+# Replicas.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4, 8])
+def test_replica_noise_stddev(replicas):
+  assert dp.replica_noise_stddev(3.0, replicas) == pytest.approx(
+      3.0 / math.sqrt(replicas), rel=1e-15)
+  t = dp.replica_noise_stddev(tf.constant(3.0), replicas)
+  assert float(t) == pytest.approx(3.0 / math.sqrt(replicas), rel=1e-6)
+
+
+def test_replica_seeds_independent_and_deterministic():
+  seed = tf.constant([21, 22])
+  replicas = 4
+  seeds = [dp.replica_seed(seed, r, replicas) for r in range(replicas)]
+  assert len({tuple(s.numpy()) for s in seeds}) == replicas
+  np.testing.assert_array_equal(seeds[2], dp.replica_seed(seed, 2, replicas))
+  np.testing.assert_array_equal(
+      seeds[1], dp.replica_seed(seed, tf.constant(1), replicas))
+  streams = np.stack([
+      dp.add_gaussian_noise([tf.zeros([N // 4])], 1.0, seed=s)[0].numpy()
+      for s in seeds
+  ])
+  corr = np.corrcoef(streams)
+  off_diagonal = corr[~np.eye(replicas, dtype=bool)]
+  assert np.max(np.abs(off_diagonal)) < 5 / math.sqrt(N // 4)
+
+
+def test_summed_replica_noise_has_the_global_stddev():
+  # What an all-reduce SUM does under a strategy: R replicas each add
+  # N(0, s^2 / R) with their own seed; the total must be N(0, s^2).
+  stddev, replicas = 2.0, 4
+  seed = tf.constant([8, 9])
+  total = tf.add_n([
+      dp.add_gaussian_noise(
+          [tf.zeros([N], tf.float64)],
+          dp.replica_noise_stddev(stddev, replicas),
+          seed=dp.replica_seed(seed, r, replicas))[0]
+      for r in range(replicas)
+  ])
+  assert _ks_statistic(total, stddev) < KS_CRITICAL
+  assert float(tfp.stats.stddev(total)) == pytest.approx(stddev, rel=0.02)
+  # Without the split the sum would have std sqrt(R) * s: the check sees it.
+  assert _ks_statistic(total * math.sqrt(replicas), stddev) > KS_CRITICAL
+
+
+# ---------------------------------------------------------------------------
+# tf.function and XLA.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_inside_tf_function(jit):
+  gen = dp.make_generator(seed=5)
+
+  @tf.function(jit_compile=jit)
+  def step(a, b, seed, replica):
+    stddev = dp.replica_noise_stddev(1.5, 4)
+    stateless = dp.add_gaussian_noise(
+        [a, None, b], stddev, seed=dp.replica_seed(seed, replica, 4))
+    stateful = dp.add_gaussian_noise([a, None, b], stddev, generator=gen)
+    return stateless, stateful
+
+  a, b = tf.zeros([N // 2]), tf.zeros([N // 2])
+  seed = tf.constant([1, 2])
+  (s0, none0, s1), (g0, none1, g1) = step(a, b, seed, tf.constant(3))
+  assert none0 is None and none1 is None
+  (t0, _, _), (h0, _, _) = step(a, b, seed, tf.constant(3))
+  np.testing.assert_array_equal(s0, t0)  # stateless: same seed, same noise
+  assert not np.array_equal(g0, h0)      # generator: fresh noise every call
+  for noise in (tf.concat([s0, s1], 0), tf.concat([g0, g1], 0)):
+    assert _ks_statistic(noise, 0.75) < KS_CRITICAL
+
+
+# ---------------------------------------------------------------------------
+# Errors.
+# ---------------------------------------------------------------------------
+
+
+def test_needs_exactly_one_source_of_randomness():
+  with pytest.raises(ValueError, match="exactly one source of randomness"):
+    dp.add_gaussian_noise([tf.zeros([2])], 1.0)
+  with pytest.raises(ValueError, match="exactly one source of randomness"):
+    dp.add_gaussian_noise([tf.zeros([2])], 1.0,
+                          generator=dp.make_generator(seed=1),
+                          seed=tf.constant([1, 2]))
+
+
+@pytest.mark.parametrize("seed,message", [
+    (tf.constant([1, 2, 3]), r"seed must be .* shape \[2\].*got shape \(3,\)"),
+    (tf.constant([1.0, 2.0]), r"seed must be an integer .*got dtype float32"),
+])
+def test_bad_seed(seed, message):
+  with pytest.raises(ValueError, match=message):
+    dp.add_gaussian_noise([tf.zeros([2])], 1.0, seed=seed)
+  with pytest.raises(ValueError, match=message):
+    dp.replica_seed(seed, 0, 2)
+
+
+@pytest.mark.parametrize("replicas", [0, -1, 2.0, True, None])
+def test_bad_num_replicas(replicas):
+  with pytest.raises(ValueError, match=r"num_replicas must be a positive "
+                     r"integer .*got " + repr(replicas).replace(".", r"\.")):
+    dp.replica_noise_stddev(1.0, replicas)
+  with pytest.raises(ValueError, match="num_replicas must be a positive"):
+    dp.replica_seed(tf.constant([1, 2]), 0, replicas)
+
+
+def test_exports():
+  assert callable(dp.clip_factors)
+  np.testing.assert_allclose(
+      dp.clip_factors(tf.constant([0.5, 2.0, 4.0]), 1.0), [1.0, 0.5, 0.25])
