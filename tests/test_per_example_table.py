@@ -1,0 +1,568 @@
+"""The per-example table: every layer and op case against the reference loop.
+
+Each case builds a tiny model (a Keras layer, or a function of raw TF ops on
+`tf.Variable`s) and is run through `tf_pxg.testing.check_per_example_gradients`
+(per-example gradients, global norms and the clipped sum, all compared with a
+plain `tf.GradientTape` loop over single examples) in eager mode, in
+`tf.function` and under XLA, at B=1 and B=4, in float32 and float64.
+
+Expected values come only from the reference loop. The loss is
+`sum((output - label)**2)` over the non-batch axes, one value per example.
+
+`test_every_registered_op_has_a_case` fails when a rule is registered for an
+op type that no raw-op case exercises (computed from the registry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import zlib
+from typing import Any, Callable, Optional, Tuple
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_pxg
+from tf_pxg import registry
+from tf_pxg import testing as pxg_testing
+
+F32, F64 = tf.float32, tf.float64
+MODES = pxg_testing.MODES
+BATCH_SIZES = (1, 4)
+
+
+# Building blocks -------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Setup:
+  model: Callable
+  variables: list
+  inputs: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One row of the table.
+
+  Attributes:
+    name: the test id.
+    build: `build(dtype, batch_size, rng) -> Setup`.
+    op_types: raw TF op types this case is written to exercise (checked to
+      appear in the traced graph; used for registry coverage).
+    dtypes: the dtypes the layer/op supports.
+    tolerance: `(rtol, atol)` overriding the dtype default.
+    without_rule: op type whose rule is removed while the case runs (forces
+      the vectorized fallback).
+  """
+  name: str
+  build: Callable
+  op_types: Tuple[str, ...] = ()
+  dtypes: Tuple[tf.DType, ...] = (F32, F64)
+  tolerance: Optional[Tuple[float, float]] = None
+  without_rule: Optional[str] = None
+
+
+@contextlib.contextmanager
+def without_rule(op_type: Optional[str]):
+  """Removes the rule of `op_type` (if any) and re-registers it afterwards."""
+  if op_type is None:
+    yield
+    return
+  rule = registry.lookup(op_type)
+  registry.unregister(op_type)
+  try:
+    yield
+  finally:
+    if rule is not None:
+      tf_pxg.register(op_type, override=True)(rule)
+
+
+def _normal(rng, shape, dtype):
+  return tf.constant(rng.standard_normal(shape), dtype)
+
+
+def _var(rng, shape, dtype, name, positive=False):
+  v = rng.standard_normal(shape)
+  if positive:
+    v = 1.0 + np.abs(v)
+  return tf.Variable(tf.constant(v, dtype), name=name)
+
+
+def _ids(rng, shape, vocab):
+  """Token ids with repeats inside each example."""
+  ids = rng.integers(0, vocab, size=shape)
+  if len(shape) >= 2 and shape[1] >= 2:
+    ids[:, 1] = ids[:, 0]
+  return tf.constant(ids, tf.int32)
+
+
+def layer_case(name, make_layer, input_shape, *, call=None, ids_vocab=None,
+               setup_layer=None, **kw) -> Case:
+  """A Keras layer on an input of shape `[B, *input_shape]`."""
+
+  def build(dtype, b, rng):
+    keras.utils.set_random_seed(0)
+    layer = make_layer(dtype.name)
+    if ids_vocab is not None:
+      x = _ids(rng, (b,) + tuple(input_shape), ids_vocab)
+    else:
+      x = _normal(rng, (b,) + tuple(input_shape), dtype)
+    fn = layer if call is None else (lambda inp: call(layer, inp))
+    fn(x)  # builds the layer
+    if setup_layer is not None:
+      setup_layer(layer, rng)
+    return Setup(fn, list(layer.trainable_variables), x)
+
+  return Case(name, build, **kw)
+
+
+def raw_case(name, op_types, fn, input_shape, param_shapes, *,
+             positive_params=False, ids_vocab=None, **kw) -> Case:
+  """`fn(x, *params)` of raw TF ops, params `tf.Variable`s of given shapes."""
+
+  def build(dtype, b, rng):
+    params = [_var(rng, s, dtype, f"w{i}", positive_params)
+              for i, s in enumerate(param_shapes)]
+    if ids_vocab is not None:
+      x = _ids(rng, (b,) + tuple(input_shape), ids_vocab)
+    else:
+      x = _normal(rng, (b,) + tuple(input_shape), dtype)
+    return Setup(lambda inp: fn(inp, *params), params, x)
+
+  return Case(name, build, tuple(op_types), **kw)
+
+
+def _t(x):
+  return tf.transpose(x)
+
+
+# Layer cases -----------------------------------------------------------------
+
+L = keras.layers
+
+
+def _mixed_dense(dtype):
+  """A Dense built under the mixed_float16 policy (policy restored)."""
+  old = keras.config.dtype_policy()
+  keras.config.set_dtype_policy("mixed_float16")
+  try:
+    layer = L.Dense(3, activation="tanh")
+  finally:
+    keras.config.set_dtype_policy(old)
+  del dtype
+  return layer
+
+
+def _lora_dense(dtype):
+  layer = L.Dense(4, dtype=dtype)
+  layer.build((None, 5))
+  layer.enable_lora(2)
+  return layer
+
+
+def _randomize_lora(layer, rng):
+  # lora_kernel_b starts at zero, which would make lora_kernel_a's gradient 0.
+  b = layer.lora_kernel_b
+  b.assign(rng.standard_normal(b.shape).astype(b.dtype))
+
+
+LAYER_CASES = [
+    layer_case("Dense_2d", lambda d: L.Dense(3, activation="tanh", dtype=d),
+               (5,)),
+    layer_case("Dense_3d_sequence", lambda d: L.Dense(3, dtype=d), (4, 5)),
+    layer_case("EinsumDense", lambda d: L.EinsumDense(
+        "abc,cd->abd", output_shape=(4, 3), bias_axes="d", dtype=d), (4, 5)),
+    layer_case("Conv1D_same_strided", lambda d: L.Conv1D(
+        3, 3, strides=2, padding="same", dtype=d), (7, 2)),
+    layer_case("Conv2D_same_strides2", lambda d: L.Conv2D(
+        3, 3, strides=2, padding="same", dtype=d), (6, 6, 2)),
+    layer_case("Conv2D_valid_dilation2", lambda d: L.Conv2D(
+        3, 2, dilation_rate=2, padding="valid", dtype=d), (6, 5, 2)),
+    layer_case("Conv3D", lambda d: L.Conv3D(2, 2, dtype=d), (3, 4, 3, 2)),
+    layer_case("DepthwiseConv2D", lambda d: L.DepthwiseConv2D(
+        3, depth_multiplier=2, padding="same", dtype=d), (5, 5, 2)),
+    layer_case("SeparableConv2D", lambda d: L.SeparableConv2D(
+        3, 3, depth_multiplier=2, dtype=d), (5, 5, 2)),
+    layer_case("Conv2DTranspose", lambda d: L.Conv2DTranspose(
+        3, 3, strides=2, padding="same", dtype=d), (3, 3, 2)),
+    layer_case("Embedding_repeated_tokens",
+               lambda d: L.Embedding(7, 3, dtype=d), (5,), ids_vocab=7),
+    layer_case("LayerNormalization", lambda d: L.LayerNormalization(dtype=d),
+               (4, 5)),
+    layer_case("GroupNormalization", lambda d: L.GroupNormalization(
+        groups=2, dtype=d), (3, 4)),
+    layer_case("MultiHeadAttention", lambda d: L.MultiHeadAttention(
+        num_heads=2, key_dim=3, dtype=d), (4, 5),
+               call=lambda layer, x: layer(x, x)),
+    layer_case("SimpleRNN_unroll", lambda d: L.SimpleRNN(
+        3, unroll=True, return_sequences=True, dtype=d), (4, 2)),
+    layer_case("LSTM_unroll", lambda d: L.LSTM(3, unroll=True, dtype=d),
+               (4, 2)),
+    layer_case("GRU_unroll", lambda d: L.GRU(3, unroll=True, dtype=d),
+               (4, 2)),
+    layer_case("Dense_mixed_float16", _mixed_dense, (5,), dtypes=(F32,),
+               tolerance=(2e-2, 2e-3)),
+    layer_case("Dense_LoRA", _lora_dense, (5,), setup_layer=_randomize_lora),
+]
+
+# Raw-op cases ----------------------------------------------------------------
+
+RAW_CASES = []
+
+# MatMul: every transpose combination, parameter as argument 1 and 0. The data
+# operand is x ([B, d]) or its transpose, the output is brought to [B, u].
+for ta in (False, True):
+  for tb in (False, True):
+    RAW_CASES.append(raw_case(
+        f"MatMul_param1_ta{int(ta)}_tb{int(tb)}", ["MatMul"],
+        lambda x, w, ta=ta, tb=tb: tf.linalg.matmul(
+            _t(x) if ta else x, w, transpose_a=ta, transpose_b=tb),
+        (5,), [(3, 5) if tb else (5, 3)]))
+    RAW_CASES.append(raw_case(
+        f"MatMul_param0_ta{int(ta)}_tb{int(tb)}", ["MatMul"],
+        lambda x, w, ta=ta, tb=tb: _t(tf.linalg.matmul(
+            w, x if tb else _t(x), transpose_a=ta, transpose_b=tb)),
+        (5,), [(5, 3) if ta else (3, 5)]))
+
+
+def _bmm(x, y, adj_x=False, adj_y=False, v3=False):
+  if v3:
+    return tf.raw_ops.BatchMatMulV3(x=x, y=y, Tout=x.dtype, adj_x=adj_x,
+                                    adj_y=adj_y)
+  return tf.raw_ops.BatchMatMulV2(x=x, y=y, adj_x=adj_x, adj_y=adj_y)
+
+
+for op, v3 in (("BatchMatMulV2", False), ("BatchMatMulV3", True)):
+  RAW_CASES += [
+      raw_case(f"{op}_param1_broadcast", [op],
+               lambda x, w, v3=v3: _bmm(x, w, v3=v3), (4, 5), [(5, 3)]),
+      raw_case(f"{op}_param1_adj_y", [op],
+               lambda x, w, v3=v3: _bmm(x, w, adj_y=True, v3=v3), (4, 5),
+               [(3, 5)]),
+      raw_case(f"{op}_param1_adj_x", [op],
+               lambda x, w, v3=v3: _bmm(x, w, adj_x=True, v3=v3), (5, 4),
+               [(5, 3)]),
+      raw_case(f"{op}_param1_rank3", [op],
+               lambda x, w, v3=v3: _bmm(x, w, v3=v3), (4, 5), [(1, 5, 3)]),
+      raw_case(f"{op}_param0", [op],
+               lambda x, w, v3=v3: _bmm(w, x, v3=v3), (4, 5), [(3, 4)]),
+      raw_case(f"{op}_param0_adj_x", [op],
+               lambda x, w, v3=v3: _bmm(w, x, adj_x=True, v3=v3), (4, 5),
+               [(4, 3)]),
+  ]
+
+# Einsum: batch on axis 0 of the data operand.
+for eq, x_shape, w_shape in (
+    ("bi,io->bo", (5,), (5, 3)),
+    ("bti,io->bto", (4, 5), (5, 3)),
+    ("io,bti->bto", (4, 5), (5, 3)),
+    ("btd,dhk->bthk", (4, 5), (5, 2, 3)),
+    ("bti,i->bt", (4, 5), (5,)),
+):
+  param_first = eq.index(",") == 2 and not eq.startswith("b")
+  RAW_CASES.append(raw_case(
+      "Einsum_" + eq.replace(",", "_").replace("->", "_to_"), ["Einsum"],
+      (lambda x, w, eq=eq: tf.einsum(eq, w, x)) if param_first else
+      (lambda x, w, eq=eq: tf.einsum(eq, x, w)), x_shape, [w_shape]))
+
+RAW_CASES += [
+    raw_case("BiasAdd_2d", ["BiasAdd"], lambda x, b: tf.nn.bias_add(x, b),
+             (5,), [(5,)]),
+    raw_case("BiasAdd_NHWC", ["BiasAdd"], lambda x, b: tf.nn.bias_add(x, b),
+             (3, 3, 2), [(2,)]),
+    raw_case("BiasAdd_NCHW", ["BiasAdd"],
+             lambda x, b: tf.nn.bias_add(x, b, data_format="NCHW"),
+             (2, 3, 3), [(2,)]),
+    # Elementwise with broadcasting, parameter on either side.
+    raw_case("AddV2_x_plus_w", ["AddV2"], lambda x, w: x + w, (4, 5), [(5,)]),
+    raw_case("AddV2_w_plus_x", ["AddV2"], lambda x, w: w + x, (4, 5),
+             [(4, 5)]),
+    raw_case("AddV2_w_1x5", ["AddV2"], lambda x, w: tf.tanh(x) + w, (5,),
+             [(1, 5)]),
+    raw_case("Add_x_plus_w", ["Add"], lambda x, w: tf.raw_ops.Add(x=x, y=w),
+             (4, 5), [(5,)]),
+    raw_case("Add_w_plus_x", ["Add"], lambda x, w: tf.raw_ops.Add(x=w, y=x),
+             (4, 5), [(4, 1)]),
+    raw_case("Sub_x_minus_w", ["Sub"], lambda x, w: x - w, (4, 5), [(5,)]),
+    raw_case("Sub_w_minus_x", ["Sub"], lambda x, w: w - x, (4, 5), [(4, 5)]),
+    raw_case("Mul_x_times_w", ["Mul"], lambda x, w: x * w, (4, 5), [(5,)]),
+    raw_case("Mul_w_times_x", ["Mul"], lambda x, w: w * x, (4, 5), [(4, 1)]),
+    raw_case("Mul_scalar_param", ["Mul"], lambda x, w: w * x, (5,), [()]),
+    raw_case("Mul_param_squared_times_x", ["Mul"],
+             lambda x, w: x * (w * w), (5,), [(5,)]),
+    # Convolutions.
+    raw_case("Conv2D_SAME_strides2", ["Conv2D"],
+             lambda x, w: tf.nn.conv2d(x, w, strides=2, padding="SAME"),
+             (5, 5, 2), [(3, 3, 2, 3)]),
+    raw_case("Conv2D_VALID_dilation2", ["Conv2D"],
+             lambda x, w: tf.nn.conv2d(x, w, strides=1, padding="VALID",
+                                       dilations=2), (6, 5, 2),
+             # No float64: TF's CPU Conv2DBackpropInput (which the reference's
+             # tf.GradientTape runs) has no dilations > 1 in float64.
+             [(2, 2, 2, 3)], dtypes=(F32,)),
+    raw_case("Conv2D_VALID_strides_2x1", ["Conv2D"],
+             lambda x, w: tf.nn.conv2d(x, w, strides=[1, 2, 1, 1],
+                                       padding="VALID"), (5, 4, 1),
+             [(2, 3, 1, 2)]),
+    raw_case("Conv3D_SAME", ["Conv3D"],
+             lambda x, w: tf.nn.conv3d(x, w, strides=[1, 1, 2, 1, 1],
+                                       padding="SAME"), (3, 4, 3, 2),
+             [(2, 2, 2, 2, 2)]),
+    raw_case("DepthwiseConv2dNative_SAME", ["DepthwiseConv2dNative"],
+             lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
+                 input=x, filter=w, strides=[1, 1, 1, 1], padding="SAME"),
+             (4, 4, 2), [(3, 3, 2, 2)]),
+    raw_case("DepthwiseConv2dNative_VALID_strides2", ["DepthwiseConv2dNative"],
+             lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
+                 input=x, filter=w, strides=[1, 2, 2, 1], padding="VALID"),
+             (5, 5, 2), [(2, 2, 2, 1)]),
+    raw_case("Conv2DBackpropInput_SAME_strides2", ["Conv2DBackpropInput"],
+             lambda x, w: tf.nn.conv2d_transpose(
+                 x, w, tf.stack([tf.shape(x)[0], 6, 6, 3]), strides=2,
+                 padding="SAME"), (3, 3, 2), [(3, 3, 3, 2)]),
+    raw_case("Conv2DBackpropInput_VALID", ["Conv2DBackpropInput"],
+             lambda x, w: tf.nn.conv2d_transpose(
+                 x, w, tf.stack([tf.shape(x)[0], 4, 5, 2]), strides=1,
+                 padding="VALID"), (3, 3, 2), [(2, 3, 2, 2)]),
+    # Gathers (repeated tokens inside an example).
+    raw_case("GatherV2_tokens", ["GatherV2"],
+             lambda ids, w: tf.gather(tf.convert_to_tensor(w), ids), (4,),
+             [(6, 3)], ids_vocab=6),
+    raw_case("GatherV2_one_token", ["GatherV2"],
+             lambda ids, w: tf.gather(tf.convert_to_tensor(w), ids), (),
+             [(6, 3)], ids_vocab=6),
+    raw_case("ResourceGather_tokens", ["ResourceGather"],
+             lambda ids, w: tf.gather(w, ids), (4,), [(6, 3)], ids_vocab=6),
+    raw_case("ResourceGather_embedding_lookup", ["ResourceGather"],
+             lambda ids, w: tf.nn.embedding_lookup(w, ids), (3,), [(5, 2)],
+             ids_vocab=5),
+]
+
+# Parameter sharing and parameter-only preprocessing ---------------------------
+
+
+def _tied_embedding(ids, e):
+  h = tf.reduce_mean(tf.gather(e, ids), axis=1)          # [B, d]
+  return tf.linalg.matmul(h, e, transpose_b=True)         # [B, V]
+
+
+def _twice(dtype, b, rng):
+  keras.utils.set_random_seed(0)
+  layer = L.Dense(4, activation="tanh", dtype=dtype.name)
+  x = _normal(rng, (b, 4), dtype)
+  fn = lambda inp: layer(layer(inp))
+  fn(x)
+  return Setup(fn, list(layer.trainable_variables), x)
+
+
+def _mlp_with_bias(x, w1, b1, w2):
+  return tf.linalg.matmul(tf.tanh(tf.linalg.matmul(x, w1) + b1), w2)
+
+
+STRUCTURE_CASES = [
+    raw_case("tied_embedding_gather_and_matmul_transpose_b", (),
+             _tied_embedding, (4,), [(6, 3)], ids_vocab=6),
+    Case("layer_called_twice", _twice),
+    raw_case("kernel_reshaped_and_scaled", (),
+             lambda x, w: tf.linalg.matmul(x, 2.0 * tf.reshape(w, [5, 3])),
+             (5,), [(15,)]),
+    raw_case("kernel_is_sum_of_param_and_param_product", (),
+             lambda x, w, a: tf.linalg.matmul(x, w + tf.matmul(a, a)),
+             (3,), [(3, 3), (3, 3)]),
+    raw_case("mlp_two_layers_with_bias", (), _mlp_with_bias, (5,),
+             [(5, 4), (4,), (4, 2)]),
+]
+
+# Unregistered ops consuming a parameter: the vectorized fallback --------------
+
+FALLBACK_CASES = [
+    raw_case("fallback_SquaredDifference", ["SquaredDifference"],
+             lambda x, w: tf.math.cumsum(tf.math.squared_difference(x, w),
+                                         axis=1), (5,), [(5,)],
+             without_rule="SquaredDifference"),
+    raw_case("fallback_RealDiv", ["RealDiv"], lambda x, w: x / w, (4, 3),
+             [(3,)], positive_params=True, without_rule="RealDiv"),
+    raw_case("fallback_Maximum", ["Maximum"],
+             lambda x, w: tf.maximum(x, w), (4, 3), [(4, 3)],
+             without_rule="Maximum"),
+    raw_case("fallback_Conv2D_rule_removed", ["Conv2D"],
+             lambda x, w: tf.nn.conv2d(x, w, strides=1, padding="SAME"),
+             (4, 4, 2), [(3, 3, 2, 2)], without_rule="Conv2D"),
+    raw_case("fallback_MatMul_rule_removed", ["MatMul"],
+             lambda x, w: tf.linalg.matmul(x, w), (5,), [(5, 3)],
+             without_rule="MatMul"),
+]
+
+CASES = LAYER_CASES + RAW_CASES + STRUCTURE_CASES + FALLBACK_CASES
+_CASES_BY_NAME = {c.name: c for c in CASES}
+assert len(_CASES_BY_NAME) == len(CASES), "duplicate case names"
+
+
+# The table -------------------------------------------------------------------
+
+
+def _loss(labels, outputs):
+  outputs = tf.cast(outputs, labels.dtype)
+  d = outputs - labels
+  return 0.5 * tf.reduce_sum(tf.reshape(d * d, [tf.shape(d)[0], -1]), axis=1)
+
+
+_BUILT = {}
+_ERRORS = {}
+
+
+def _built(case: Case, dtype, b):
+  """The case's model, variables, inputs, labels and reference, memoised so
+  the three modes share one reference computation."""
+  key = (case.name, dtype.name, b)
+  if key not in _BUILT:
+    rng = np.random.default_rng(zlib.crc32(case.name.encode()) + b)
+    setup = case.build(dtype, b, rng)
+    out = tf.convert_to_tensor(setup.model(setup.inputs))
+    label_dtype = F64 if dtype == F64 else F32
+    labels = _normal(rng, out.shape, label_dtype)
+    with without_rule(case.without_rule):
+      reference = pxg_testing.reference_per_example_gradients(
+          _loss, setup.model, setup.variables, setup.inputs, labels)
+    _BUILT[key] = (setup, labels, reference)
+  return _BUILT[key]
+
+
+def _params():
+  for case in CASES:
+    for dtype in case.dtypes:
+      for b in BATCH_SIZES:
+        for mode in MODES:
+          yield pytest.param(case.name, dtype, b, mode,
+                             id=f"{case.name}-{mode}-B{b}-{dtype.name}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_worst_error():
+  yield
+  if _ERRORS:
+    worst = max(_ERRORS, key=_ERRORS.get)
+    print(f"\n[per-example table] {len(_ERRORS)} checks passed; worst relative "
+          f"error {_ERRORS[worst]:.3g} at {worst}")
+  _BUILT.clear()
+
+
+@pytest.mark.parametrize("name,dtype,batch_size,mode", list(_params()))
+def test_per_example_table(name, dtype, batch_size, mode):
+  case = _CASES_BY_NAME[name]
+  setup, labels, reference = _built(case, dtype, batch_size)
+  kwargs = {}
+  if case.tolerance is not None:
+    kwargs["rtol"], kwargs["atol"] = case.tolerance
+  with without_rule(case.without_rule):
+    err = pxg_testing.check_per_example_gradients(
+        _loss, setup.model, setup.variables, setup.inputs, labels, mode=mode,
+        reference=reference, **kwargs)
+  _ERRORS[f"{name}-{mode}-B{batch_size}-{dtype.name}"] = err
+
+
+def test_mixed_precision_policy_restored():
+  assert keras.config.dtype_policy().name == "float32"
+
+
+# Coverage and sanity of the table --------------------------------------------
+
+
+def test_every_registered_op_has_a_case():
+  covered = {t for c in RAW_CASES + FALLBACK_CASES for t in c.op_types
+             if c.without_rule is None}
+  missing = sorted(set(tf_pxg.registered_op_types()) - covered)
+  assert not missing, (
+      f"Registered op types without a raw-op case in the per-example table: "
+      f"{missing}. Add a raw_case(...) for each to RAW_CASES in "
+      f"{__file__}.")
+
+
+@pytest.mark.parametrize(
+    "name", [c.name for c in RAW_CASES + FALLBACK_CASES if c.op_types])
+def test_raw_case_emits_its_op_types(name):
+  """A raw-op case really builds the op types it claims to cover."""
+  case = _CASES_BY_NAME[name]
+  setup = case.build(F32, 2, np.random.default_rng(0))
+  spec = tf.TensorSpec(setup.inputs.shape, setup.inputs.dtype)
+  graph = tf.function(setup.model).get_concrete_function(spec).graph
+  types = {op.type for op in graph.get_operations()}
+  assert set(case.op_types) <= types, (case.op_types, sorted(types))
+
+
+# Errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_normalization_raises(mode):
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([
+      keras.Input((4,)),
+      L.Dense(3),
+      L.BatchNormalization(name="my_batch_norm"),
+      L.Dense(2),
+  ])
+  x = _normal(np.random.default_rng(0), (4, 4), F32)
+  labels = _normal(np.random.default_rng(1), (4, 2), F32)
+  model(x)
+
+  def fn(inp):
+    return model(inp, training=True)
+
+  with pytest.raises(ValueError) as info:
+    pxg_testing.check_per_example_gradients(
+        _loss, fn, model.trainable_variables, x, labels, mode=mode,
+        reference=[tf.zeros([4] + list(v.shape))
+                   for v in model.trainable_variables])
+  msg = str(info.value)
+  assert "GroupNormalization" in msg and "LayerNormalization" in msg, msg
+  assert "op '" in msg, msg  # names the op
+  assert "my_batch_norm" in msg, msg  # names the layer
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fallback_that_cannot_work_raises(mode):
+  """MatrixSolve with the batch on axis 1 of its data operand: the examples
+  cannot be split out of axis 0, so the fallback cannot run."""
+  rng = np.random.default_rng(0)
+  w = _var(rng, (3, 3), F32, "w")
+  w.assign(w + 4.0 * tf.eye(3))
+  x = _normal(rng, (2, 3), F32)
+  labels = _normal(rng, (2, 3), F32)
+
+  def fn(inp):
+    return tf.transpose(tf.linalg.solve(w, tf.transpose(inp)))
+
+  with without_rule("MatrixSolve"):
+    with pytest.raises(NotImplementedError) as info:
+      pxg_testing.check_per_example_gradients(_loss, fn, [w], x, labels,
+                                              mode=mode)
+  msg = str(info.value)
+  assert "MatrixSolve" in msg and "tf_pxg.register" in msg, msg
+
+
+def test_check_reports_a_wrong_rule():
+  """The reference check catches a wrong rule and says where."""
+
+  class Wrong(tf_pxg.rules.base.Rule):
+
+    def per_example(self, ctx):
+      return 2.0 * tf_pxg.rules.base.vectorized_per_example(ctx)
+
+  rng = np.random.default_rng(0)
+  w = _var(rng, (3,), F32, "w")
+  x = _normal(rng, (4, 3), F32)
+  labels = _normal(rng, (4, 3), F32)
+  with without_rule("SquaredDifference"):
+    tf_pxg.register("SquaredDifference")(Wrong)
+    try:
+      with pytest.raises(AssertionError, match="per_example_gradient"):
+        pxg_testing.check_per_example_gradients(
+            _loss, lambda inp: tf.math.squared_difference(inp, w), [w], x,
+            labels)
+    finally:
+      registry.unregister("SquaredDifference")
