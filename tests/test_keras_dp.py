@@ -248,12 +248,15 @@ def test_noise_differs_between_steps_and_unseeded_models():
   assert np.abs(updates[0] - updates[1]).max() > 0.1
 
 
-def test_non_finite_example_skips_update_and_counts_step():
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_non_finite_example_skips_update_and_counts_step(bad, run_eagerly):
   x, y = _data()
-  x[3, 0, 0, 0] = np.nan
+  x[3, 0, 0, 0] = bad
   model = _functional(dp_cls=dpk.DPModel, l2_norm_clip=1.0,
                       noise_multiplier=1.0)
-  model.compile(optimizer=keras.optimizers.Adam(0.1), loss=_sce())
+  model.compile(optimizer=keras.optimizers.Adam(0.1), loss=_sce(),
+                run_eagerly=run_eagerly)
   model.optimizer.build(model.trainable_variables)
   before = [v.numpy() for v in model.variables]
   slots = [v.numpy() for v in model.optimizer.variables]
@@ -300,3 +303,23 @@ def test_evaluate_and_predict_behave_as_keras():
   got = dp.evaluate(x, y, verbose=0, return_dict=True)
   for k, v in want.items():
     np.testing.assert_allclose(got[k], v, rtol=1e-6)
+
+
+def test_example_script_runs_and_prints_summary():
+  import os
+  import re
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "examples", "dp_digits.py"),
+       "--epochs=2", "--target_epsilon=2.0"],
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.strip().splitlines()
+  assert re.fullmatch(r"epoch 2: test_accuracy=\S+ epsilon=\S+", lines[-2])
+  match = re.fullmatch(
+      r"final: test_accuracy=(\S+) epsilon=(\S+) delta=1e-05", lines[-1])
+  assert match, lines[-1]
+  assert 0.0 <= float(match.group(1)) <= 1.0
+  assert float(match.group(2)) <= 2.0

@@ -108,8 +108,13 @@ def test_frozen_batch_normalization_is_allowed():
                            noise_multiplier=0.5)
   model.compile(optimizer="sgd", loss=_sce())
   x, y = _data()
+  model(x)
+  frozen = [v.numpy() for v in model.non_trainable_variables]
   model.fit(x, y, verbose=0)
   assert int(model.optimizer.iterations) == 1
+  # No noise (or anything else) reaches non-trainable variables.
+  for w, v in zip(frozen, model.non_trainable_variables):
+    np.testing.assert_array_equal(v.numpy(), w)
 
 
 @pytest.mark.parametrize("loss", [
