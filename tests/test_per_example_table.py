@@ -575,3 +575,27 @@ def test_check_reports_a_wrong_rule():
             labels)
     finally:
       registry.unregister("SquaredDifference")
+
+
+# The reference itself ----------------------------------------------------------
+
+
+def test_reference_matches_closed_form():
+  """For 0.5 * ||x W - y||^2, example b's gradient is outer(x_b, x_b W - y_b)."""
+  rng = np.random.default_rng(0)
+  w = _var(rng, (3, 2), F64, "w")
+  x, y = _normal(rng, (4, 3), F64), _normal(rng, (4, 2), F64)
+  ref, = pxg_testing.reference_per_example_gradients(
+      _loss, lambda inp: tf.linalg.matmul(inp, w), [w], x, y)
+  r = x.numpy() @ w.numpy() - y.numpy()
+  np.testing.assert_allclose(ref.numpy(), np.einsum("bi,bo->bio", x.numpy(), r),
+                             rtol=1e-12)
+
+
+def test_check_rejects_a_loss_that_is_not_per_example():
+  rng = np.random.default_rng(0)
+  w = _var(rng, (3, 2), F32, "w")
+  x = _normal(rng, (4, 3), F32)
+  with pytest.raises(ValueError, match=r"shape \[B\]"):
+    pxg_testing.check_per_example_gradients(
+        None, lambda inp: tf.reduce_sum(tf.linalg.matmul(inp, w)), [w], x)
