@@ -554,22 +554,40 @@ def test_fallback_that_cannot_work_raises(mode):
   assert "MatrixSolve" in msg and "tf_pxg.register" in msg, msg
 
 
-def test_check_reports_a_wrong_rule():
-  """The reference check catches a wrong rule and says where."""
+class _WrongRule(tf_pxg.rules.base.Rule):
+  """The fallback's per-example gradient with one form deliberately wrong."""
 
-  class Wrong(tf_pxg.rules.base.Rule):
+  def __init__(self, wrong):
+    self.wrong = wrong
 
-    def per_example(self, ctx):
-      return 2.0 * tf_pxg.rules.base.vectorized_per_example(ctx)
+  def per_example(self, ctx):
+    g = tf_pxg.rules.base.vectorized_per_example(ctx)
+    return 2.0 * g if self.wrong == "per_example" else g
 
+  def sq_norm(self, ctx):
+    n = super().sq_norm(ctx)
+    return 2.0 * n if self.wrong == "sq_norm" else n
+
+  def weighted_sum(self, ctx, c):
+    s = super().weighted_sum(ctx, c)
+    return 2.0 * s if self.wrong == "weighted_sum" else s
+
+
+@pytest.mark.parametrize("wrong,quantity", [
+    ("per_example", "per_example_gradient"),
+    ("sq_norm", "per_example_norms"),
+    ("weighted_sum", "clipped_gradient_sum"),
+])
+def test_check_reports_a_wrong_rule(wrong, quantity):
+  """The reference check catches a wrong rule form and names the quantity."""
   rng = np.random.default_rng(0)
   w = _var(rng, (3,), F32, "w")
   x = _normal(rng, (4, 3), F32)
   labels = _normal(rng, (4, 3), F32)
   with without_rule("SquaredDifference"):
-    tf_pxg.register("SquaredDifference")(Wrong)
+    tf_pxg.register("SquaredDifference")(_WrongRule(wrong))
     try:
-      with pytest.raises(AssertionError, match="per_example_gradient"):
+      with pytest.raises(AssertionError, match=quantity):
         pxg_testing.check_per_example_gradients(
             _loss, lambda inp: tf.math.squared_difference(inp, w), [w], x,
             labels)
