@@ -41,9 +41,10 @@ _COMMON = textwrap.dedent(f"""
       if use_fit:
         model.fit(ds, epochs=1, verbose=0)
       else:
-        # Keras 3.15's fit fails under multi-worker MWMS before any step
-        # (`_maybe_symbolic_build` passes the (x, y) tuple of PerReplica to
-        # strategy.reduce); run the same train_step the way fit does.
+        # Keras 3.15's fit fails under multi-worker MWMS before any step, for
+        # any model (`_maybe_symbolic_build` passes the (x, y) tuple of
+        # PerReplica to strategy.reduce; keras-team/keras#20585,
+        # tensorflow/tensorflow#72388); run the same train_step as fit does.
         with strategy.scope():
           model.optimizer.build(model.trainable_variables)
 

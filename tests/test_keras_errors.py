@@ -215,3 +215,11 @@ def test_privacy_callback_argument_errors():
   cb = dpk.PrivacyCallback(num_examples=8, batch_size=4)
   with pytest.raises(ValueError, match="noise_multiplier"):
     model.fit(x, y, batch_size=4, verbose=0, callbacks=[cb])
+
+
+def test_loss_scale_optimizer_rejected():
+  model = dpk.DPSequential(_layers(), l2_norm_clip=1.0, noise_multiplier=1.0)
+  with pytest.raises(ValueError, match="LossScaleOptimizer"):
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+        loss=_sce())

@@ -41,6 +41,10 @@ class _DPTrainingMixin:
       from OS entropy. The seed is not saved with the model, so a reloaded
       model never replays the noise of a previous run.
 
+  The noisy sum is divided by the actual global batch size (Keras feeds
+  fixed-size batches; the accounting in `tf_pxg.accounting` treats
+  `batch_size` as the expected size of a Poisson-sampled batch).
+
   Non-finite policy: if any example's gradient norm is NaN or inf, the whole
   update is skipped (weights and optimizer slots untouched) but
   `optimizer.iterations` still advances, so accounting stays conservative.
@@ -99,6 +103,12 @@ class _DPTrainingMixin:
     return own
 
   def _check_trainable_for_dp(self, optimizer):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+      raise ValueError(
+          f"Model {self.name!r} is compiled with a LossScaleOptimizer "
+          "(mixed_float16): DP training does not scale the loss, so the "
+          "optimizer would unscale unscaled gradients. Use the float32 or "
+          "mixed_bfloat16 dtype policy.")
     self._resolve_dp_params(optimizer, strict=True)
     _validation.check_no_batch_mixing_layers(self)
     _validation.check_no_data_dependent_losses(self)
