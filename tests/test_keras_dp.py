@@ -323,3 +323,37 @@ def test_example_script_runs_and_prints_summary():
   assert match, lines[-1]
   assert 0.0 <= float(match.group(1)) <= 1.0
   assert float(match.group(2)) <= 2.0
+
+
+def test_embedding_and_masked_sequence_match_reference():
+  """Sparse (IndexedSlices) embedding gradients; a masked [B, T] loss."""
+  rng = np.random.RandomState(0)
+  x = rng.randint(1, 20, size=(6, 5)).astype("int32")
+  x[:, 3:] = 0  # padding, masked out by mask_zero
+  y = rng.randn(6, 5, 2).astype("float32")
+  keras.utils.set_random_seed(2)
+  inp = keras.Input((5,), dtype="int32")
+  h = keras.layers.Embedding(20, 4, mask_zero=True)(inp)
+  out = keras.layers.Dense(2)(h)
+  model = dpk.DPModel(inp, out, l2_norm_clip=0.05, noise_multiplier=0.0)
+
+  def masked_mse(yt, yp, xb):
+    m = tf.cast(xb != 0, tf.float32)
+    per_step = tf.reduce_mean(tf.square(yt - yp), axis=-1)
+    return tf.reduce_sum(per_step * m) / tf.reduce_sum(m)
+
+  grads = None
+  for b in range(len(x)):
+    with tf.GradientTape() as tape:
+      loss = masked_mse(y[b:b + 1], model(x[b:b + 1]), x[b:b + 1])
+    g = [tf.convert_to_tensor(t).numpy()
+         for t in tape.gradient(loss, model.trainable_variables)]
+    factor = min(1.0, 0.05 / math.sqrt(sum((t * t).sum() for t in g)))
+    g = [factor * t for t in g]
+    grads = g if grads is None else [a + c for a, c in zip(grads, g)]
+  before = [v.numpy() for v in model.trainable_variables]
+  model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+  got = _one_step(model, x, y)
+  for w0, g, new in zip(before, grads, got):
+    np.testing.assert_allclose(new, w0 - LR * g / len(x), rtol=1e-4,
+                               atol=1e-7)
