@@ -52,7 +52,7 @@ def _patches(ctx, x, kernel_spatial):
   ("npck"), K the kernel offsets and C the input channels. In 2-D without
   dilation the patches come from a depthwise convolution with one-hot
   filters (an order of magnitude faster on CPU than ExtractImagePatches);
-  with dilation from `tf.image.extract_patches`; in 3-D from a convolution
+  with dilation or unequal strides from `tf.image.extract_patches`; in 3-D from a convolution
   with a one-hot filter (XLA has no ExtractVolumePatches kernel).
   """
   rank = x.shape.rank
@@ -74,7 +74,8 @@ def _patches(ctx, x, kernel_spatial):
   for d in kernel_spatial:
     k *= int(d)
   one_hot = tf.reshape(tf.eye(k, dtype=x.dtype), [*kernel_spatial, 1, k])
-  if rank == 4 and all(d == 1 for d in dilations):
+  if (rank == 4 and all(d == 1 for d in dilations) and
+      strides[0] == strides[1]):  # The CPU depthwise kernel's limits.
     p = tf.nn.depthwise_conv2d(x, tf.tile(one_hot, [1, 1, c, 1]),
                                [1, *strides, 1], padding)
     sub = "npck"
