@@ -20,6 +20,7 @@ setuptools.setup(
         "tensorflow-probability[tf]>=0.24",
         "absl-py>=1.0",
         "dp-accounting>=0.4.4",
+        "scipy>=1.7",  # root finding in tf_pxg.accounting
     ],
     extras_require={
         "test": ["pytest>=7"],

@@ -1,9 +1,26 @@
-"""tf_pxg: per-example gradients and DP-SGD for TensorFlow 2 and Keras 3."""
+"""tf_pxg: per-example gradients and DP-SGD for TensorFlow 2 and Keras 3.
 
-from tf_pxg import rules  # noqa: F401  (registers the per-example rules)
+Public API: `GradientTape`, `register`, `registered_op_types`, and the
+submodules `tf_pxg.keras`, `tf_pxg.accounting`, `tf_pxg.testing`,
+`tf_pxg.rules`. TensorFlow is imported on first use of a name that needs it,
+so `tf_pxg.accounting` and the `tf-pxg` command start without it.
+"""
+
+import importlib
+
 from tf_pxg.registry import register
 from tf_pxg.registry import registered_op_types
-from tf_pxg.tape.gradient_tape import GradientTape
 
 __all__ = ["GradientTape", "register", "registered_op_types"]
 __version__ = "0.1.0"
+
+_LAZY = {"GradientTape": ("tf_pxg.tape.gradient_tape", "GradientTape")}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)
+  if name in ("keras", "accounting", "testing", "rules", "dp"):
+    return importlib.import_module(f"tf_pxg.{name}")
+  raise AttributeError(f"module 'tf_pxg' has no attribute '{name}'")

@@ -31,6 +31,7 @@ def register(op_type: str, override: bool = False) -> Callable:
     ValueError: if `op_type` already has a rule and `override` is False.
   """
   def decorator(rule_like: Union[type, object, Callable]):
+    _load_builtin_rules()  # So a user rule meets the built-in ones now.
     from tf_pxg.rules import base  # pylint: disable=import-outside-toplevel
     rule = base.as_rule(rule_like)
     if op_type in _RULES and not override:
@@ -43,13 +44,19 @@ def register(op_type: str, override: bool = False) -> Callable:
   return decorator
 
 
+def _load_builtin_rules() -> None:
+  import tf_pxg.rules  # noqa: F401  pylint: disable=import-outside-toplevel
+
+
 def lookup(op_type: str):
   """The rule registered for `op_type`, or None."""
+  _load_builtin_rules()
   return _RULES.get(op_type)
 
 
 def registered_op_types() -> list:
   """Sorted op types that have a rule (used to build error messages)."""
+  _load_builtin_rules()
   return sorted(_RULES)
 
 
