@@ -38,10 +38,6 @@ _NORM_PRESERVING = ("ReadVariableOp", "Identity", "Cast", "Reshape",
                     "ExpandDims", "Squeeze", "Transpose")
 
 
-class NoPerExampleRuleError(NotImplementedError):
-  """An op consumes a parameter and no per-example rule applies to it."""
-
-
 class _VectorizedFallback(base.Rule):
   """Unregistered ops: TF's gradient under tf.vectorized_map, per example."""
 
@@ -145,13 +141,13 @@ class PerExampleBackprop:
     ctx = self._context(itf)
     try:
       return getattr(rule, form)(ctx, *args)
-    except NoPerExampleRuleError:
-      raise
     except (ValueError, TypeError, NotImplementedError, LookupError,
             tf.errors.InvalidArgumentError) as e:
       if rule is not _FALLBACK:
         raise
-      raise NoPerExampleRuleError(
+      # A plain NotImplementedError: tf.function's AutoGraph re-raises that
+      # type with its message, but turns subclasses into StagingError.
+      raise NotImplementedError(
           f"{itf.entry.describe()} consumes a parameter and has no "
           f"per-example rule; the vectorized fallback failed ({e}). Register "
           f"one:\n\n  @tf_pxg.register('{itf.entry.op_type}')\n"

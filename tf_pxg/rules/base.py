@@ -102,8 +102,18 @@ class Context:
       return self.dz.dtype
     return p.dtype
 
-  def attr(self, name: str):
-    return gradient_functions.get_attr(self.entry, name)
+  def attr(self, name: str, default=None):
+    """Attr `name` of the op (bytes decoded); `default` if unset or None.
+
+    Eager ops may carry `None` for attrs the caller left at their default.
+    """
+    try:
+      value = gradient_functions.get_attr(self.entry, name)
+    except (ValueError, KeyError):
+      return default
+    if isinstance(value, bytes):
+      value = value.decode()
+    return default if value is None else value
 
   def describe(self) -> str:
     return self.entry.describe()

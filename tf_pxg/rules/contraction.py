@@ -109,7 +109,6 @@ def _expand_ellipsis(eq: str, ranks):
 
 def _einsum_spec(ctx) -> Spec:
   eq = ctx.attr("equation")
-  eq = eq.decode() if isinstance(eq, bytes) else eq
   if len(ctx.inputs) != 2:
     raise _unsupported(ctx, "only two-operand einsums have a rule")
   ops, out = _expand_ellipsis(eq, [t.shape.rank for t in ctx.inputs])

@@ -26,12 +26,12 @@ from tf_pxg.rules import base
 from tf_pxg.rules import contraction
 
 
-def _s(v):
-  return v.decode() if isinstance(v, bytes) else v
+def _channels_first(ctx) -> bool:
+  return ctx.attr("data_format", "NHWC").startswith("NC")
 
 
 def _to_channels_last(ctx, t):
-  if _s(ctx.attr("data_format")).startswith("NC"):
+  if _channels_first(ctx):
     perm = [0] + list(range(2, t.shape.rank)) + [1]
     return tf.transpose(t, perm)
   return t
@@ -39,8 +39,8 @@ def _to_channels_last(ctx, t):
 
 def _spatial(ctx, name, rank):
   """The spatial entries of a per-axis attr (strides/dilations), channels-last."""
-  v = list(ctx.attr(name))
-  if _s(ctx.attr("data_format")).startswith("NC"):
+  v = list(ctx.attr(name, [1] * rank))
+  if _channels_first(ctx):
     return v[2:]
   return v[1:rank - 1]
 
@@ -57,15 +57,12 @@ def _patches(ctx, x, kernel_spatial):
   """
   rank = x.shape.rank
   strides = _spatial(ctx, "strides", rank)
-  try:
-    dilations = _spatial(ctx, "dilations", rank)
-  except (ValueError, KeyError):
-    dilations = [1] * (rank - 2)
-  padding = _s(ctx.attr("padding"))
+  dilations = _spatial(ctx, "dilations", rank)
+  padding = ctx.attr("padding")
   if padding == "EXPLICIT":
     pads = list(ctx.attr("explicit_paddings"))
     pairs = [pads[i:i + 2] for i in range(0, len(pads), 2)]
-    if _s(ctx.attr("data_format")).startswith("NC"):
+    if _channels_first(ctx):
       pairs = [pairs[0]] + pairs[2:] + [pairs[1]]
     x = tf.pad(x, pairs)
     padding = "VALID"

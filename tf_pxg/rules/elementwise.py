@@ -78,8 +78,7 @@ class BiasAddRule(base.Rule):
           f"{ctx.describe()}: the parameter is the value, not the bias")
 
   def per_example(self, ctx):
-    fmt = ctx.attr("data_format")
-    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    fmt = ctx.attr("data_format", "NHWC")
     dz = ctx.split_batch(ctx.dz)  # [B, k, ...]
     rank = dz.shape.rank
     channel = 2 if fmt.startswith("NC") and rank > 3 else rank - 1

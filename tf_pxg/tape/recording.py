@@ -154,10 +154,12 @@ class Recorder:
 
   def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
                 graph=None):
+    # Always hand the outputs back unchanged: in graphs TF chains callbacks,
+    # passing each one's return value to the next as its `outputs`.
     if self.paused or not outputs or graph is not self._graph:
       if self.paused and graph is None and self._watcher is not None:
         self._renew_watcher()  # Forget reads made by our own backward pass.
-      return None
+      return outputs
     if isinstance(op_type, bytes):
       op_type = op_type.decode()
     if graph is None:
@@ -170,7 +172,7 @@ class Recorder:
       attrs = None
     self._append(Entry(op_type, tuple(inputs), tuple(outputs), attrs, op,
                        scope))
-    return None
+    return outputs
 
   def _append(self, entry: Entry):
     entry.index = len(self.entries)
