@@ -52,6 +52,22 @@ def test_noise_is_normal_with_stddev(source):
   assert abs(float(tf.reduce_mean(noise))) < 5 * stddev / math.sqrt(N)
 
 
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_box_muller_pairs_are_independent_normals(dtype):
+  # Odd size: the last pair's sine half is dropped. The cosine and sine
+  # halves come from the same uniforms; they must still be uncorrelated,
+  # and their squared radii chi-square(2): E[z1^2 + z2^2] = 2.
+  z = dp.box_muller_normal(dp.make_generator(seed=9), [N + 1], dtype)
+  assert z.shape == [N + 1] and z.dtype == dtype
+  assert _ks_statistic(z, 1.0) < KS_CRITICAL
+  half = (N + 2) // 2
+  cos_half, sin_half = z[:half - 1], z[half:]
+  corr = np.corrcoef(cos_half.numpy(), sin_half.numpy())[0, 1]
+  assert abs(corr) < 5 / math.sqrt(half)
+  r2 = cos_half ** 2 + sin_half ** 2
+  assert float(tf.reduce_mean(r2)) == pytest.approx(2.0, rel=0.03)
+
+
 def test_ks_check_has_power():
   # The same check rejects noise whose std is 5% off or mean is 0.05 std off.
   noise = tf.random.stateless_normal([N], seed=[1, 2], dtype=tf.float64)
