@@ -209,6 +209,8 @@ LAYER_CASES = [
                (4, 2)),
     layer_case("Dense_mixed_float16", _mixed_dense, (5,), dtypes=(F32,),
                tolerance=(2e-2, 2e-3)),
+    # Keras creates the LoRA weights in float32 even for a float64 layer, so
+    # the float64 row is a mixed-dtype case held to float32 tolerances.
     layer_case("Dense_LoRA", _lora_dense, (5,), setup_layer=_randomize_lora),
 ]
 
