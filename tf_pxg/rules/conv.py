@@ -92,44 +92,73 @@ def _patches(ctx, x, kernel_spatial):
 
 
 class _PatchContraction(base.Rule):
-  """A conv as `einsum(patches, dz)`; subclasses say how."""
+  """A conv as `einsum(patches, dz)`; subclasses say how.
+
+  `operands` returns `(spec, data, dz, to_param)`: the contraction's
+  per-example result `[B, *spec.param_sub sizes]` is in whatever axis order
+  is cheapest to compute (norms do not care); `to_param` reorders it to
+  `[B, *param.shape]` when the gradient itself is asked for.
+  """
 
   def operands(self, ctx):
-    """(spec, data, dz) for the contraction engine, or None to fall back."""
+    """(spec, data, dz, to_param) for the contraction engine, or None."""
     raise NotImplementedError
 
   def per_example(self, ctx):
     ops = self.operands(ctx)
     if ops is None:
       return super().per_example(ctx)
-    spec, data, dz = ops
+    spec, data, dz, to_param = ops
     g = contraction.per_example(spec, data, dz, ctx.batch_size,
                                 ctx.batch_minor)
+    g = to_param(g)
     return tf.reshape(g, tf.concat([tf.shape(g)[:1], ctx.param_shape], 0))
 
   def sq_norm(self, ctx):
     ops = self.operands(ctx)
     if ops is None:
       return super().sq_norm(ctx)
-    spec, data, dz = ops
+    spec, data, dz, _ = ops
     return contraction.sq_norm(spec, data, dz, ctx.batch_size,
                                ctx.batch_minor)
 
 
+def _identity(g):
+  return g
+
+
+def _swap_offsets_and_channels(k, c):
+  """[B, C*K, O] (channel-major patch columns) -> [B, K, C, O]."""
+  def to_param(g):
+    g = tf.reshape(g, tf.stack([tf.shape(g)[0], c, k, -1]))
+    return tf.transpose(g, [0, 2, 1, 3])
+  return to_param
+
+
 def _grouped(ctx, x, filt, dz):
-  """Contraction operands for a (grouped) conv with filter [..., Ci, Co]."""
+  """Contraction operands for a (grouped) conv with filter [..., Ci, Co].
+
+  Without groups the patch columns stay flat (`[N, P, K*C]`), so both the
+  per-example einsum and the ghost Gram matrices are plain batched matmuls.
+  """
   kernel = [int(d) for d in filt.shape[:-2]]
   cin_f, cout = int(filt.shape[-2]), int(filt.shape[-1])
   groups = int(x.shape[-1]) // cin_f
   patches, sub = _patches(ctx, x, kernel)
   n, p = tf.shape(patches)[0], tf.shape(patches)[1]
   k = patches.shape[2] if sub == "npkc" else patches.shape[3]
+  if groups == 1:
+    data = tf.reshape(patches, tf.stack([n, p, k * cin_f]))
+    dz = tf.reshape(dz, tf.stack([n, -1, cout]))
+    to_param = (_identity if sub == "npkc" else
+                _swap_offsets_and_channels(k, cin_f))
+    return contraction.Spec("npm", "mo", "npo", "n", 0), data, dz, to_param
   split = [groups, cin_f]
   shape = [n, p, k, *split] if sub == "npkc" else [n, p, *split, k]
   data = tf.reshape(patches, tf.stack(shape))
   dz = tf.reshape(dz, tf.stack([n, -1, groups, cout // groups]))
   spec = contraction.Spec(sub.replace("c", "gi"), "kigo", "npgo", "n", 0)
-  return spec, data, dz
+  return spec, data, dz, _identity
 
 
 @register("Conv2D")
@@ -158,7 +187,8 @@ class DepthwiseConvRule(_PatchContraction):
     patches, sub = _patches(ctx, x, [kh, kw])
     n = tf.shape(patches)[0]
     dz = tf.reshape(_to_channels_last(ctx, ctx.dz), tf.stack([n, -1, c, m]))
-    return contraction.Spec(sub, "kcm", "npcm", "n", 0), patches, dz
+    return (contraction.Spec(sub, "kcm", "npcm", "n", 0), patches, dz,
+            _identity)
 
 
 @register("Conv2DBackpropInput")
@@ -179,7 +209,7 @@ class ConvTransposeRule(_PatchContraction):
     patches, sub = _patches(ctx, dy, [kh, kw])
     n = tf.shape(patches)[0]
     d = tf.reshape(d, tf.stack([n, -1, cd]))
-    return contraction.Spec(sub, "kcd", "npd", "n", 0), patches, d
+    return contraction.Spec(sub, "kcd", "npd", "n", 0), patches, d, _identity
 
   def check(self, ctx):
     if ctx.param_index == 2:
