@@ -61,6 +61,9 @@ def compare(body, mode, rtol=RTOL):
   """Runs `body(TapeClass)` with both tapes in `mode` and compares."""
   expected = _run(lambda: body(tf.GradientTape), mode)
   actual = _run(lambda: body(tf_pxg.GradientTape), mode)
+  # Drop-in means the same result types too (IndexedSlices for gathers).
+  assert ([type(g).__name__ for g in tf.nest.flatten(actual)] ==
+          [type(g).__name__ for g in tf.nest.flatten(expected)])
   assert_same_gradients(actual, expected, rtol)
   return actual
 

@@ -8,7 +8,8 @@ The algorithm is the seed's (`tensorflow/python/eager/imperative_grad.py`):
 2. start a stack with the entries whose outputs need nothing more;
 3. pop an entry, call its backward function, add the results into its
    inputs' gradient lists; an input whose usages are all done may make its
-   producer ready.
+   producer ready. An entry none of whose outputs received a gradient gives
+   its inputs none either, without running (as TF's C++ tape does).
 
 Our additions are parameters, not a different algorithm: `backward` is the
 per-entry backward function (the per-example engine wraps TF's to stop at the
@@ -139,17 +140,22 @@ def imperative_grad(producer: Mapping[int, Entry],
     entry = ready.pop()
     del entries[id(entry)]
     out_grads = [gradients.pop(t, None) for t in entry.output_ids]
-    none_ok = gradient_functions.GRAD_FN_ACCEPTS_NONE_FOR_INDICES.get(
-        entry.op_type, ())
-    for i, g in enumerate(out_grads):
-      if g:
-        out_grads[i] = aggregate(g)
-      elif i not in none_ok:
-        out_grads[i] = zeros_like(entry.outputs[i])
-      else:
-        out_grads[i] = None
-    skip = [i for i, t in enumerate(entry.input_ids) if t not in dependent]
-    in_grads = backward(entry, out_grads, skip)
+    if not any(out_grads):
+      # As TF's C++ tape: no output gradient at all means no input gradient,
+      # without calling the backward function or building zeros.
+      in_grads = [None] * len(entry.inputs)
+    else:
+      none_ok = gradient_functions.GRAD_FN_ACCEPTS_NONE_FOR_INDICES.get(
+          entry.op_type, ())
+      for i, g in enumerate(out_grads):
+        if g:
+          out_grads[i] = aggregate(g)
+        elif i not in none_ok:
+          out_grads[i] = zeros_like(entry.outputs[i])
+        else:
+          out_grads[i] = None
+      skip = [i for i, t in enumerate(entry.input_ids) if t not in dependent]
+      in_grads = backward(entry, out_grads, skip)
     for i, t in enumerate(entry.input_ids):
       if in_grads[i] is not None:
         t_grads = gradients[t]
