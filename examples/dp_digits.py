@@ -20,7 +20,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 from sklearn import datasets  # noqa: E402
 from sklearn import model_selection  # noqa: E402
 

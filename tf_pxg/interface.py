@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_pxg.backprop import gradient_functions
 from tf_pxg.tape.recording import Entry, Recorder
 
 PARAM, CONST, DATA = "param", "const", "data"
@@ -204,7 +205,6 @@ def check_examples_independent(entry: Entry, classifier: Classifier,
   """
   why = None
   if entry.op_type in _BATCH_NORMS:
-    from tf_pxg.backprop import gradient_functions  # pylint: disable=g-import-not-at-top
     try:
       training = gradient_functions.get_attr(entry, "is_training")
     except (ValueError, KeyError):

@@ -31,7 +31,7 @@ from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.interface import (Classifier, Interface,
                               check_examples_independent)
 from tf_pxg.rules import base
-from tf_pxg.tape.recording import Entry, Recorder
+from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
 # Ops through which a per-example gradient keeps its norm (phase 2 shortcut).
 _NORM_PRESERVING = ("ReadVariableOp", "Identity", "Cast", "Reshape",
@@ -57,7 +57,6 @@ class PerExampleBackprop:
 
   def __init__(self, recorder: Recorder, target, source_ids: Sequence[Optional[int]],
                output_gradients=None):
-    from tf_pxg.tape.recording import tensor_id  # pylint: disable=g-import-not-at-top
     self._recorder = recorder
     self._producer = recorder.producer
     self._source_ids = list(source_ids)

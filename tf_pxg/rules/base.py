@@ -199,7 +199,6 @@ def vectorized_per_example(ctx: Context):
   `[k, ...]` slice. This is exact for any op whose output rows of example b
   depend only on example b's input rows.
   """
-  b = ctx.batch_size
   data = list(ctx.data_indices)
   outs = [i for i, o in enumerate(ctx.outputs)
           if o.shape.rank and ctx.output_grads[i] is not None]
@@ -219,7 +218,6 @@ def vectorized_per_example(ctx: Context):
       outputs[i], grads[i] = o, g
     return to_dense(ctx.tf_gradient(grads, inputs=inputs, outputs=outputs))
 
-  del b
   return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
 
 

@@ -18,7 +18,7 @@ per-example values, or a scalar that is a sum over examples):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Optional
 
 import tensorflow as tf
 from tensorflow.python.eager import record
