@@ -249,14 +249,14 @@ def test_noise_differs_between_steps_and_unseeded_models():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-@pytest.mark.parametrize("run_eagerly", [False, True])
-def test_non_finite_example_skips_update_and_counts_step(bad, run_eagerly):
+@pytest.mark.parametrize("mode", ["graph", "eager", "jit"])
+def test_non_finite_example_skips_update_and_counts_step(bad, mode):
   x, y = _data()
   x[3, 0, 0, 0] = bad
   model = _functional(dp_cls=dpk.DPModel, l2_norm_clip=1.0,
                       noise_multiplier=1.0)
   model.compile(optimizer=keras.optimizers.Adam(0.1), loss=_sce(),
-                run_eagerly=run_eagerly)
+                run_eagerly=mode == "eager", jit_compile=mode == "jit")
   model.optimizer.build(model.trainable_variables)
   before = [v.numpy() for v in model.variables]
   slots = [v.numpy() for v in model.optimizer.variables]

@@ -44,12 +44,34 @@ def _dense(g):
   return g
 
 
-def _apply_or_skip(optimizer, grads, variables, finite):
+def _apply_then_undo_if_not_finite(optimizer, grads, variables, finite):
+  """`_apply_or_skip` without a conditional, for XLA.
+
+  Under `jit_compile` on CPU a `tf.cond` around `optimizer.apply` costs
+  several times a whole step. Instead the update is applied and, when
+  `finite` is false, every weight and optimizer slot is selected back to its
+  value before the step (`tf.where`, which XLA fuses); `iterations` keeps
+  its increment. The result is the same as skipping.
+  """
+  slots = [v for v in optimizer.variables
+           if v is not optimizer.iterations and
+           getattr(v, "path", None) != getattr(optimizer.iterations, "path", 0)]
+  state = list(variables) + slots
+  before = [tf.identity(v.value) for v in state]
+  with tf.control_dependencies(before):
+    optimizer.apply(grads, variables)
+  for v, old in zip(state, before):
+    v.assign(tf.where(finite, v.value, old))
+
+
+def _apply_or_skip(optimizer, grads, variables, finite, xla=False):
   """Applies `grads` with `optimizer` if `finite`, else only counts the step.
 
   `finite` must be equal on all replicas. Follows
   `keras.optimizers.LossScaleOptimizer`: under strategies that need
-  `merge_call` the `cond` is taken in cross-replica context.
+  `merge_call` the `cond` is taken in cross-replica context. With `xla`
+  (and no merge call) the conditional is replaced by an undo, see
+  `_apply_then_undo_if_not_finite`.
   """
   if not optimizer.built:
     optimizer.build(variables)
@@ -58,7 +80,10 @@ def _apply_or_skip(optimizer, grads, variables, finite):
     optimizer.iterations.assign_add(1)
 
   if tf.__internal__.distribute.strategy_supports_no_merge_call():
-    tf.cond(finite, lambda: optimizer.apply(grads, variables), skip)
+    if xla:
+      _apply_then_undo_if_not_finite(optimizer, grads, variables, finite)
+    else:
+      tf.cond(finite, lambda: optimizer.apply(grads, variables), skip)
     return
 
   def cross_replica(distribution, grads, finite):
@@ -118,7 +143,8 @@ def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
   if ctx is not None and replicas > 1:
     bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
   finite = tf.equal(bad, 0)
-  _apply_or_skip(optimizer, grads, variables, finite)
+  _apply_or_skip(optimizer, grads, variables, finite,
+                 xla=bool(getattr(model, "jit_compile", False)))
   skipped_tracker.update_state(
       tf.cast(tf.logical_not(finite), tf.float32) / replicas)
 
