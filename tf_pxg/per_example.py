@@ -28,7 +28,7 @@ import tensorflow as tf
 from tf_pxg import registry
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop.imperative_grad import imperative_grad
-from tf_pxg.interface import (Classifier, Interface,
+from tf_pxg.interface import (PARAM, Classifier, Interface,
                               check_examples_independent)
 from tf_pxg.rules import base
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
@@ -104,7 +104,7 @@ class PerExampleBackprop:
         return [None] * len(entry.inputs)
       return gradient_functions.call_gradient_function(entry, out_grads, skip)
 
-    if classifier.status.get(target_id) == "param":
+    if classifier.status.get(target_id) == PARAM:
       raise ValueError(
           "The target depends on the parameters but on no input that carries "
           "examples, so it has no per-example gradients. Pass the batch as a "

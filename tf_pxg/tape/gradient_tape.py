@@ -290,6 +290,10 @@ class GradientTape:
     Returns:
       `(sums, norms)`: the structure of `sources` with `sum_b c_b g_b` each
       (None for unconnected sources), and the `[B]` unclipped norms.
+
+    A non-finite example gradient gives a non-finite norm and sum; check
+    `tf.math.is_finite(norms)` before applying (`tf_pxg.keras` skips such a
+    step without touching the weights).
     """
     with self._computing():
       flat_sources, engine = self._per_example(target, sources)
