@@ -9,6 +9,7 @@ one run. Reports DP / non-private median step time and allocator peak:
 """
 
 from absl import app
+from absl import flags
 import keras
 import tensorflow as tf
 
@@ -39,6 +40,11 @@ def _noise_fn(model, jit_compile):
   return draw
 
 
+_NOISE = flags.DEFINE_float(
+    "noise_multiplier", 1.0,
+    "Noise multiplier of the DP model; 0 times the clipping engine alone.")
+
+
 def build(name: str, batch_size: int, jit_compile: bool) -> dict:
   """Train functions of a plain and a DP model with the same weights.
 
@@ -47,7 +53,7 @@ def build(name: str, batch_size: int, jit_compile: bool) -> dict:
   """
   plain = common.MODELS[name][0]()
   private = pxk.make_private(common.MODELS[name][0](), l2_norm_clip=1.0,
-                             noise_multiplier=1.0)
+                             noise_multiplier=_NOISE.value)
   private.set_weights(plain.get_weights())
   x, y = common.batch(name, batch_size)
   return {"plain": _train_fn(plain, x, y, jit_compile),

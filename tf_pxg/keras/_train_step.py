@@ -121,9 +121,12 @@ def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
   global_batch = tf.cast(local_batch * replicas, tf.float32)
   sums = [tf.zeros_like(v) if s is None else _dense(s)
           for s, v in zip(sums, variables)]
-  stddev = dp_noise.replica_noise_stddev(
-      noise_multiplier * l2_norm_clip if noise_multiplier else 0.0, replicas)
-  noisy = dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
+  if noise_multiplier:
+    stddev = dp_noise.replica_noise_stddev(noise_multiplier * l2_norm_clip,
+                                           replicas)
+    noisy = dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
+  else:  # sigma = 0 (tests, ablations): no noise to draw.
+    noisy = sums
   grads = [tf.cast(g / tf.cast(global_batch, g.dtype), v.dtype)
            for g, v in zip(noisy, variables)]
 
