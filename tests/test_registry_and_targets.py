@@ -1,0 +1,134 @@
+"""The rule registry's contract, target forms, and clip factors."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_pxg
+from tf_pxg import registry
+from tf_pxg.dp import clip_factors
+from tf_pxg.rules import base
+
+RNG = np.random.default_rng(0)
+X = tf.constant(RNG.standard_normal((5, 3)), tf.float32)
+
+
+@pytest.fixture
+def w():
+  return tf.Variable(RNG.standard_normal((3, 2)), dtype=tf.float32)
+
+
+def _reference(w):
+  """Per-example gradients of sum(tanh(x_b @ w)^2) by a single-example loop."""
+  out = []
+  for b in range(X.shape[0]):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.tanh(X[b:b + 1] @ w) ** 2)
+    out.append(tape.gradient(loss, w))
+  return tf.stack(out)
+
+
+def test_duplicate_registration_raises_and_override_replaces():
+  original = registry.lookup("MatMul")
+  with pytest.raises(ValueError, match="'MatMul' is already registered.*"
+                     "override=True"):
+    tf_pxg.register("MatMul")(lambda ctx: None)
+  assert registry.lookup("MatMul") is original
+  calls = []
+
+  def spy(ctx):
+    calls.append(ctx.op_type)
+    return base.vectorized_per_example(ctx)
+
+  try:
+    tf_pxg.register("MatMul", override=True)(spy)
+    w = tf.Variable(tf.ones([3, 2]))
+    with tf_pxg.GradientTape() as tape:
+      losses = tf.reduce_sum(X @ w, axis=1)
+    g, = tape.per_example_gradient(losses, [w])
+    assert calls == ["MatMul"]
+    np.testing.assert_allclose(g.numpy(), np.repeat(
+        X.numpy()[:, :, None], 2, axis=2), rtol=1e-6)
+  finally:
+    tf_pxg.register("MatMul", override=True)(original)
+  assert registry.lookup("MatMul") is original
+
+
+def test_register_rejects_non_rules():
+  with pytest.raises(TypeError, match="Rule subclass"):
+    tf_pxg.register("NotAnOp")(42)
+  assert "NotAnOp" not in tf_pxg.registered_op_types()
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_scalar_target_is_a_sum_over_examples(w, mode):
+  # The batch is a tf.function argument (a captured eager tensor would be a
+  # graph constant, and with a scalar target nothing says it is a batch).
+  def run(x):
+    with tf_pxg.GradientTape(persistent=True) as tape:
+      per_example = tf.reduce_sum(tf.tanh(x @ w) ** 2, axis=1)
+      total = tf.reduce_sum(per_example)
+    return (tape.per_example_gradient(per_example, w),
+            tape.per_example_gradient(total, w),
+            tape.per_example_norms(total, [w]))
+  fn = run if mode == "eager" else tf.function(run)
+  from_vector, from_scalar, norms = fn(X)
+  ref = _reference(w)
+  np.testing.assert_allclose(from_vector.numpy(), ref.numpy(), rtol=1e-5,
+                             atol=1e-7)
+  np.testing.assert_allclose(from_scalar.numpy(), ref.numpy(), rtol=1e-5,
+                             atol=1e-7)
+  np.testing.assert_allclose(
+      norms.numpy(), np.sqrt((ref.numpy() ** 2).sum(axis=(1, 2))), rtol=1e-5)
+
+
+def test_target_with_extra_axes_is_rejected(w):
+  with tf_pxg.GradientTape() as tape:
+    losses = tf.tanh(X @ w)  # [B, 2], not [B]
+  with pytest.raises(ValueError, match=r"shape \[B\]"):
+    tape.per_example_norms(losses, [w])
+
+
+def test_target_without_examples_is_rejected(w):
+  with tf_pxg.GradientTape() as tape:
+    loss = tf.reduce_sum(w ** 2, axis=1)  # depends on w only: no batch
+  with pytest.raises(ValueError, match="no input that carries examples"):
+    tape.per_example_gradient(loss, [w])
+
+
+def test_unconnected_source_gives_none_or_zeros(w):
+  other = tf.Variable(tf.ones([4]))
+  with tf_pxg.GradientTape(persistent=True) as tape:
+    losses = tf.reduce_sum(X @ w, axis=1)
+  g, none = tape.per_example_gradient(losses, [w, other])
+  assert none is None and g.shape == [5, 3, 2]
+  _, zeros = tape.per_example_gradient(losses, [w, other],
+                                       unconnected_gradients="zero")
+  assert zeros.shape == [5, 4] and not np.any(zeros.numpy())
+  sums, _ = tape.clipped_gradient_sum(losses, [w, other], 1.0)
+  assert sums[1] is None
+
+
+def test_clip_factors_closed_form():
+  norms = tf.constant([0.0, 0.5, 1.0, 2.0, 8.0])
+  np.testing.assert_allclose(clip_factors(norms, 1.0).numpy(),
+                             [1.0, 1.0, 1.0, 0.5, 0.125])
+  np.testing.assert_array_equal(clip_factors(norms, float("inf")).numpy(),
+                                np.ones(5))
+
+
+def test_clipped_sum_has_per_example_sensitivity_bound(w):
+  # Each example's clipped contribution has norm <= C: the sum of B of them
+  # changes by at most C when one example is removed.
+  clip = 0.05
+  with tf_pxg.GradientTape(persistent=True) as tape:
+    losses = tf.reduce_sum(tf.tanh(X @ w) ** 2, axis=1)
+  (full,), norms = tape.clipped_gradient_sum(losses, [w], clip)
+  ref = _reference(w).numpy()
+  factors = np.minimum(1.0, clip / np.sqrt((ref ** 2).sum(axis=(1, 2))))
+  np.testing.assert_allclose(full.numpy(),
+                             (factors[:, None, None] * ref).sum(0),
+                             rtol=1e-5, atol=1e-7)
+  for b in range(5):
+    assert np.linalg.norm(factors[b] * ref[b]) <= clip * (1 + 1e-6)
+  assert norms.dtype == tf.float32
