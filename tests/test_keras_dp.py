@@ -357,3 +357,19 @@ def test_embedding_and_masked_sequence_match_reference():
   for w0, g, new in zip(before, grads, got):
     np.testing.assert_allclose(new, w0 - LR * g / len(x), rtol=1e-4,
                                atol=1e-7)
+
+
+def test_steps_per_execution_runs_every_dp_step():
+  # Keras loops several train steps inside one tf.function: the tape then
+  # records inside the loop body's graph, and every step is counted.
+  x, y = _data(n=32)
+  model = _functional(dp_cls=dpk.DPModel, l2_norm_clip=1.0,
+                      noise_multiplier=0.5)
+  model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_sce(),
+                steps_per_execution=4)
+  before = [v.numpy() for v in model.trainable_variables]
+  history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+  assert int(model.optimizer.iterations) == 8
+  assert history.history["dp_skipped_steps"] == [0.0]
+  assert all(np.any(v.numpy() != w)
+             for w, v in zip(before, model.trainable_variables))
