@@ -79,6 +79,7 @@ class PerExampleBackprop:
     if output_gradients is None:
       output_gradients = tf.ones_like(target)
     self.interfaces = self._phase_one(tensor_id(target), output_gradients)
+    self._origin_cache = {}
     self._uses = collections.defaultdict(list)
     for itf in self.interfaces:
       self._uses[itf.param_id].append(itf)
@@ -180,28 +181,23 @@ class PerExampleBackprop:
   def per_example_gradients(self, source_subset: Optional[set] = None) -> list:
     """`[B, *source.shape]` per source (None where not connected)."""
     initial = collections.defaultdict(list)
+    reaching = (None if source_subset is None else
+                {pid for pid in self._uses
+                 if self._origins(pid)[0] & source_subset})
     for itf in self.interfaces:
-      if source_subset is not None and itf.param_id not in self._reaching(
-          source_subset):
-        continue
-      initial[itf.param_id].append(self._apply(itf, "per_example"))
+      if reaching is None or itf.param_id in reaching:
+        initial[itf.param_id].append(self._apply(itf, "per_example"))
     results = self._param_backprop(initial, batched=True)
-    for s in self._source_ids:
-      if s is not None and s in initial and s not in results:
-        results[s] = gradient_functions.aggregate(initial[s])
     return [None if g is None else base.to_dense(g)
             for g in self._gather(results)]
 
-  def _reaching(self, source_subset: set) -> set:
-    """PARAM tensors at interfaces that lead to any of `source_subset`."""
-    out = set()
-    for pid in self._uses:
-      if self._origins(pid)[0] & source_subset:
-        out.add(pid)
-    return out
-
   def _origins(self, pid: int):
     """(sources reached from PARAM tensor `pid`, reached via norm-preserving ops only)."""
+    if pid not in self._origin_cache:
+      self._origin_cache[pid] = self._walk_to_sources(pid)
+    return self._origin_cache[pid]
+
+  def _walk_to_sources(self, pid: int):
     sources = {s for s in self._source_ids if s is not None}
     stack, seen, found, simple = [pid], set(), set(), True
     while stack:
@@ -215,7 +211,7 @@ class PerExampleBackprop:
       entry = self._producer.get(t)
       if entry is None:
         continue
-      params = [i for i in self._classifier.param_inputs(entry)]
+      params = self._classifier.param_inputs(entry)
       if entry.op_type not in _NORM_PRESERVING or len(params) != 1:
         simple = False
       stack.extend(entry.input_ids[i] for i in params)
@@ -224,16 +220,13 @@ class PerExampleBackprop:
   def sq_norms(self):
     """`[B]` float32 squared global norms over all sources."""
     uses_per_source = collections.Counter()
-    origin = {}
     for pid in self._uses:
-      found, simple = self._origins(pid)
-      origin[pid] = (found, simple)
-      for s in found:
+      for s in self._origins(pid)[0]:
         uses_per_source[s] += len(self._uses[pid])
     total = []
     materialize = set()
     for pid, itfs in self._uses.items():
-      found, simple = origin[pid]
+      found, simple = self._origins(pid)
       if simple and len(found) == 1 and uses_per_source[next(iter(found))] == 1:
         total.append(tf.cast(self._apply(itfs[0], "sq_norm"), tf.float32))
       else:
@@ -251,11 +244,7 @@ class PerExampleBackprop:
     initial = collections.defaultdict(list)
     for itf in self.interfaces:
       initial[itf.param_id].append(self._apply(itf, "weighted_sum", c))
-    results = self._param_backprop(initial, batched=False)
-    for s in self._source_ids:
-      if s is not None and s in initial and s not in results:
-        results[s] = gradient_functions.aggregate(initial[s])
-    return self._gather(results)
+    return self._gather(self._param_backprop(initial, batched=False))
 
 
 def _batched_backward(entry: Entry, out_grads: list, skip: list) -> list:

@@ -53,9 +53,7 @@ def _apply_then_undo_if_not_finite(optimizer, grads, variables, finite):
   value before the step (`tf.where`, which XLA fuses); `iterations` keeps
   its increment. The result is the same as skipping.
   """
-  slots = [v for v in optimizer.variables
-           if v is not optimizer.iterations and
-           getattr(v, "path", None) != getattr(optimizer.iterations, "path", 0)]
+  slots = [v for v in optimizer.variables if v is not optimizer.iterations]
   state = list(variables) + slots
   before = [tf.identity(v.value) for v in state]
   with tf.control_dependencies(before):
