@@ -139,6 +139,7 @@ class PerExampleBackprop:
   def _apply(self, itf: Interface, form: str, *args):
     rule = itf.rule
     ctx = self._context(itf)
+    base.trace_call(itf.entry.op_type, rule, form)
     try:
       return getattr(rule, form)(ctx, *args)
     except (ValueError, TypeError, NotImplementedError, LookupError,

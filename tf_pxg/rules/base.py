@@ -191,6 +191,24 @@ def batch_sq_norm(g):
   return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1)
 
 
+# Instrumentation for tests (`tf_pxg.testing.trace_rules`): while a list, the
+# engine appends one record per rule call and rules annotate the form taken.
+_trace: Optional[list] = None
+
+
+def trace_call(op_type: str, rule, form: str) -> None:
+  """Records that `rule.<form>` runs for an `op_type` interface (if tracing)."""
+  if _trace is not None:
+    _trace.append({"op_type": op_type, "rule": type(rule).__name__,
+                   "form": form})
+
+
+def trace_note(**details) -> None:
+  """Annotates the current rule call's record, e.g. `sq_norm="ghost"`."""
+  if _trace:
+    _trace[-1].update(details)
+
+
 def vectorized_per_example(ctx: Context):
   """Per-example gradient by running TF's gradient function per example.
 
@@ -199,6 +217,7 @@ def vectorized_per_example(ctx: Context):
   `[k, ...]` slice. This is exact for any op whose output rows of example b
   depend only on example b's input rows.
   """
+  trace_note(per_example="vectorized")
   data = list(ctx.data_indices)
   outs = [i for i, o in enumerate(ctx.outputs)
           if o.shape.rank and ctx.output_grads[i] is not None]
@@ -230,6 +249,7 @@ class Rule:
 
   def sq_norm(self, ctx: Context):
     """`[B]` float32: squared L2 norm of each example's gradient."""
+    trace_note(sq_norm="materialised")
     return batch_sq_norm(self.per_example(ctx))
 
   def weighted_sum(self, ctx: Context, c):

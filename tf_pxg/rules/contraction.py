@@ -170,6 +170,7 @@ def sq_norm(s: Spec, data, dz, batch_size, minor=False):
   nr, npd, npo = prod(summed), prod(pd), prod(po)
   ghost = (not lonely and None not in (nr, npd, npo) and
            nr * (npd + npo) < npd * npo)
+  base.trace_note(sq_norm="ghost" if ghost else "materialised")
   data, dz = tf.cast(data, tf.float32), tf.cast(dz, tf.float32)
   if not ghost:
     g = tf.einsum(f"{data_sub},{out_sub}->{x}{s.param_sub}", data, dz)
