@@ -104,13 +104,15 @@ def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
   from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
 
   x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-  variables = list(model.trainable_variables)
   with GradientTape() as tape:
     if model._call_has_training_arg:
       y_pred = model(x, training=True)
     else:
       y_pred = model(x)
     losses = pe_losses.per_example_losses(model, y, y_pred, sample_weight)
+  # Read after the forward pass: a lazily built model (e.g. a Sequential
+  # without an Input) creates its variables in its first call.
+  variables = list(model.trainable_variables)
   _validation.check_no_data_dependent_losses(model)
   sums, norms = tape.clipped_gradient_sum(losses, variables, l2_norm_clip)
 
