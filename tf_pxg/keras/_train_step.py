@@ -97,60 +97,100 @@ def _apply_or_skip(optimizer, grads, variables, finite, xla=False):
       cross_replica, args=(grads, finite))
 
 
+def _regularization(model, variables):
+  """The weight regularizers' loss and its gradients (None where none)."""
+  with tf.GradientTape() as reg_tape:
+    reg_losses = model._get_regularization_losses()
+    reg_loss = (tf.add_n([tf.cast(r, tf.float32) for r in reg_losses])
+                if reg_losses else tf.constant(0.0))
+  if not reg_losses:
+    return reg_loss, [None] * len(variables)
+  return reg_loss, reg_tape.gradient(reg_loss, variables)
+
+
 def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
                   noise_multiplier: float, generator: tf.random.Generator,
-                  optimizer, skipped_tracker):
-  """Runs one DP-SGD step of `model` on `data`; returns the metric logs."""
-  from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
+                  optimizer, skipped_tracker, accumulator_for=None):
+  """Runs one DP-SGD (physical) step of `model` on `data`; returns the logs.
+
+  `data` is `(x, y, sample_weight)`. When `sample_weight` is the `info` dict
+  of a Poisson physical batch (`tf_pxg.data`), padding rows are masked out,
+  the clipped sums accumulate until the batch that ends the logical step,
+  and the noisy sum is divided by the expected batch size; then
+  `accumulator_for(variables)` must return the model's
+  `tf_pxg.dp.accumulation.LogicalStepAccumulator`. Otherwise the batch is
+  one logical step divided by its realised global size.
+  """
+  from tf_pxg import data as dp_data  # noqa: PLC0415
+  from tf_pxg.dp import accumulation  # noqa: PLC0415
 
   x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+  info = sample_weight if dp_data.is_dp_batch_info(sample_weight) else None
+  if info is not None:
+    sample_weight = info.get(dp_data.WEIGHT)
   with GradientTape() as tape:
     if model._call_has_training_arg:
       y_pred = model(x, training=True)
     else:
       y_pred = model(x)
     losses = pe_losses.per_example_losses(model, y, y_pred, sample_weight)
+    if info is not None:
+      # A padding row's loss is replaced by a constant: its output gradient,
+      # hence its per-example gradient and norm, are exactly zero.
+      mask = tf.cast(info[dp_data.MASK], losses.dtype)
+      losses = tf.where(mask > 0, losses, tf.zeros_like(losses))
   # Read after the forward pass: a lazily built model (e.g. a Sequential
   # without an Input) creates its variables in its first call.
   variables = list(model.trainable_variables)
   _validation.check_no_data_dependent_losses(model)
   sums, norms = tape.clipped_gradient_sum(losses, variables, l2_norm_clip)
-
-  replicas = _num_replicas()
-  local_batch = tf.shape(losses)[0]
-  global_batch = tf.cast(local_batch * replicas, tf.float32)
   sums = [tf.zeros_like(v) if s is None else _dense(s)
           for s, v in zip(sums, variables)]
-  if noise_multiplier:
-    stddev = dp_noise.replica_noise_stddev(noise_multiplier * l2_norm_clip,
-                                           replicas)
-    noisy = dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
-  else:  # sigma = 0 (tests, ablations): no noise to draw.
-    noisy = sums
-  grads = [tf.cast(g / tf.cast(global_batch, g.dtype), v.dtype)
-           for g, v in zip(noisy, variables)]
 
-  # Data-independent weight regularizers: unclipped, un-noised, counted once.
-  with tf.GradientTape() as reg_tape:
-    reg_losses = model._get_regularization_losses()
-    reg_loss = (tf.add_n([tf.cast(r, tf.float32) for r in reg_losses])
-                if reg_losses else tf.constant(0.0))
-  if reg_losses:
-    reg_grads = reg_tape.gradient(reg_loss, variables)
-    grads = [g if r is None else g + tf.cast(r, g.dtype) / replicas
-             for g, r in zip(grads, reg_grads)]
-
+  replicas = _num_replicas()
   bad = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(norms)),
                               tf.int32))
   ctx = tf.distribute.get_replica_context()
   if ctx is not None and replicas > 1:
     bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
-  finite = tf.equal(bad, 0)
-  _apply_or_skip(optimizer, grads, variables, finite,
-                 xla=bool(getattr(model, "jit_compile", False)))
-  skipped_tracker.update_state(
-      tf.cast(tf.logical_not(finite), tf.float32) / replicas)
+  # Data-independent weight regularizers: unclipped, un-noised, once per
+  # logical step (divided by R: the all-reduce sums the replicas' copies).
+  reg_loss, reg_grads = _regularization(model, variables)
+  xla = bool(getattr(model, "jit_compile", False))
 
+  def finish(totals, bad_total, normalizer):
+    noisy = accumulation.noisy_mean(totals, l2_norm_clip, noise_multiplier,
+                                    normalizer, generator, replicas)
+    grads = [tf.cast(g, v.dtype) for g, v in zip(noisy, variables)]
+    grads = [g if r is None else g + tf.cast(r, g.dtype) / replicas
+             for g, r in zip(grads, reg_grads)]
+    finite = tf.equal(bad_total, 0)
+    _apply_or_skip(optimizer, grads, variables, finite, xla=xla)
+    skipped_tracker.update_state(
+        tf.cast(tf.logical_not(finite), tf.float32) / replicas)
+
+  if info is None:
+    local_batch = tf.shape(losses)[0]
+    finish(sums, bad, tf.cast(local_batch * replicas, tf.float32))
+    model._loss_tracker.update_state(
+        tf.reduce_mean(losses) + reg_loss, sample_weight=local_batch)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+  if not optimizer.built:  # not inside the step's conditional
+    optimizer.build(variables)
+  normalizer = info[dp_data.NORMALIZER][0]
+  step_end = info[dp_data.STEP_END][0]
+  accumulator_for(variables).step(
+      sums, bad, step_end, lambda t, b: finish(t, b, normalizer))
+  mask = info[dp_data.MASK]
   model._loss_tracker.update_state(
-      tf.reduce_mean(losses) + reg_loss, sample_weight=local_batch)
-  return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+      losses + tf.cast(reg_loss, losses.dtype), sample_weight=mask)
+  return model.compute_metrics(
+      x, y, y_pred, sample_weight=mask if sample_weight is None else
+      _rows_times(sample_weight, mask))
+
+
+def _rows_times(weight, mask):
+  """`weight * mask` with the `[P]` mask broadcast over trailing axes."""
+  mask = tf.reshape(mask, [-1] + [1] * (weight.shape.rank - 1))
+  return weight * tf.cast(mask, weight.dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.models.functional import Functional
 from keras.src.saving import serialization_lib
@@ -110,6 +111,16 @@ class _DPTrainingMixin:
           "optimizer would unscale unscaled gradients. Use the float32 or "
           "mixed_bfloat16 dtype policy.")
     self._resolve_dp_params(optimizer, strict=True)
+    inner = (optimizer.inner_optimizer if isinstance(optimizer, DPOptimizer)
+             else optimizer)
+    if getattr(inner, "gradient_accumulation_steps", None):
+      raise ValueError(
+          f"Model {self.name!r} is compiled with an optimizer that has "
+          f"gradient_accumulation_steps={inner.gradient_accumulation_steps}: "
+          "Keras would average noisy gradients of several batches (adding "
+          "the noise k times). For DP gradient accumulation pass "
+          "`accumulation_steps=k` to `fit` (noise once per logical step) and "
+          "create the optimizer without gradient_accumulation_steps.")
     _validation.check_no_batch_mixing_layers(self)
     _validation.check_no_data_dependent_losses(self)
 
@@ -133,7 +144,114 @@ class _DPTrainingMixin:
     if isinstance(optimizer, DPOptimizer):
       optimizer = optimizer.inner_optimizer
     return dp_train_step(self, data, clip, noise, self._dp_generator,
-                         optimizer, self._dp_skipped)
+                         optimizer, self._dp_skipped,
+                         accumulator_for=self._dp_accumulator_for)
+
+  # Poisson sampling and logical steps -----------------------------------------
+
+  def _dp_accumulator_for(self, variables):
+    """The model's `LogicalStepAccumulator` for `variables` (made if needed).
+
+    `fit` makes it in the strategy scope before training; made here (e.g.
+    `train_on_batch` with a Poisson batch) it is lifted out of the traced
+    function, which works without a strategy.
+    """
+    from tf_pxg.dp import accumulation  # noqa: PLC0415
+    acc = self.__dict__.get("_dp_accumulator")
+    if acc is None or not acc.matches(variables):
+      with tf.init_scope():
+        acc = accumulation.LogicalStepAccumulator(variables)
+      # Not a Keras-tracked weight: it is not part of the model's state.
+      object.__setattr__(self, "_dp_accumulator", acc)
+    return acc
+
+  def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
+          callbacks=None, validation_split=0.0, validation_data=None,
+          shuffle=True, class_weight=None, sample_weight=None,
+          initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+          validation_batch_size=None, validation_freq=1, *,
+          sampling: str = "poisson", accumulation_steps: int = 1,
+          physical_batch_size: Optional[int] = None,
+          sampling_seed: Optional[int] = None):
+    """Keras `fit`, by default on Poisson-sampled logical batches.
+
+    With `sampling="poisson"` (the default) `x`, `y` and `sample_weight`
+    must be arrays (or nests of arrays, or an unbatched finite
+    `tf.data.Dataset` of `(x, y[, sample_weight])`, which is read into
+    memory). Every logical step includes each of the N examples
+    independently with probability `q = batch_size / N`; an epoch is
+    `steps_per_epoch` (default `ceil(N / batch_size)`) logical steps. A
+    logical step is fed as `accumulation_steps` physical batches of
+    `physical_batch_size` rows (default
+    `tf_pxg.data.default_physical_batch_size`), padded with masked rows, and
+    more on overflow (never dropped); noise is added once per logical step
+    and the sum divided by `q N`. `optimizer.iterations` counts logical
+    steps. `shuffle` is ignored (the sampling is random). Keras' epochs and
+    progress bar count `k * steps_per_epoch` physical batches of an endless
+    stream, so after an overflow a logical step may straddle an epoch end;
+    one still unfinished when `fit` returns is discarded (nothing was
+    released for it, and it is not counted). See `tf_pxg.data.poisson` for
+    the derivation.
+
+    `sampling="shuffled"` is Keras' own data path (shuffled fixed batches,
+    or the batches of the given dataset/generator), divided by the realised
+    batch size. The ε that `tf_pxg.accounting` computes does not hold for
+    it; `PrivacyCallback` refuses it unless told otherwise.
+
+    Args:
+      sampling: "poisson" or "shuffled".
+      accumulation_steps: k physical batches per logical step.
+      physical_batch_size: rows per physical batch (global).
+      sampling_seed: seeds the sampler (tests); default OS entropy.
+      (others: as `keras.Model.fit`; `batch_size` is the expected logical
+      batch size, default 32; `steps_per_epoch` counts logical steps.)
+
+    Raises:
+      ValueError: unknown `sampling`; data that cannot be Poisson-sampled
+        (a batched dataset, a generator, a `PyDataset`); a `batch_size`
+        larger than the dataset.
+    """
+    keras_kwargs = dict(
+        epochs=epochs, verbose=verbose, callbacks=callbacks,
+        validation_freq=validation_freq, initial_epoch=initial_epoch,
+        validation_steps=validation_steps)
+    if sampling == "shuffled":
+      self._dp_data = {"sampling": "shuffled"}
+      return super().fit(
+          x, y, batch_size=batch_size, validation_split=validation_split,
+          validation_data=validation_data, shuffle=shuffle,
+          class_weight=class_weight, sample_weight=sample_weight,
+          steps_per_epoch=steps_per_epoch,
+          validation_batch_size=validation_batch_size, **keras_kwargs)
+    if sampling != "poisson":
+      raise ValueError(f"`sampling` must be 'poisson' (the default, the "
+                       f"sampling DP-SGD's ε assumes) or 'shuffled'; got "
+                       f"{sampling!r}.")
+    dataset, sampler, validation_data = _poisson_input(
+        self, x, y, sample_weight, class_weight, batch_size,
+        validation_split, validation_data, accumulation_steps,
+        physical_batch_size, steps_per_epoch, sampling_seed)
+    self._dp_data = {
+        "sampling": "poisson", "sampling_rate": sampler.sampling_rate,
+        "num_examples": sampler.num_examples,
+        "expected_batch_size": sampler.expected_batch_size,
+        "accumulation_steps": sampler.accumulation_steps,
+        "physical_batch_size": sampler.physical_batch_size}
+    accumulator = self._dp_accumulator_for(list(self.trainable_variables))
+    accumulator.reset()
+    try:
+      return super().fit(
+          dataset, validation_data=validation_data, shuffle=False,
+          steps_per_epoch=sampler.steps_per_epoch * accumulation_steps,
+          validation_batch_size=(validation_batch_size or batch_size or 32)
+          if validation_data is not None and
+          not isinstance(validation_data, tf.data.Dataset) else None,
+          **keras_kwargs)
+    finally:
+      # An overflowing logical step may straddle an epoch end (an epoch is
+      # k * steps_per_epoch physical batches of an endless stream); one left
+      # unfinished when fit ends is discarded: nothing was released for it.
+      accumulator.reset()
 
   def test_step(self, data):
     logs = super().test_step(data)
@@ -238,3 +356,82 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
       f"{model.name!r} is a subclassed {type(model).__name__}. Use "
       f"tf_pxg.keras.make_dp_model_class({type(model).__name__}) to get a DP "
       "version of the class, then build and load the weights into it.")
+
+
+def _to_arrays(dataset: tf.data.Dataset):
+  """An unbatched finite dataset of `(x, y[, w])` as numpy arrays."""
+  card = int(dataset.cardinality())
+  if card < 0:
+    raise ValueError(
+        "Poisson sampling needs the dataset size; this tf.data.Dataset has "
+        "unknown or infinite cardinality. Pass arrays, an unbatched finite "
+        "dataset (e.g. `dataset.apply(tf.data.experimental.assert_"
+        "cardinality(n))`), or `sampling='shuffled'` to train on its own "
+        "batches (no Poisson ε).")
+  spec = dataset.element_spec
+  first = tf.nest.flatten(spec)[0]
+  if not isinstance(spec, tuple) or not 2 <= len(spec) <= 3:
+    raise ValueError(
+        "Poisson sampling of a tf.data.Dataset needs elements `(x, y)` or "
+        f"`(x, y, sample_weight)` of single examples; got {spec}.")
+  if first.shape.rank and first.shape[0] is None:
+    raise ValueError(
+        "fit got a batched tf.data.Dataset: its batches are fixed, not "
+        "Poisson samples, so the ε of tf_pxg.accounting would not hold. "
+        "Pass it unbatched with `batch_size=` (it is read into memory and "
+        "Poisson-sampled), pass arrays, or pass `sampling='shuffled'` to "
+        "train on its batches as they are.")
+  items = list(dataset.as_numpy_iterator())
+  return tuple(tf.nest.map_structure(lambda *a: np.stack(a), *parts)
+               for parts in zip(*items))
+
+
+def _poisson_input(model, x, y, sample_weight, class_weight, batch_size,
+                   validation_split, validation_data, accumulation_steps,
+                   physical_batch_size, steps_per_epoch, seed):
+  """The Poisson `tf.data` input of a DP `fit`, with the model built."""
+  from tf_pxg import data as dp_data  # noqa: PLC0415
+  from keras.src.trainers.data_adapters import array_slicing  # noqa: PLC0415
+  from keras.src.trainers.data_adapters import data_adapter_utils  # noqa
+
+  if isinstance(x, tf.data.Dataset):
+    parts = _to_arrays(x)
+    x, y = parts[0], parts[1]
+    sample_weight = parts[2] if len(parts) == 3 else sample_weight
+  elif isinstance(x, keras.utils.PyDataset) or (
+      x is not None and not tf.nest.is_nested(x) and
+      not hasattr(x, "shape")):
+    raise ValueError(
+        f"fit got {type(x).__name__} data: its batches are fixed, not "
+        "Poisson samples. Pass arrays (or an unbatched finite "
+        "tf.data.Dataset) for Poisson sampling, or `sampling='shuffled'` to "
+        "train on these batches (no Poisson ε).")
+  if y is None:
+    raise ValueError("DP fit needs labels `y` (per-example losses).")
+  if validation_split and validation_data is None:
+    (x, y, sample_weight), validation_data = (
+        array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=validation_split))
+  if class_weight is not None:
+    if sample_weight is not None:
+      raise ValueError("Pass `sample_weight` or `class_weight`, not both.")
+    sample_weight = data_adapter_utils.class_weight_to_sample_weights(
+        np.asarray(y), class_weight)
+  strategy = model.distribute_strategy
+  n = dp_data.num_examples(x, y, sample_weight)
+  sampler = dp_data.PoissonSampler(
+      n, 32 if batch_size is None else batch_size,
+      physical_batch_size=physical_batch_size,
+      accumulation_steps=accumulation_steps,
+      num_replicas=strategy.num_replicas_in_sync,
+      steps_per_epoch=steps_per_epoch, seed=seed)
+  dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,
+                                    repeat=True)
+  if not model.built or not model.optimizer.built:
+    sample = tf.nest.map_structure(
+        lambda a: np.asarray(a)[:sampler.physical_batch_size], (x, y))
+    with strategy.scope():
+      model._symbolic_build(data_batch=(sample[0], sample[1], None))
+  with strategy.scope():
+    model._dp_accumulator_for(list(model.trainable_variables))
+  return dataset, sampler, validation_data

@@ -1,0 +1,37 @@
+"""Poisson sampling for DP-SGD: masked fixed-shape batches, logical steps.
+
+`PoissonSampler` draws logical batches (each example independently with
+probability q = B/N) and lays them out as fixed-size physical batches with a
+per-row mask; `poisson_dataset` turns them into a `tf.data.Dataset` of
+`(x, y, info)` that a DP model's `fit` and custom loops consume;
+`shard_batch` slices a global batch for `tf.distribute` input functions.
+See `tf_pxg.data.poisson` for the semantics and the overflow rule.
+"""
+
+from tf_pxg.data.dataset import dp_batch_info
+from tf_pxg.data.dataset import is_dp_batch_info
+from tf_pxg.data.dataset import num_examples
+from tf_pxg.data.dataset import poisson_dataset
+from tf_pxg.data.dataset import shard_batch
+from tf_pxg.data.poisson import default_physical_batch_size
+from tf_pxg.data.poisson import MASK
+from tf_pxg.data.poisson import NORMALIZER
+from tf_pxg.data.poisson import PhysicalBatch
+from tf_pxg.data.poisson import PoissonSampler
+from tf_pxg.data.poisson import STEP_END
+from tf_pxg.data.poisson import WEIGHT
+
+__all__ = [
+    "MASK",
+    "NORMALIZER",
+    "PhysicalBatch",
+    "PoissonSampler",
+    "STEP_END",
+    "WEIGHT",
+    "default_physical_batch_size",
+    "dp_batch_info",
+    "is_dp_batch_info",
+    "num_examples",
+    "poisson_dataset",
+    "shard_batch",
+]
