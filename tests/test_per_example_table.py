@@ -9,6 +9,17 @@ plain `tf.GradientTape` loop over single examples) in eager mode, in
 Expected values come only from the reference loop. The loss is
 `sum((output - label)**2)` over the non-batch axes, one value per example.
 
+Each case also declares, per interface op type, the rule it expects and,
+for rules with a choice, the squared-norm form ("ghost" or "materialised");
+`tf_pxg.testing.trace_rules` records what ran, and the case fails if another
+rule, the vectorized fallback or the other form ran. The `*_ghost` cases have
+sizes that select the ghost form with R > 1 summed rows for every rule that
+has one.
+
+Every case also passes `tf_pxg.testing.check_gradient_invariants` (no clip:
+the clipped sum equals `tf.GradientTape`, per-example gradients sum to it,
+no non-zero gradient gets a zero per-example one).
+
 `test_every_registered_op_has_a_case` fails when a rule is registered for an
 op type that no raw-op case exercises (computed from the registry).
 """
@@ -18,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import zlib
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import keras
 import numpy as np
@@ -57,6 +68,10 @@ class Case:
     tolerance: `(rtol, atol)` overriding the dtype default.
     without_rule: op type whose rule is removed while the case runs (forces
       the vectorized fallback).
+    rules: for each op type that consumes a parameter, the rule expected to
+      run, as "RuleClass" or "RuleClass/form" with form the squared-norm
+      form ("ghost" or "materialised"); "_VectorizedFallback" for the
+      fallback. Op types not listed must not reach a rule.
   """
   name: str
   build: Callable
@@ -64,6 +79,7 @@ class Case:
   dtypes: Tuple[tf.DType, ...] = (F32, F64)
   tolerance: Optional[Tuple[float, float]] = None
   without_rule: Optional[str] = None
+  rules: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -100,6 +116,26 @@ def _ids(rng, shape, vocab):
   return tf.constant(ids, tf.int32)
 
 
+# The rule each op type's cases expect (by class name), unless a case says.
+RULE_OF = {
+    "MatMul": "MatMulRule", "BatchMatMulV2": "BatchMatMulRule",
+    "BatchMatMulV3": "BatchMatMulRule", "Einsum": "EinsumRule",
+    "BiasAdd": "BiasAddRule", "AddV2": "AddRule", "Add": "AddRule",
+    "Sub": "SubRule", "Mul": "MulRule", "Conv2D": "ConvRule",
+    "Conv3D": "ConvRule", "DepthwiseConv2dNative": "DepthwiseConvRule",
+    "Conv2DBackpropInput": "ConvTransposeRule", "GatherV2": "_GatherRule",
+    "ResourceGather": "_GatherRule",
+}
+FALLBACK = "_VectorizedFallback"
+
+
+def expect(*op_types, sq=None, **by_op):
+  """`{op_type: "Rule[/sq]"}` from RULE_OF, `sq` the form for `op_types`."""
+  out = {t: RULE_OF[t] + (f"/{sq}" if sq else "") for t in op_types}
+  out.update(by_op)
+  return out
+
+
 def layer_case(name, make_layer, input_shape, *, call=None, ids_vocab=None,
                setup_layer=None, **kw) -> Case:
   """A Keras layer on an input of shape `[B, *input_shape]`."""
@@ -121,8 +157,17 @@ def layer_case(name, make_layer, input_shape, *, call=None, ids_vocab=None,
 
 
 def raw_case(name, op_types, fn, input_shape, param_shapes, *,
-             positive_params=False, ids_vocab=None, **kw) -> Case:
-  """`fn(x, *params)` of raw TF ops, params `tf.Variable`s of given shapes."""
+             positive_params=False, ids_vocab=None, sq=None, **kw) -> Case:
+  """`fn(x, *params)` of raw TF ops, params `tf.Variable`s of given shapes.
+
+  Unless `rules=` is given, each of `op_types` expects its RULE_OF rule
+  (the fallback if `without_rule`) with squared-norm form `sq`.
+  """
+  if "rules" not in kw:
+    if kw.get("without_rule"):
+      kw["rules"] = {t: f"{FALLBACK}/materialised" for t in op_types}
+    else:
+      kw["rules"] = expect(*op_types, sq=sq)
 
   def build(dtype, b, rng):
     params = [_var(rng, s, dtype, f"w{i}", positive_params)
@@ -173,45 +218,69 @@ def _randomize_lora(layer, rng):
   b.assign(rng.standard_normal(b.shape).astype(b.dtype))
 
 
+M, G = "materialised", "ghost"
+BIAS = {"BiasAdd": "BiasAddRule/materialised"}
+
 LAYER_CASES = [
     layer_case("Dense_2d", lambda d: L.Dense(3, activation="tanh", dtype=d),
-               (5,)),
-    layer_case("Dense_3d_sequence", lambda d: L.Dense(3, dtype=d), (4, 5)),
+               (5,), rules=expect("MatMul", sq=G, **BIAS)),
+    layer_case("Dense_3d_sequence", lambda d: L.Dense(3, dtype=d), (4, 5),
+               rules=expect("MatMul", sq=M, **BIAS)),
+    # R = 4 summed rows, d = u = 16: 4 * (16 + 16) < 16 * 16 selects ghost.
+    layer_case("Dense_3d_sequence_ghost", lambda d: L.Dense(16, dtype=d),
+               (4, 16), rules=expect("MatMul", sq=G, **BIAS)),
     layer_case("EinsumDense", lambda d: L.EinsumDense(
-        "abc,cd->abd", output_shape=(4, 3), bias_axes="d", dtype=d), (4, 5)),
+        "abc,cd->abd", output_shape=(4, 3), bias_axes="d", dtype=d), (4, 5),
+               rules=expect("BatchMatMulV2", sq=M, **BIAS)),
     layer_case("Conv1D_same_strided", lambda d: L.Conv1D(
-        3, 3, strides=2, padding="same", dtype=d), (7, 2)),
+        3, 3, strides=2, padding="same", dtype=d), (7, 2),
+               rules=expect("Conv2D", sq=M, **BIAS)),
     layer_case("Conv2D_same_strides2", lambda d: L.Conv2D(
-        3, 3, strides=2, padding="same", dtype=d), (6, 6, 2)),
+        3, 3, strides=2, padding="same", dtype=d), (6, 6, 2),
+               rules=expect("Conv2D", sq=M, **BIAS)),
+    # P = 4 positions, K * C_in = 32, C_out = 16: ghost.
+    layer_case("Conv2D_ghost", lambda d: L.Conv2D(16, 2, dtype=d), (3, 3, 8),
+               rules=expect("Conv2D", sq=G, **BIAS)),
     layer_case("Conv2D_valid_dilation2", lambda d: L.Conv2D(
-        3, 2, dilation_rate=2, padding="valid", dtype=d), (6, 5, 2)),
-    layer_case("Conv3D", lambda d: L.Conv3D(2, 2, dtype=d), (3, 4, 3, 2)),
+        3, 2, dilation_rate=2, padding="valid", dtype=d), (6, 5, 2),
+               rules=expect("Conv2D", sq=M, **BIAS)),
+    layer_case("Conv3D", lambda d: L.Conv3D(2, 2, dtype=d), (3, 4, 3, 2),
+               rules=expect("Conv3D", sq=M, **BIAS)),
     layer_case("DepthwiseConv2D", lambda d: L.DepthwiseConv2D(
-        3, depth_multiplier=2, padding="same", dtype=d), (5, 5, 2)),
+        3, depth_multiplier=2, padding="same", dtype=d), (5, 5, 2),
+               rules=expect("DepthwiseConv2dNative", sq=M, **BIAS)),
     layer_case("SeparableConv2D", lambda d: L.SeparableConv2D(
-        3, 3, depth_multiplier=2, dtype=d), (5, 5, 2)),
+        3, 3, depth_multiplier=2, dtype=d), (5, 5, 2),
+               rules=expect("DepthwiseConv2dNative", "Conv2D", sq=M, **BIAS)),
     layer_case("Conv2DTranspose", lambda d: L.Conv2DTranspose(
-        3, 3, strides=2, padding="same", dtype=d), (3, 3, 2)),
+        3, 3, strides=2, padding="same", dtype=d), (3, 3, 2),
+               rules=expect("Conv2DBackpropInput", sq=M, **BIAS)),
     layer_case("Embedding_repeated_tokens",
-               lambda d: L.Embedding(7, 3, dtype=d), (5,), ids_vocab=7),
+               lambda d: L.Embedding(7, 3, dtype=d), (5,), ids_vocab=7,
+               rules=expect("GatherV2")),
     layer_case("LayerNormalization", lambda d: L.LayerNormalization(dtype=d),
-               (4, 5)),
+               (4, 5), rules=expect("AddV2", "Mul", sq=M)),
     layer_case("GroupNormalization", lambda d: L.GroupNormalization(
-        groups=2, dtype=d), (3, 4)),
+        groups=2, dtype=d), (3, 4), rules=expect("AddV2", "Mul", sq=M)),
     layer_case("MultiHeadAttention", lambda d: L.MultiHeadAttention(
         num_heads=2, key_dim=3, dtype=d), (4, 5),
-               call=lambda layer, x: layer(x, x)),
+               call=lambda layer, x: layer(x, x),
+               rules=expect("BatchMatMulV2", "AddV2", sq=M, **BIAS)),
+    # Weights shared over the unrolled steps: norms materialise the sum.
     layer_case("SimpleRNN_unroll", lambda d: L.SimpleRNN(
-        3, unroll=True, return_sequences=True, dtype=d), (4, 2)),
+        3, unroll=True, return_sequences=True, dtype=d), (4, 2),
+               rules=expect("MatMul", "BiasAdd")),
     layer_case("LSTM_unroll", lambda d: L.LSTM(3, unroll=True, dtype=d),
-               (4, 2)),
+               (4, 2), rules=expect("MatMul", "BiasAdd")),
     layer_case("GRU_unroll", lambda d: L.GRU(3, unroll=True, dtype=d),
-               (4, 2)),
+               (4, 2), rules=expect("MatMul", "BiasAdd", "AddV2")),
     layer_case("Dense_mixed_float16", _mixed_dense, (5,), dtypes=(F32,),
-               tolerance=(2e-2, 2e-3)),
+               tolerance=(2e-2, 2e-3), rules=expect("MatMul", sq=G, **BIAS)),
     # Keras creates the LoRA weights in float32 even for a float64 layer, so
     # the float64 row is a mixed-dtype case held to float32 tolerances.
-    layer_case("Dense_LoRA", _lora_dense, (5,), setup_layer=_randomize_lora),
+    # (The kernel is base + A @ B: its norm materialises.)
+    layer_case("Dense_LoRA", _lora_dense, (5,), setup_layer=_randomize_lora,
+               rules=expect("MatMul", **BIAS)),
 ]
 
 # Raw-op cases ----------------------------------------------------------------
@@ -226,12 +295,12 @@ for ta in (False, True):
         f"MatMul_param1_ta{int(ta)}_tb{int(tb)}", ["MatMul"],
         lambda x, w, ta=ta, tb=tb: tf.linalg.matmul(
             _t(x) if ta else x, w, transpose_a=ta, transpose_b=tb),
-        (5,), [(3, 5) if tb else (5, 3)]))
+        (5,), [(3, 5) if tb else (5, 3)], sq=G))
     RAW_CASES.append(raw_case(
         f"MatMul_param0_ta{int(ta)}_tb{int(tb)}", ["MatMul"],
         lambda x, w, ta=ta, tb=tb: _t(tf.linalg.matmul(
             w, x if tb else _t(x), transpose_a=ta, transpose_b=tb)),
-        (5,), [(5, 3) if ta else (3, 5)]))
+        (5,), [(5, 3) if ta else (3, 5)], sq=G))
 
 
 def _bmm(x, y, adj_x=False, adj_y=False, v3=False):
@@ -244,95 +313,115 @@ def _bmm(x, y, adj_x=False, adj_y=False, v3=False):
 for op, v3 in (("BatchMatMulV2", False), ("BatchMatMulV3", True)):
   RAW_CASES += [
       raw_case(f"{op}_param1_broadcast", [op],
-               lambda x, w, v3=v3: _bmm(x, w, v3=v3), (4, 5), [(5, 3)]),
+               lambda x, w, v3=v3: _bmm(x, w, v3=v3), (4, 5), [(5, 3)], sq=M),
       raw_case(f"{op}_param1_adj_y", [op],
                lambda x, w, v3=v3: _bmm(x, w, adj_y=True, v3=v3), (4, 5),
-               [(3, 5)]),
+               [(3, 5)], sq=M),
       raw_case(f"{op}_param1_adj_x", [op],
                lambda x, w, v3=v3: _bmm(x, w, adj_x=True, v3=v3), (5, 4),
-               [(5, 3)]),
+               [(5, 3)], sq=M),
       raw_case(f"{op}_param1_rank3", [op],
-               lambda x, w, v3=v3: _bmm(x, w, v3=v3), (4, 5), [(1, 5, 3)]),
+               lambda x, w, v3=v3: _bmm(x, w, v3=v3), (4, 5), [(1, 5, 3)], sq=M),
       raw_case(f"{op}_param0", [op],
-               lambda x, w, v3=v3: _bmm(w, x, v3=v3), (4, 5), [(3, 4)]),
+               lambda x, w, v3=v3: _bmm(w, x, v3=v3), (4, 5), [(3, 4)], sq=M),
       raw_case(f"{op}_param0_adj_x", [op],
                lambda x, w, v3=v3: _bmm(w, x, adj_x=True, v3=v3), (4, 5),
-               [(4, 3)]),
+               [(4, 3)], sq=M),
   ]
 
 # Einsum: batch on axis 0 of the data operand.
-for eq, x_shape, w_shape in (
-    ("bi,io->bo", (5,), (5, 3)),
-    ("bti,io->bto", (4, 5), (5, 3)),
-    ("io,bti->bto", (4, 5), (5, 3)),
-    ("btd,dhk->bthk", (4, 5), (5, 2, 3)),
-    ("bti,i->bt", (4, 5), (5,)),
+# The `_ghost` rows have T = 4 summed rows and large enough parameter sides
+# (R (Pd + Po) < Pd Po) to select the ghost norm.
+for eq, x_shape, w_shape, sq, suffix in (
+    ("bi,io->bo", (5,), (5, 3), G, ""),
+    ("bti,io->bto", (4, 5), (5, 3), M, ""),
+    ("io,bti->bto", (4, 5), (5, 3), M, ""),
+    ("btd,dhk->bthk", (4, 5), (5, 2, 3), M, ""),
+    ("bti,i->bt", (4, 5), (5,), M, ""),
+    ("bti,io->bto", (4, 16), (16, 16), G, "_ghost"),
+    ("io,bti->bto", (4, 16), (16, 16), G, "_ghost"),
+    ("btd,dhk->bthk", (4, 16), (16, 2, 8), G, "_ghost"),
 ):
   param_first = eq.index(",") == 2 and not eq.startswith("b")
   RAW_CASES.append(raw_case(
-      "Einsum_" + eq.replace(",", "_").replace("->", "_to_"), ["Einsum"],
+      "Einsum_" + eq.replace(",", "_").replace("->", "_to_") + suffix,
+      ["Einsum"],
       (lambda x, w, eq=eq: tf.einsum(eq, w, x)) if param_first else
-      (lambda x, w, eq=eq: tf.einsum(eq, x, w)), x_shape, [w_shape]))
+      (lambda x, w, eq=eq: tf.einsum(eq, x, w)), x_shape, [w_shape], sq=sq))
 
 RAW_CASES += [
     raw_case("BiasAdd_2d", ["BiasAdd"], lambda x, b: tf.nn.bias_add(x, b),
-             (5,), [(5,)]),
+             (5,), [(5,)], sq=M),
     raw_case("BiasAdd_NHWC", ["BiasAdd"], lambda x, b: tf.nn.bias_add(x, b),
-             (3, 3, 2), [(2,)]),
+             (3, 3, 2), [(2,)], sq=M),
     raw_case("BiasAdd_NCHW", ["BiasAdd"],
              lambda x, b: tf.nn.bias_add(x, b, data_format="NCHW"),
-             (2, 3, 3), [(2,)]),
+             (2, 3, 3), [(2,)], sq=M),
     # Elementwise with broadcasting, parameter on either side.
-    raw_case("AddV2_x_plus_w", ["AddV2"], lambda x, w: x + w, (4, 5), [(5,)]),
+    raw_case("AddV2_x_plus_w", ["AddV2"], lambda x, w: x + w, (4, 5), [(5,)], sq=M),
     raw_case("AddV2_w_plus_x", ["AddV2"], lambda x, w: w + x, (4, 5),
-             [(4, 5)]),
+             [(4, 5)], sq=M),
     raw_case("AddV2_w_1x5", ["AddV2"], lambda x, w: tf.tanh(x) + w, (5,),
-             [(1, 5)]),
+             [(1, 5)], sq=M),
     raw_case("Add_x_plus_w", ["Add"], lambda x, w: tf.raw_ops.Add(x=x, y=w),
-             (4, 5), [(5,)]),
+             (4, 5), [(5,)], sq=M),
     raw_case("Add_w_plus_x", ["Add"], lambda x, w: tf.raw_ops.Add(x=w, y=x),
-             (4, 5), [(4, 1)]),
-    raw_case("Sub_x_minus_w", ["Sub"], lambda x, w: x - w, (4, 5), [(5,)]),
-    raw_case("Sub_w_minus_x", ["Sub"], lambda x, w: w - x, (4, 5), [(4, 5)]),
-    raw_case("Mul_x_times_w", ["Mul"], lambda x, w: x * w, (4, 5), [(5,)]),
-    raw_case("Mul_w_times_x", ["Mul"], lambda x, w: w * x, (4, 5), [(4, 1)]),
-    raw_case("Mul_scalar_param", ["Mul"], lambda x, w: w * x, (5,), [()]),
+             (4, 5), [(4, 1)], sq=M),
+    raw_case("Sub_x_minus_w", ["Sub"], lambda x, w: x - w, (4, 5), [(5,)], sq=M),
+    raw_case("Sub_w_minus_x", ["Sub"], lambda x, w: w - x, (4, 5), [(4, 5)], sq=M),
+    raw_case("Mul_x_times_w", ["Mul"], lambda x, w: x * w, (4, 5), [(5,)], sq=M),
+    raw_case("Mul_w_times_x", ["Mul"], lambda x, w: w * x, (4, 5), [(4, 1)], sq=M),
+    raw_case("Mul_scalar_param", ["Mul"], lambda x, w: w * x, (5,), [()], sq=M),
     raw_case("Mul_param_squared_times_x", ["Mul"],
              lambda x, w: x * (w * w), (5,), [(5,)]),
     # Convolutions.
     raw_case("Conv2D_SAME_strides2", ["Conv2D"],
              lambda x, w: tf.nn.conv2d(x, w, strides=2, padding="SAME"),
-             (5, 5, 2), [(3, 3, 2, 3)]),
+             (5, 5, 2), [(3, 3, 2, 3)], sq=M),
     raw_case("Conv2D_VALID_dilation2", ["Conv2D"],
              lambda x, w: tf.nn.conv2d(x, w, strides=1, padding="VALID",
                                        dilations=2), (6, 5, 2),
-             # No float64: TF's CPU Conv2DBackpropInput (which the reference's
-             # tf.GradientTape runs) has no dilations > 1 in float64.
-             [(2, 2, 2, 3)], dtypes=(F32,)),
+             [(2, 2, 2, 3)], sq=M),
     raw_case("Conv2D_VALID_strides_2x1", ["Conv2D"],
              lambda x, w: tf.nn.conv2d(x, w, strides=[1, 2, 1, 1],
                                        padding="VALID"), (5, 4, 1),
-             [(2, 3, 1, 2)]),
+             [(2, 3, 1, 2)], sq=M),
     raw_case("Conv3D_SAME", ["Conv3D"],
              lambda x, w: tf.nn.conv3d(x, w, strides=[1, 1, 2, 1, 1],
                                        padding="SAME"), (3, 4, 3, 2),
-             [(2, 2, 2, 2, 2)]),
+             [(2, 2, 2, 2, 2)], sq=M),
     raw_case("DepthwiseConv2dNative_SAME", ["DepthwiseConv2dNative"],
              lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
                  input=x, filter=w, strides=[1, 1, 1, 1], padding="SAME"),
-             (4, 4, 2), [(3, 3, 2, 2)]),
+             (4, 4, 2), [(3, 3, 2, 2)], sq=M),
     raw_case("DepthwiseConv2dNative_VALID_strides2", ["DepthwiseConv2dNative"],
              lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
                  input=x, filter=w, strides=[1, 2, 2, 1], padding="VALID"),
-             (5, 5, 2), [(2, 2, 2, 1)]),
+             (5, 5, 2), [(2, 2, 2, 1)], sq=M),
     raw_case("Conv2DBackpropInput_SAME_strides2", ["Conv2DBackpropInput"],
              lambda x, w: tf.nn.conv2d_transpose(
                  x, w, tf.stack([tf.shape(x)[0], 6, 6, 3]), strides=2,
-                 padding="SAME"), (3, 3, 2), [(3, 3, 3, 2)]),
+                 padding="SAME"), (3, 3, 2), [(3, 3, 3, 2)], sq=M),
     raw_case("Conv2DBackpropInput_VALID", ["Conv2DBackpropInput"],
              lambda x, w: tf.nn.conv2d_transpose(
                  x, w, tf.stack([tf.shape(x)[0], 4, 5, 2]), strides=1,
-                 padding="VALID"), (3, 3, 2), [(2, 3, 2, 2)]),
+                 padding="VALID"), (3, 3, 2), [(2, 3, 2, 2)], sq=M),
+    # Ghost-norm sizes: P positions, K * C_in and C_out large enough.
+    raw_case("Conv2D_VALID_ghost", ["Conv2D"],
+             lambda x, w: tf.nn.conv2d(x, w, strides=1, padding="VALID"),
+             (3, 3, 8), [(2, 2, 8, 16)], sq=G),
+    raw_case("Conv3D_VALID_ghost", ["Conv3D"],
+             lambda x, w: tf.nn.conv3d(x, w, strides=[1] * 5,
+                                       padding="VALID"), (3, 2, 2, 4),
+             [(2, 2, 2, 4, 16)], sq=G),
+    raw_case("DepthwiseConv2dNative_VALID_ghost", ["DepthwiseConv2dNative"],
+             lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
+                 input=x, filter=w, strides=[1, 1, 1, 1], padding="VALID"),
+             (4, 4, 2), [(3, 3, 2, 16)], sq=G),
+    raw_case("Conv2DBackpropInput_SAME_strides2_ghost", ["Conv2DBackpropInput"],
+             lambda x, w: tf.nn.conv2d_transpose(
+                 x, w, tf.stack([tf.shape(x)[0], 4, 4, 8]), strides=2,
+                 padding="SAME"), (2, 2, 16), [(3, 3, 8, 16)], sq=G),
     # Gathers (repeated tokens inside an example).
     raw_case("GatherV2_tokens", ["GatherV2"],
              lambda ids, w: tf.gather(tf.convert_to_tensor(w), ids), (4,),
@@ -369,17 +458,20 @@ def _mlp_with_bias(x, w1, b1, w2):
 
 
 STRUCTURE_CASES = [
+    # Tied or transformed weights: norms materialise (no sq_norm call).
     raw_case("tied_embedding_gather_and_matmul_transpose_b", (),
-             _tied_embedding, (4,), [(6, 3)], ids_vocab=6),
-    Case("layer_called_twice", _twice),
+             _tied_embedding, (4,), [(6, 3)], ids_vocab=6,
+             rules=expect("ResourceGather", "MatMul")),
+    Case("layer_called_twice", _twice, rules=expect("MatMul", "BiasAdd")),
     raw_case("kernel_reshaped_and_scaled", (),
              lambda x, w: tf.linalg.matmul(x, 2.0 * tf.reshape(w, [5, 3])),
-             (5,), [(15,)]),
+             (5,), [(15,)], rules=expect("MatMul")),
     raw_case("kernel_is_sum_of_param_and_param_product", (),
              lambda x, w, a: tf.linalg.matmul(x, w + tf.matmul(a, a)),
-             (3,), [(3, 3), (3, 3)]),
+             (3,), [(3, 3), (3, 3)], rules=expect("MatMul")),
     raw_case("mlp_two_layers_with_bias", (), _mlp_with_bias, (5,),
-             [(5, 4), (4,), (4, 2)]),
+             [(5, 4), (4,), (4, 2)], rules=expect("MatMul", sq=G,
+                                                  AddV2="AddRule/" + M)),
 ]
 
 # Unregistered ops consuming a parameter: the vectorized fallback --------------
@@ -462,6 +554,38 @@ def _report_worst_error():
   _BUILT.clear()
 
 
+def rule_problems(case: Case, records) -> list:
+  """What in `records` (from `trace_rules`) differs from `case.rules`."""
+  by_op = {}
+  for r in records:
+    by_op.setdefault(r["op_type"], []).append(r)
+  problems = [f"{op}: reached {sorted({r['rule'] for r in by_op[op]})}, but "
+              "the case declares no rule for it"
+              for op in sorted(set(by_op) - set(case.rules))]
+  for op, spec in sorted(case.rules.items()):
+    rule, _, form = spec.partition("/")
+    calls = by_op.get(op, [])
+    if not calls:
+      problems.append(f"{op}: no rule ran (expected {spec})")
+    for r in calls:
+      if r["rule"] != rule:
+        problems.append(f"{op}.{r['form']}: ran {r['rule']}, expected {rule}")
+      vectorized = r.get("per_example") == "vectorized"
+      if vectorized and rule != FALLBACK:
+        problems.append(f"{op}.{r['form']}: {rule} fell back to the "
+                        "vectorized TF gradient")
+      if (rule == FALLBACK and r["form"] == "per_example" and
+          not vectorized):
+        problems.append(f"{op}.per_example: the fallback did not vectorize")
+      if form and r["form"] == "sq_norm" and r.get("sq_norm") != form:
+        problems.append(f"{op}.sq_norm: took the {r.get('sq_norm')} form, "
+                        f"expected {form}")
+    if form and not any(r["form"] == "sq_norm" for r in calls):
+      problems.append(f"{op}: norms never called the rule's sq_norm "
+                      f"(expected the {form} form)")
+  return problems
+
+
 @pytest.mark.parametrize("name,dtype,batch_size,mode", list(_params()))
 def test_per_example_table(name, dtype, batch_size, mode):
   case = _CASES_BY_NAME[name]
@@ -470,9 +594,18 @@ def test_per_example_table(name, dtype, batch_size, mode):
   if case.tolerance is not None:
     kwargs["rtol"], kwargs["atol"] = case.tolerance
   with without_rule(case.without_rule):
-    err = pxg_testing.check_per_example_gradients(
-        _loss, setup.model, setup.variables, setup.inputs, labels, mode=mode,
-        reference=reference, **kwargs)
+    with pxg_testing.trace_rules() as records:
+      err = pxg_testing.check_per_example_gradients(
+          _loss, setup.model, setup.variables, setup.inputs, labels,
+          mode=mode, reference=reference, **kwargs)
+    problems = rule_problems(case, records)
+    assert not problems, (
+        f"{name}: the rules that ran differ from the case's declaration:\n  "
+        + "\n  ".join(problems))
+    if batch_size > 1:
+      pxg_testing.check_gradient_invariants(
+          _loss, setup.model, setup.variables, setup.inputs, labels,
+          mode=mode, **kwargs)
   _ERRORS[f"{name}-{mode}-B{batch_size}-{dtype.name}"] = err
 
 

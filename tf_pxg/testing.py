@@ -13,6 +13,24 @@ the quantities derived from the reference:
 * norms: `n_b = sqrt(sum over variables of ||g_b||^2)` (flat, global L2);
 * clipped sum: `sum_b min(1, C / n_b) g_b` per variable.
 
+`check_gradient_invariants` needs no reference loop: with a clip so large
+that nothing is clipped, `clipped_gradient_sum` must equal the plain
+`tf.GradientTape` gradient of the summed loss for every source, the
+per-example gradients must sum to it, and a source whose plain gradient is
+non-zero must never get a `None` or all-zero per-example gradient.
+
+`trace_rules` records which rule, and which form of it, tf_pxg ran at each
+interface op (e.g. the ghost or the materialised squared norm, or the
+vectorized fallback), so a test can tell a rule from the fallback.
+
+Tolerances follow the gradients' scale: an array passes when
+`|actual - expected| <= atol + rtol * max|expected| + floor`, where the
+noise floor `64 * eps(dtype) * S` is relative to the largest per-example
+gradient entry S over all the variables checked together. A gradient that is
+zero in exact arithmetic (e.g. an attention key bias, softmax being
+shift-invariant) is float noise at the scale of the gradients it was summed
+from, and two such noises are never compared under a relative tolerance.
+
 Use it to test a rule you registered with `tf_pxg.register` or a layer of
 your own:
 
@@ -33,6 +51,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -48,6 +67,16 @@ _DEFAULT_TOLERANCES = {
     tf.float32: (1e-4, 1e-6),
     tf.float64: (1e-10, 1e-12),
 }
+
+# The noise floor, in units of eps(dtype) times the largest gradient entry.
+_NOISE_ULPS = 64.0
+
+
+def _eps(dtype) -> float:
+  dtype = tf.as_dtype(dtype)
+  if dtype == tf.bfloat16:
+    return 2.0 ** -7
+  return float(np.finfo(dtype.as_numpy_dtype).eps)
 
 
 def _batch_size(inputs) -> int:
@@ -103,6 +132,92 @@ def _dense(g, like):
   return g
 
 
+# Convolutions whose TF gradient needs a dilated Conv*BackpropInput kernel,
+# which some CPU builds lack ("Current CPU implementations do not yet support
+# dilation rates larger than 1"), with the attrs their raw op takes.
+_DILATED_CONV_ATTRS = {
+    "Conv2D": ("strides", "padding", "explicit_paddings", "data_format",
+               "use_cudnn_on_gpu"),
+    "Conv3D": ("strides", "padding", "data_format"),
+    "DepthwiseConv2dNative": ("strides", "padding", "explicit_paddings",
+                              "data_format"),
+}
+
+
+def _attr(op, name):
+  value = op.get_attr(name)
+  return value.decode() if isinstance(value, bytes) else value
+
+
+def _spatial_rates(op) -> List[int]:
+  dilations = list(op.get_attr("dilations"))
+  if _attr(op, "data_format").startswith("NC"):
+    return dilations[2:]
+  return dilations[1:-1]
+
+
+def _dilate_filter(w, rates):
+  """Inserts `rate - 1` zeros between the taps of each spatial filter axis.
+
+  A convolution with the result and no dilation equals the dilated one
+  exactly (the inserted taps multiply by zero).
+  """
+  for axis, r in enumerate(rates):
+    if r == 1:
+      continue
+    k = w.shape[axis]
+    zeros = tf.zeros(w.shape[:axis + 1] + [r - 1] + w.shape[axis + 1:],
+                     w.dtype)
+    w = tf.concat([tf.expand_dims(w, axis + 1), zeros], axis + 1)
+    w = tf.reshape(w, w.shape[:axis] + [k * r] + w.shape[axis + 2:])
+    w = w[(slice(None),) * axis + (slice(0, (k - 1) * r + 1),)]
+  return w
+
+
+def _undilate(g, rates):
+  """The gradient of `_dilate_filter`: the taps at multiples of the rate."""
+  return g[tuple(slice(None, None, r) for r in rates)]
+
+
+def _dilation_free_gradient(original):
+  """`original` (TF's conv gradient), or for dilations > 1 an exact version
+  that differentiates the same conv written with a zero-dilated filter and no
+  dilation, so it needs no dilated backprop kernel."""
+
+  def gradient(op, *grads):
+    rates = _spatial_rates(op)
+    if all(r == 1 for r in rates):
+      return original(op, *grads)
+    x, w = op.inputs[0], op.inputs[1]
+    attrs = {a: _attr(op, a) for a in _DILATED_CONV_ATTRS[op.type]}
+    ones = [1] * len(op.get_attr("dilations"))
+    with tf.GradientTape() as tape:
+      wd = _dilate_filter(w, rates)
+      tape.watch([x, wd])
+      y = getattr(tf.raw_ops, op.type)(input=x, filter=wd, dilations=ones,
+                                       **attrs)
+    gx, gwd = tape.gradient(y, [x, wd], output_gradients=grads[0])
+    return [gx, _undilate(gwd, rates)]
+
+  return gradient
+
+
+@contextlib.contextmanager
+def _dilation_free_conv_gradients():
+  """Swaps in `_dilation_free_gradient` for the dilated convolutions (eager
+  tapes look gradient functions up at each backward pass)."""
+  from tensorflow.python.framework import ops  # pylint: disable=g-import-not-at-top
+  registry = ops._gradient_registry._registry  # pylint: disable=protected-access
+  saved = {t: registry[t]["type"] for t in _DILATED_CONV_ATTRS}
+  try:
+    for t, original in saved.items():
+      registry[t]["type"] = _dilation_free_gradient(original)
+    yield
+  finally:
+    for t, original in saved.items():
+      registry[t]["type"] = original
+
+
 def reference_per_example_gradients(
     loss_fn: Optional[Callable],
     model_or_fn: Callable,
@@ -116,7 +231,11 @@ def reference_per_example_gradients(
   For each b, example b is sliced out of axis 0 of every tensor in `inputs`
   (and `labels`) as a batch of one, the loss is computed and differentiated
   with a plain `tf.GradientTape`, eagerly. Unconnected variables get zeros and
-  `tf.IndexedSlices` (gathers) are densified.
+  `tf.IndexedSlices` (gathers) are densified. Dilated convolutions
+  (`Conv2D`, `Conv3D`, `DepthwiseConv2dNative` with dilations > 1) are
+  differentiated as the same convolution with a zero-dilated filter, which is
+  exact and needs no dilated `Conv*BackpropInput` kernel (some CPU builds have
+  none).
 
   Args:
     loss_fn: `loss_fn(labels, outputs)` (or `loss_fn(outputs)` when `labels`
@@ -141,7 +260,8 @@ def reference_per_example_gradients(
       loss = _per_example_loss(loss_fn, model_or_fn, _slice(inputs, b),
                                _slice(labels, b), training)
       loss = tf.reduce_sum(loss)
-    grads = tape.gradient(loss, variables)
+    with _dilation_free_conv_gradients():
+      grads = tape.gradient(loss, variables)
     for i, (g, v) in enumerate(zip(grads, variables)):
       per_var[i].append(tf.cast(_dense(g, v), _variable_dtype(v)))
   return [tf.stack(gs) if gs else tf.zeros([0] + list(v.shape),
@@ -158,15 +278,17 @@ def _numpy(t) -> np.ndarray:
 
 
 def _compare(name: str, actual, expected: np.ndarray, rtol: float,
-             atol: float, per_example: bool) -> tuple:
+             atol: float, per_example: bool, floor: float = 0.0) -> tuple:
   """(relative error, message or None) for one quantity.
 
-  An array passes when `|actual - expected| <= atol + rtol * max|expected|`
-  elementwise (a normwise tolerance, so tiny entries are not held to a
-  relative bound); the reported relative error is
-  `rtol * max|actual - expected| / (atol + rtol * max|expected|)`, which is
-  about `max|actual - expected| / max|expected|` and at most rtol iff the
-  array passes.
+  An array passes when
+  `|actual - expected| <= atol + rtol * max|expected| + floor` elementwise (a
+  normwise tolerance, so tiny entries are not held to a relative bound;
+  `floor` is the float noise of the quantities it was computed from, see the
+  module docstring); the reported relative error is
+  `rtol * max|actual - expected| / allowed`, which is about
+  `max|actual - expected| / max|expected|` and at most rtol iff the array
+  passes.
   """
   if actual is None:
     actual = np.zeros_like(expected)
@@ -181,10 +303,10 @@ def _compare(name: str, actual, expected: np.ndarray, rtol: float,
   diff = np.abs(actual - expected)
   scale = float(np.max(np.abs(expected)))
   max_diff = float(np.max(diff))
-  allowed = atol + rtol * scale
+  allowed = atol + rtol * scale + floor
   # In units of rtol: <= rtol iff the check passes; ~max_diff / scale unless
   # the tensor is at rounding level (a gradient that is zero in exact
-  # arithmetic), where atol dominates.
+  # arithmetic), where atol and the noise floor dominate.
   rel = rtol * max_diff / allowed if allowed > 0 else (
       0.0 if max_diff == 0 else float("inf"))
   if max_diff <= allowed:
@@ -195,9 +317,24 @@ def _compare(name: str, actual, expected: np.ndarray, rtol: float,
     worst = [float(np.max(diff[b])) for b in range(diff.shape[0])]
     detail += f" (example {int(where[0])}; max |diff| per example {worst})"
   return rel, (f"{name}: max |actual - expected| = {max_diff:.3g} {detail}, "
-               f"relative {rel:.3g} > rtol {rtol:g} (atol {atol:g}, "
-               f"max |expected| = {scale:.3g}); actual "
+               f"relative {rel:.3g} > rtol {rtol:g} (atol {atol:g}, noise "
+               f"floor {floor:.3g}, max |expected| = {scale:.3g}); actual "
                f"{actual[where]:.6g}, expected {expected[where]:.6g}")
+
+
+def _tolerances(variables, rtol, atol):
+  """(rtol, atol, eps) for the least precise of the variables' dtypes."""
+  dtypes = {_variable_dtype(v) for v in variables}
+  worst = max(dtypes, key=lambda d: _DEFAULT_TOLERANCES.get(d, (1e-5,))[0])
+  d_rtol, d_atol = _DEFAULT_TOLERANCES.get(worst, (1e-5, 1e-6))
+  eps = max(_eps(d) if d.is_floating else 0.0 for d in dtypes)
+  return (d_rtol if rtol is None else rtol, d_atol if atol is None else atol,
+          eps)
+
+
+def _names(variables) -> List[str]:
+  return [getattr(v, "path", None) or getattr(v, "name", f"variable {i}")
+          for i, v in enumerate(variables)]
 
 
 def _run_tf_pxg(loss_fn, model_or_fn, variables, inputs, labels, training,
@@ -281,8 +418,12 @@ def check_per_example_gradients(
     rtol, atol: tolerances; by default from the variables' dtype (float32:
       1e-4, 1e-6, since the batch-of-one reference itself carries float32
       rounding; float64: 1e-10, 1e-12; float16: 1e-2, 1e-3). An array
-      passes when `|actual - expected| <= atol + rtol * max|expected|`
-      elementwise. Norms are float32 by contract, and so are the clip
+      passes when `|actual - expected| <= atol + rtol * max|expected| +
+      floor` elementwise, the noise floor being `64 * eps * S` with S the
+      largest per-example gradient entry over all `variables` (for clipped
+      sums, the sum over examples of the clipped ones), so a gradient that
+      is zero in exact arithmetic is held to the rounding of the gradients
+      it is computed from. Norms are float32 by contract, and so are the clip
       factors derived from them, so norms and clipped sums are held to at
       least float32 tolerances (1e-5, 1e-6) even for float64 variables.
     reference: precomputed `reference_per_example_gradients` (to reuse one
@@ -290,7 +431,7 @@ def check_per_example_gradients(
 
   Returns:
     The largest relative error over all quantities and variables:
-    `rtol * max|actual - expected| / (atol + rtol * max|expected|)`, about
+    `rtol * max|actual - expected| / allowed`, about
     `max|actual - expected| / max|expected|` (atol only matters for tensors
     at rounding level), and at most `rtol` when the check passes.
 
@@ -322,37 +463,42 @@ def check_per_example_gradients(
   factors = np.minimum(1.0, l2_norm_clip / np.maximum(expected_norms, 1e-12))
   expected_sums = [np.tensordot(factors, e, axes=1) for e in expected]
 
-  dtypes = {_variable_dtype(v) for v in variables}
-  worst = max(dtypes, key=lambda d: _DEFAULT_TOLERANCES.get(d, (1e-5,))[0])
-  d_rtol, d_atol = _DEFAULT_TOLERANCES.get(worst, (1e-5, 1e-6))
-  rtol = d_rtol if rtol is None else rtol
-  atol = d_atol if atol is None else atol
+  rtol, atol, eps = _tolerances(variables, rtol, atol)
   # Norms (and so the clip factors) are float32 by contract.
   n_rtol, n_atol = max(rtol, 1e-5), max(atol, 1e-6)
+  n_eps = max(eps, _eps(tf.float32))
+  # Noise floors: float rounding at the scale of the largest per-example
+  # gradient entry (over all variables), and of the clipped terms summed.
+  pe_scale = max((float(np.max(np.abs(e))) for e in expected if e.size),
+                 default=0.0)
+  sum_scale = float(sum(
+      f * max((float(np.max(np.abs(e[b]))) for e in expected if e.size),
+              default=0.0) for b, f in enumerate(factors)))
+  pe_floor = _NOISE_ULPS * eps * pe_scale
+  sum_floor = _NOISE_ULPS * n_eps * sum_scale
 
   actual = _run_tf_pxg(loss_fn, model_or_fn, variables, inputs, labels,
                        training, l2_norm_clip, mode)
 
   errors, failures = [], []
 
-  def record(name, act, exp, rt, at, per_example):
-    rel, msg = _compare(name, act, exp, rt, at, per_example)
+  def record(name, act, exp, rt, at, per_example, floor=0.0):
+    rel, msg = _compare(name, act, exp, rt, at, per_example, floor)
     errors.append(rel)
     if msg:
       failures.append(msg)
 
-  names = [getattr(v, "path", None) or getattr(v, "name", f"variable {i}")
-           for i, v in enumerate(variables)]
+  names = _names(variables)
   for name, v, g, e in zip(names, variables, actual["per_example_gradient"],
                            expected):
     record(f"per_example_gradient[{name} {list(v.shape)}]", _numpy(g), e,
-           rtol, atol, True)
+           rtol, atol, True, pe_floor)
   record("per_example_norms", _numpy(actual["per_example_norms"]),
          expected_norms, n_rtol, n_atol, True)
   for name, v, s, e in zip(names, variables, actual["clipped_gradient_sum"],
                            expected_sums):
     record(f"clipped_gradient_sum[{name} {list(v.shape)}] (C={l2_norm_clip:.4g})",
-           _numpy(s), e, n_rtol, n_atol, False)
+           _numpy(s), e, n_rtol, n_atol, False, sum_floor)
   record("clipped_gradient_sum norms",
          _numpy(actual["clipped_gradient_sum norms"]), expected_norms, n_rtol,
          n_atol, True)
@@ -365,5 +511,157 @@ def check_per_example_gradients(
   return max_rel
 
 
-__all__ = ["MODES", "check_per_example_gradients",
-           "reference_per_example_gradients"]
+@contextlib.contextmanager
+def trace_rules():
+  """Records which rule, and which form of it, runs at each interface op.
+
+  Yields a list that receives one dict per rule call made by tf_pxg's
+  per-example engine while the context is active (in `tf.function` and XLA
+  at trace time): `op_type`, `rule` (the rule's class name;
+  `"_VectorizedFallback"` for an op type without a rule or outside its
+  rule's scope), `form` (`"per_example"`, `"sq_norm"` or `"weighted_sum"`)
+  and, where the rule says, how it computed it: `sq_norm` is `"ghost"` or
+  `"materialised"`; `per_example` is `"vectorized"` when TF's gradient ran
+  under `tf.vectorized_map` (the generic fallback) instead of a closed form.
+
+    with tf_pxg.testing.trace_rules() as records:
+      tape.per_example_norms(losses, variables)
+    assert {r["sq_norm"] for r in records if r["op_type"] == "MatMul"} == {
+        "ghost"}
+  """
+  from tf_pxg.rules import base  # pylint: disable=g-import-not-at-top
+  saved = base._trace  # pylint: disable=protected-access
+  records: List[Dict[str, str]] = []
+  base._trace = records  # pylint: disable=protected-access
+  try:
+    yield records
+  finally:
+    base._trace = saved  # pylint: disable=protected-access
+
+
+# A clip no per-example gradient norm reaches (finite in float32).
+_NO_CLIP = 1e30
+
+
+def _run_invariants(loss_fn, model_or_fn, variables, inputs, labels,
+                    training, mode: str) -> Dict[str, Any]:
+  """One forward pass recorded by a plain and a (persistent) tf_pxg tape."""
+  from tf_pxg.tape.gradient_tape import GradientTape  # pylint: disable=g-import-not-at-top
+  plain = tf.autograph.experimental.do_not_convert
+
+  def compute(inputs, labels):
+    with tf.GradientTape() as ref_tape:
+      with GradientTape(persistent=True) as tape:
+        losses = _per_example_loss(loss_fn, model_or_fn, inputs, labels,
+                                   training)
+      total = tf.reduce_sum(losses)
+    grads = ref_tape.gradient(total, variables)
+    sums, _ = plain(tape.clipped_gradient_sum)(losses, variables, _NO_CLIP)
+    per_example = plain(tape.per_example_gradient)(losses, variables)
+    # None stays None (it is what the check is about); dense otherwise.
+    dense = lambda ts: [None if t is None else tf.convert_to_tensor(t)
+                        for t in ts]
+    return {"gradient": dense(grads), "clipped_gradient_sum": dense(sums),
+            "per_example_gradient": dense(per_example)}
+
+  if mode == "eager":
+    return compute(inputs, labels)
+  if mode == "function":
+    return tf.function(compute)(inputs, labels)
+  if mode == "jit":
+    return tf.function(compute, jit_compile=True)(inputs, labels)
+  raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
+
+
+def check_gradient_invariants(
+    loss_fn: Optional[Callable],
+    model_or_fn: Callable,
+    variables: Sequence[Any],
+    inputs: Any,
+    labels: Any = None,
+    *,
+    mode: str = "eager",
+    training: Optional[bool] = None,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
+) -> float:
+  """Checks what must hold for any model, without a reference loop.
+
+  One forward pass is recorded by a plain `tf.GradientTape` and a persistent
+  `tf_pxg.GradientTape` (so random layers, e.g. Dropout, see the same
+  draws). With `G_v` the plain gradient of `sum_b loss_b` for variable v:
+
+  1. `clipped_gradient_sum` with a clip no example reaches (1e30) equals
+     `G_v` for every variable;
+  2. the per-example gradients sum to `G_v`: `sum_b g_{b,v} = G_v`;
+  3. no variable whose `G_v` is non-zero (above the float noise floor) gets
+     a `None` or all-zero per-example gradient or clipped sum: in DP
+     training such a variable would silently get noise only.
+
+  Args:
+    loss_fn, model_or_fn, variables, inputs, labels, training: as in
+      `check_per_example_gradients`.
+    mode: "eager", "function" or "jit".
+    rtol, atol: as in `check_per_example_gradients` (defaults from the
+      variables' dtype); the noise floor is `64 * eps * S`, S the largest
+      `|G_v|` entry over all variables, times sqrt(B) for the summed
+      quantities.
+
+  Returns:
+    The largest relative error (as in `check_per_example_gradients`).
+
+  Raises:
+    AssertionError: listing every violated invariant (variable and mode).
+    ValueError, NotImplementedError: from tf_pxg, as in
+      `check_per_example_gradients`.
+  """
+  if mode not in MODES:
+    raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
+  variables = list(variables)
+  if not variables:
+    raise ValueError("`variables` is empty: nothing to check.")
+  b_total = _batch_size(inputs)
+  out = _run_invariants(loss_fn, model_or_fn, variables, inputs, labels,
+                        training, mode)
+  rtol, atol, eps = _tolerances(variables, rtol, atol)
+  grads = [np.zeros(v.shape) if g is None else _numpy(g)
+           for g, v in zip(out["gradient"], variables)]
+  scale = max((float(np.max(np.abs(g))) for g in grads if g.size),
+              default=0.0)
+  # Clip factors are float32, so sums are held to float32 rounding at least.
+  floor = _NOISE_ULPS * max(eps, _eps(tf.float32)) * scale * np.sqrt(
+      max(b_total, 1))
+  errors, failures = [], []
+  for name, v, g, s, pe in zip(_names(variables), variables, grads,
+                               out["clipped_gradient_sum"],
+                               out["per_example_gradient"]):
+    label = f"{name} {list(v.shape)}"
+    nonzero = g.size and float(np.max(np.abs(g))) > floor + atol
+    for what, t in (("per_example_gradient", pe),
+                    ("clipped_gradient_sum", s)):
+      if nonzero and (t is None or not np.any(_numpy(t))):
+        failures.append(
+            f"{what}[{label}] is {'None' if t is None else 'all zero'} but "
+            f"the plain gradient is non-zero (max |G| = "
+            f"{float(np.max(np.abs(g))):.3g}): DP training would give this "
+            "variable noise only.")
+    for what, act in (
+        (f"clipped_gradient_sum[{label}] (clip {_NO_CLIP:g}) vs "
+         "tf.GradientTape", s),
+        (f"sum_b per_example_gradient[{label}] vs tf.GradientTape",
+         None if pe is None else tf.reduce_sum(pe, axis=0))):
+      rel, msg = _compare(what, _numpy(act), g, rtol, atol, False, floor)
+      errors.append(rel)
+      if msg:
+        failures.append(msg)
+  if failures:
+    raise AssertionError(
+        f"tf_pxg violates the gradient invariants (mode {mode!r}, "
+        f"B={b_total}, {len(failures)} violation(s)):\n  " +
+        "\n  ".join(failures))
+  return max(errors) if errors else 0.0
+
+
+__all__ = ["MODES", "check_gradient_invariants",
+           "check_per_example_gradients", "reference_per_example_gradients",
+           "trace_rules"]
