@@ -36,6 +36,9 @@ PARAM, CONST, DATA = "param", "const", "data"
 # Where an integer input of an op with floating outputs carries examples:
 # gather indices, and the shape of a batch-sized fill (an RNN's zero state).
 INTEGER_DATA_INPUTS = {
+    # Token ids cast to float and back (Keras casts model inputs to the
+    # input layer's dtype) stay data.
+    "Cast": (0,),
     "GatherV2": (1,),
     "Gather": (1,),
     "ResourceGather": (1,),
