@@ -555,7 +555,8 @@ def _run_invariants(loss_fn, model_or_fn, variables, inputs, labels,
         losses = _per_example_loss(loss_fn, model_or_fn, inputs, labels,
                                    training)
       total = tf.reduce_sum(losses)
-    grads = ref_tape.gradient(total, variables)
+    with _dilation_free_conv_gradients():
+      grads = ref_tape.gradient(total, variables)
     sums, _ = plain(tape.clipped_gradient_sum)(losses, variables, _NO_CLIP)
     per_example = plain(tape.per_example_gradient)(losses, variables)
     # None stays None (it is what the check is about); dense otherwise.
@@ -589,7 +590,9 @@ def check_gradient_invariants(
 
   One forward pass is recorded by a plain `tf.GradientTape` and a persistent
   `tf_pxg.GradientTape` (so random layers, e.g. Dropout, see the same
-  draws). With `G_v` the plain gradient of `sum_b loss_b` for variable v:
+  draws). With `G_v` the plain gradient of `sum_b loss_b` for variable v
+  (dilated convolutions differentiated as in
+  `reference_per_example_gradients`):
 
   1. `clipped_gradient_sum` with a clip no example reaches (1e30) equals
      `G_v` for every variable;

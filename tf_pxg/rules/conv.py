@@ -122,6 +122,20 @@ class _PatchContraction(base.Rule):
     return contraction.sq_norm(spec, data, dz, ctx.batch_size,
                                ctx.batch_minor)
 
+  def weighted_sum(self, ctx, c):
+    """TF's filter gradient with dz scaled per example; for dilations > 1
+    the patch contraction instead, as some CPU builds have no dilated
+    `Conv*BackpropFilter/Input` kernel (float64, or without oneDNN)."""
+    rates = _spatial(ctx, "dilations", ctx.dz.shape.rank)
+    ops = None if all(r == 1 for r in rates) else self.operands(ctx)
+    if ops is None:
+      return super().weighted_sum(ctx, c)
+    spec, data, dz, to_param = ops
+    dz = tf.cast(ctx.scale_examples(dz, c), data.dtype)
+    g = tf.einsum(f"{spec.data_sub},{spec.out_sub}->{spec.param_sub}", data,
+                  dz)
+    return tf.reshape(to_param(g[None]), ctx.param_shape)
+
 
 def _identity(g):
   return g
