@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_pxg import control_flow
+from tf_pxg import merge_uses
 from tf_pxg import registry
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop.imperative_grad import imperative_grad
@@ -53,11 +55,13 @@ class PerExampleBackprop:
     target: a `[B]` per-example target, or a scalar that is a sum over examples.
     source_ids: one tensor id per source (None for an unwatched source).
     output_gradients: optional gradient of the target (defaults to ones).
+    source_names: one name per source, for error messages.
   """
 
   def __init__(self, recorder: Recorder, target, source_ids: Sequence[Optional[int]],
-               output_gradients=None):
+               output_gradients=None, source_names: Optional[Sequence[str]] = None):
     self._recorder = recorder
+    self._source_names = dict(zip(source_ids, source_names or ()))
     self._producer = recorder.producer
     self._source_ids = list(source_ids)
     self.vector_target = target.shape.rank is None or target.shape.rank > 0
@@ -78,8 +82,11 @@ class PerExampleBackprop:
         self.batch_size if isinstance(self.batch_size, int) else None)
     if output_gradients is None:
       output_gradients = tf.ones_like(target)
-    self.interfaces = self._phase_one(tensor_id(target), output_gradients)
     self._origin_cache = {}
+    self.interfaces = merge_uses.merge(
+        self._phase_one(tensor_id(target), output_gradients),
+        merge_uses.ValueKeys(self._producer, self._classifier, known),
+        lambda itf: self._context(itf).batch_size)
     self._uses = collections.defaultdict(list)
     for itf in self.interfaces:
       self._uses[itf.param_id].append(itf)
@@ -96,6 +103,10 @@ class PerExampleBackprop:
       if not classifier.is_interface(entry):
         return gradient_functions.call_gradient_function(entry, out_grads, skip)
       params = classifier.param_inputs(entry)
+      if (control_flow.is_opaque(entry) and
+          registry.lookup(entry.op_type) is None):
+        raise control_flow.opaque_op_error(entry, self._names(
+            entry.input_ids[i] for i in params))
       data = classifier.data_inputs(entry)
       minor = classifier.is_batch_minor(entry)
       for i in params:
@@ -120,6 +131,16 @@ class PerExampleBackprop:
       except NotImplementedError:  # This instance is outside the rule's scope.
         itf.rule = _FALLBACK
     return found
+
+  def _names(self, param_ids) -> list:
+    """Names of the sources the PARAM tensors `param_ids` come from."""
+    names = []
+    for pid in param_ids:
+      for s in sorted(self._origins(pid)[0]):
+        name = self._source_names.get(s, f"source {s}")
+        if name not in names:
+          names.append(name)
+    return names
 
   def _context(self, itf: Interface) -> base.Context:
     b = self.batch_size

@@ -53,7 +53,11 @@ def op_view(entry: Entry,
         list(entry.inputs if inputs is None else inputs),
         list(entry.outputs if outputs is None else outputs),
         entry.op_type, skip)
-  return _GraphOpView(entry.op, skip, inputs, outputs)
+  # A recorded graph entry's inputs/outputs are its op's; a merged entry
+  # (`tf_pxg.merge_uses`) carries other tensors for the same op.
+  return _GraphOpView(entry.op, skip,
+                      entry.inputs if inputs is None else inputs,
+                      entry.outputs if outputs is None else outputs)
 
 
 def get_attr(entry: Entry, name: str):

@@ -241,7 +241,10 @@ class GradientTape:
   def _per_example(self, target, sources):
     flat_sources, ids = self._sources(sources)
     target = tf.convert_to_tensor(target)
-    engine = PerExampleBackprop(self._recorder, target, ids)
+    names = [getattr(s, "path", None) or getattr(s, "name", None) or
+             f"source {i}" for i, s in enumerate(flat_sources)]
+    engine = PerExampleBackprop(self._recorder, target, ids,
+                                source_names=names)
     return flat_sources, engine
 
   def per_example_gradient(self, target, sources,

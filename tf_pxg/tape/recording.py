@@ -6,8 +6,10 @@ callback fires for every op executed eagerly and for every op *built* while a
 
 * eager: the recorder's graph is `None` and only eagerly executed ops count;
 * inside `tf.function`: only ops built in the graph that was the default graph
-  when recording started count (ops of nested branch/body graphs are reached
-  through their outer functional op, whose TF gradient handles them).
+  when recording started count. Ops of nested function bodies are made
+  visible by `tf_pxg.control_flow` while the recorder is active (Keras RNN
+  loops unrolled, nested `tf.function` calls inlined); other branch/body
+  graphs are reached through their outer functional op.
 
 Op callbacks are thread-local, so a recorder records the thread that started
 it; this is what a replica thread of `tf.distribute` needs.
@@ -29,6 +31,8 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 from tensorflow.python.eager import record
 from tensorflow.python.framework import op_callbacks
+
+from tf_pxg import control_flow
 
 
 def tensor_id(t: Any) -> int:
@@ -97,12 +101,14 @@ class Recorder:
     if self._graph is None:
       self._renew_watcher()
     op_callbacks.add_op_callback(self._callback)
+    control_flow.enter(self)
     self._active = True
 
   def stop(self):
     if not self._active:
       return
     op_callbacks.remove_op_callback(self._callback)
+    control_flow.exit(self)
     self._end_watcher()
     self._active = False
 

@@ -1,0 +1,225 @@
+"""Loops and function calls: making their ops visible to the tape.
+
+The engine (record -> filter -> backprop -> interface -> rules) sees the ops
+of one graph: the graph the tape records in (or the eager op stream). Two
+constructs hide ops inside a function body that the op callback reports in
+another graph, so a parameter used there would meet the data out of the
+engine's sight:
+
+* `While` loops: Keras' recurrent layers (`SimpleRNN`, `LSTM`, `GRU`,
+  `ConvLSTM*`, `RNN(cell)`, `Bidirectional`) run `keras.backend.rnn` with
+  `unroll=False`, a `While` in the TensorFlow backend;
+* calls of nested `tf.function`s (`PartitionedCall`,
+  `StatefulPartitionedCall`).
+
+Mechanism: while a tf_pxg recorder is active on a thread (and is not paused
+for the tape's own backward pass), this module
+
+1. runs Keras' TF-backend `rnn` with `unroll=True` when the number of time
+   steps is static, and declines the cuDNN kernels (`backend.lstm`,
+   `backend.gru` raise `NotImplementedError`, which Keras answers with its
+   generic `rnn`). The unrolled loop is the same computation (Keras keeps
+   both paths equal, masks, `go_backwards` and `return_sequences`
+   included). The engine then sees one interface per time step for each
+   weight; `tf_pxg.per_example` merges the uses of one weight by one kind of
+   op into a single interface whose rows are all steps of all examples, so
+   a weight shared across T steps costs one contraction (ghost norm over
+   `T` rows, or a materialised `[B, *weight]`, whichever is cheaper) and its
+   norm is the norm of the sum over steps.
+2. runs a nested `tf.function` by calling its Python function in the
+   caller's context (converted by AutoGraph in graphs, as the function's own
+   tracing would), so its ops are built, and recorded, in the tape's graph
+   or eagerly. The result is the same function inlined.
+
+What stays opaque raises instead of giving a `None` or zero per-example
+gradient: an op whose body the engine cannot see (`While` with a dynamic
+trip count or a raw `tf.while_loop`, `If`/`Case`, a call of a
+`ConcreteFunction` or of a function restored from a SavedModel) that
+consumes a parameter is reported by `opaque_op_error`, naming the op, the
+function and the variables.
+
+References:
+  Keras `keras.src.backend.tensorflow.rnn.rnn` (the `unroll` path).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+_local = threading.local()
+_install_lock = threading.Lock()
+_installed = {"function": False, "keras": False}
+
+# Op types whose computation lives in a function body the tape did not record.
+LOOP_OPS = ("While", "StatelessWhile")
+CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+BRANCH_OPS = ("If", "StatelessIf", "Case", "StatelessCase")
+OPAQUE_OPS = LOOP_OPS + CALL_OPS + BRANCH_OPS
+
+
+def _recorders() -> list:
+  if not hasattr(_local, "recorders"):
+    _local.recorders = []
+  return _local.recorders
+
+
+def recording() -> bool:
+  """Whether a tf_pxg recorder is recording user ops on this thread."""
+  return any(not r.paused for r in _recorders())
+
+
+def enter(recorder) -> None:
+  """Called by a recorder when it starts recording on this thread."""
+  install()
+  _recorders().append(recorder)
+
+
+def exit(recorder) -> None:  # pylint: disable=redefined-builtin
+  """Called by a recorder when it stops recording."""
+  stack = _recorders()
+  for i in range(len(stack) - 1, -1, -1):
+    if stack[i] is recorder:
+      del stack[i]
+      return
+
+
+# Nested tf.function calls ----------------------------------------------------
+
+
+def _inline_call(function, args, kwargs):
+  """Runs a `tf.function`'s Python function in the caller's context."""
+  fn = function._python_function  # pylint: disable=protected-access
+  if tf.executing_eagerly() or not function._autograph:  # pylint: disable=protected-access
+    return fn(*args, **kwargs)
+  from tensorflow.python.autograph.core import ag_ctx  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.eager.polymorphic_function import autograph_util  # pylint: disable=g-import-not-at-top
+  converted = autograph_util.py_func_from_autograph(
+      fn, function._experimental_autograph_options)  # pylint: disable=protected-access
+  with ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED):
+    return converted(*args, **kwargs)
+
+
+def _install_function_inlining() -> None:
+  from tensorflow.python.eager.polymorphic_function import polymorphic_function  # pylint: disable=g-import-not-at-top
+  cls = polymorphic_function.Function
+  original = cls.__call__
+
+  @functools.wraps(original)
+  def __call__(self, *args, **kwargs):
+    if recording():
+      return _inline_call(self, args, kwargs)
+    return original(self, *args, **kwargs)
+
+  __call__._tf_pxg_original = original  # pylint: disable=protected-access
+  cls.__call__ = __call__
+
+
+# Keras recurrent layers ------------------------------------------------------
+
+
+def _time_steps(inputs, time_major: bool) -> Optional[int]:
+  flat = tf.nest.flatten(inputs)
+  if not flat:
+    return None
+  shape = flat[0].shape
+  if shape.rank is None or shape.rank < 2:
+    return None
+  return shape[0 if time_major else 1]
+
+
+def _install_keras_unrolling() -> bool:
+  backend = sys.modules.get("keras.src.backend")
+  if backend is None or getattr(backend, "backend", lambda: None)() != (
+      "tensorflow"):
+    return False
+  rnn = backend.rnn
+
+  @functools.wraps(rnn)
+  def unrolling_rnn(step_function, inputs, initial_states, *args, **kwargs):
+    if recording() and not kwargs.get("unroll", False) and len(args) < 4:
+      if _time_steps(inputs, kwargs.get("time_major", False)):
+        kwargs["unroll"] = True
+    return rnn(step_function, inputs, initial_states, *args, **kwargs)
+
+  def no_cudnn(kernel):
+    @functools.wraps(kernel)
+    def wrapper(*args, **kwargs):
+      if recording():  # Keras falls back to its generic `rnn`.
+        raise NotImplementedError("tf_pxg records the generic RNN loop")
+      return kernel(*args, **kwargs)
+    return wrapper
+
+  unrolling_rnn._tf_pxg_original = rnn  # pylint: disable=protected-access
+  backend.rnn = unrolling_rnn
+  for name in ("lstm", "gru"):
+    if hasattr(backend, name):
+      setattr(backend, name, no_cudnn(getattr(backend, name)))
+  return True
+
+
+def install() -> None:
+  """Installs the hooks (idempotent); Keras' once Keras is imported."""
+  if _installed["function"] and _installed["keras"]:
+    return
+  with _install_lock:
+    if not _installed["function"]:
+      _install_function_inlining()
+      _installed["function"] = True
+    if not _installed["keras"]:
+      _installed["keras"] = _install_keras_unrolling()
+
+
+# Opaque ops ------------------------------------------------------------------
+
+
+def function_name(entry) -> str:
+  """The function an opaque op runs (its body for loops), for messages."""
+  op = entry.op
+  names = []
+  for attr in ("f", "body", "then_branch", "branches"):
+    try:
+      value = op.get_attr(attr) if op is not None else None
+    except (ValueError, AttributeError):
+      continue
+    for v in value if isinstance(value, list) else [value]:
+      name = getattr(v, "name", v)
+      if isinstance(name, bytes):
+        name = name.decode()
+      if name:
+        names.append(str(name))
+  return ", ".join(names) or entry.op_type
+
+
+def is_opaque(entry) -> bool:
+  """Whether `entry` runs ops the tape did not record."""
+  return (entry.op_type in OPAQUE_OPS or entry.op_type.startswith(
+      ("__inference", "__forward", "__backward")))
+
+
+def opaque_op_error(entry, variable_names: Sequence[str]) -> ValueError:
+  """The error for a parameter consumed inside an unrecorded function body."""
+  names = ", ".join(f"'{n}'" for n in variable_names) or "a parameter"
+  if entry.op_type in LOOP_OPS:
+    what = (f"a loop (`{entry.op_type}`, body {function_name(entry)})")
+    how = ("Keras recurrent layers are unrolled while tf_pxg records when "
+           "their number of time steps is static: give the input a fixed "
+           "sequence length (e.g. keras.Input((T, d)) or pad batches to T). "
+           "For a raw tf.while_loop, use a Python loop over a static count.")
+  elif entry.op_type in BRANCH_OPS:
+    what = f"a conditional (`{entry.op_type}`, {function_name(entry)})"
+    how = ("Compute both branches and select with tf.where, or decide the "
+           "branch in Python.")
+  else:
+    what = f"a function call (`{entry.op_type}` of {function_name(entry)})"
+    how = ("tf_pxg inlines tf.function calls while it records, but not "
+           "ConcreteFunctions or functions restored from a SavedModel: call "
+           "the Python function (or the tf.function) instead.")
+  return ValueError(
+      f"{entry.describe()} uses {names} inside {what}, whose ops tf_pxg "
+      "cannot see, so it cannot give that variable a per-example gradient "
+      f"(and will not return None or zeros for it). {how}")
