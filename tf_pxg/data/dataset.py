@@ -2,8 +2,8 @@
 
 Each element is `(x, y, info)`: `x` and `y` are the dataset's arrays
 gathered at a `PhysicalBatch`'s indices (leading dimension P), and `info` is
-a dict of `[P]` tensors: `dp_mask` (1 sampled, 0 padding), `dp_step_end`
-(True on the last physical batch of a logical step), `dp_normalizer` (the
+a dict of `[P]` float32 tensors: `dp_mask` (1 sampled, 0 padding),
+`dp_step_end` (1 on the last physical batch of a logical step, else 0), `dp_normalizer` (the
 expected batch size `qN` the step's sum is divided by) and, only when the
 user gave sample weights, `dp_weight` (their rows). A DP model's `fit` feeds
 this structure in the `sample_weight` slot; custom loops read it directly.
@@ -11,7 +11,7 @@ this structure in the `sample_weight` slot; custom loops read it directly.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -50,7 +50,9 @@ def num_examples(*structures) -> int:
 
 
 def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
-                    sample_weight=None, repeat: bool = False
+                    sample_weight=None, repeat: bool = False,
+                    batches: Optional[Callable[[], Iterable[
+                        poisson.PhysicalBatch]]] = None
                     ) -> tf.data.Dataset:
   """`sampler`'s physical batches of `(x, y)` as a dataset.
 
@@ -62,6 +64,9 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
     sample_weight: optional `[N]` (or `[N, ...]`) per-example weights; then
       `info` has a `dp_weight` entry.
     repeat: draw logical steps forever instead of one epoch.
+    batches: optional; called at each iteration, returns the
+      `PhysicalBatch`es to feed instead of drawing from `sampler` (e.g. a
+      recorded stream, or the rest of a logical step).
 
   Returns:
     A `tf.data.Dataset` of `(x, y, info)` (see the module docstring). It is
@@ -87,24 +92,24 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
     return tf.TensorSpec((p,) + a.shape[1:], tf.as_dtype(a.dtype))
 
   info_spec = {poisson.MASK: tf.TensorSpec((p,), tf.float32),
-               poisson.STEP_END: tf.TensorSpec((p,), tf.bool),
+               poisson.STEP_END: tf.TensorSpec((p,), tf.float32),
                poisson.NORMALIZER: tf.TensorSpec((p,), tf.float32)}
   if weight is not None:
     info_spec[poisson.WEIGHT] = spec(weight)
   signature = (tf.nest.map_structure(spec, x), tf.nest.map_structure(spec, y),
                info_spec)
 
-  def batches():
+  def stream():
     while True:
       yield from sampler.epoch()
       if not repeat:
         return
 
   def generate():
-    for batch in batches():
+    for batch in (stream() if batches is None else batches()):
       take = lambda a, i=batch.indices: a[i]  # noqa: E731
       info = {poisson.MASK: batch.mask,
-              poisson.STEP_END: np.full(p, batch.step_end),
+              poisson.STEP_END: np.full(p, float(batch.step_end), np.float32),
               poisson.NORMALIZER: normalizer}
       if weight is not None:
         info[poisson.WEIGHT] = weight[batch.indices]
@@ -138,7 +143,7 @@ def dp_batch_info(mask, step_end, normalizer, weight=None) -> dict:
 
   Args:
     mask: `[P]` 1 for real rows, 0 for padding rows.
-    step_end: scalar or `[P]` bool: whether this physical batch ends its
+    step_end: scalar or `[P]` bool or 0/1: whether this physical batch ends its
       logical step.
     normalizer: scalar or `[P]`: what the logical step's noisy sum is divided
       by (the expected batch size qN).
@@ -147,7 +152,8 @@ def dp_batch_info(mask, step_end, normalizer, weight=None) -> dict:
   mask = tf.cast(mask, tf.float32)
   shape = tf.shape(mask)
   return {poisson.MASK: mask,
-          poisson.STEP_END: tf.broadcast_to(tf.cast(step_end, tf.bool), shape),
+          poisson.STEP_END: tf.broadcast_to(tf.cast(step_end, tf.float32),
+                                            shape),
           poisson.NORMALIZER: tf.broadcast_to(
               tf.cast(normalizer, tf.float32), shape),
           **({} if weight is None else

@@ -24,7 +24,7 @@ all-reduced sum carries std `sigma C` exactly once.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -60,6 +60,12 @@ class LogicalStepAccumulator:
     self.non_finite = tf.Variable(0, dtype=tf.int32, trainable=False,
                                   synchronization=on_read, aggregation=agg,
                                   name="dp_accumulated_non_finite")
+    # Physical batches consumed since the last `reset` (equal on every
+    # replica; read the first one's).
+    self.position = tf.Variable(
+        0, dtype=tf.int64, trainable=False, synchronization=on_read,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        name="dp_physical_position")
 
   def matches(self, variables: Sequence[tf.Variable]) -> bool:
     return self._keys == [id(v) for v in variables]
@@ -69,11 +75,17 @@ class LogicalStepAccumulator:
     for a in self.sums:
       a.assign(tf.zeros_like(a))
     self.non_finite.assign(0)
+    self.position.assign(0)
 
   def step(self, sums: Sequence[tf.Tensor], non_finite: tf.Tensor,
-           step_end: tf.Tensor,
-           finish: Callable[[List[tf.Tensor], tf.Tensor], None]) -> None:
-    """Adds one physical batch; at `step_end` finishes the logical step.
+           step_end: tf.Tensor) -> Tuple[List[tf.Tensor], tf.Tensor]:
+    """Adds one physical batch; returns the logical step's running totals.
+
+    The accumulators keep the totals, or are zeroed when `step_end` (then
+    the caller adds the noise to the returned totals and applies them).
+    No conditional is used: a replica-context `tf.cond` around the
+    optimizer's all-reduce is not allowed under MirroredStrategy, and XLA
+    fuses the selects.
 
     Args:
       sums: this replica's clipped-gradient sums for this physical batch,
@@ -82,34 +94,25 @@ class LogicalStepAccumulator:
         in this physical batch, already summed over replicas.
       step_end: scalar bool, equal on all replicas: whether this physical
         batch is the last of its logical step.
-      finish: called (inside a `tf.cond` branch) with the logical step's
-        totals `(sums, non_finite)`; it must add the noise and apply. The
-        accumulators are then zeroed; otherwise the totals are stored.
+
+    Returns:
+      `(totals, non_finite_total)` of the logical step so far.
     """
-    totals = [tf.cast(a.read_value(), a.dtype) + tf.cast(s, a.dtype)
+    totals = [a.read_value() + tf.cast(s, a.dtype)
               for a, s in zip(self.sums, sums)]
     bad = self.non_finite.read_value() + tf.cast(non_finite, tf.int32)
-
-    def end():
-      finish(totals, bad)
-      for a in self.sums:
-        a.assign(tf.zeros_like(a))
-      self.non_finite.assign(0)
-      return tf.constant(True)
-
-    def carry():
-      for a, t in zip(self.sums, totals):
-        a.assign(t)
-      self.non_finite.assign(bad)
-      return tf.constant(False)
-
-    tf.cond(step_end, end, carry)
+    for a, t in zip(self.sums, totals):
+      a.assign(tf.where(step_end, tf.zeros_like(t), t))
+    self.non_finite.assign(tf.where(step_end, 0, bad))
+    self.position.assign_add(1)
+    return totals, bad
 
 
 def noisy_mean(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
                noise_multiplier: float, normalizer,
                generator: tf.random.Generator,
-               num_replicas: int = 1) -> List[Optional[tf.Tensor]]:
+               num_replicas: int = 1,
+               draw: Optional[tf.Tensor] = None) -> List[Optional[tf.Tensor]]:
   """`(sums + N(0, (sigma C)^2 / R)) / normalizer`, per replica.
 
   Args:
@@ -122,6 +125,8 @@ def noisy_mean(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
     generator: the noise generator (created in the strategy scope, so every
       replica has its own stream).
     num_replicas: R; the R replicas' results are summed by the all-reduce.
+    draw: optional scalar bool; when false no noise is drawn (a physical
+      batch that does not end its logical step; its result is discarded).
 
   Returns:
     The replica's noisy, normalised gradients.
@@ -130,6 +135,16 @@ def noisy_mean(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
   if noise_multiplier:
     stddev = dp_noise.replica_noise_stddev(noise_multiplier * l2_norm_clip,
                                            num_replicas)
-    sums = dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
+    if draw is None:
+      sums = dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
+    else:
+      present = [i for i, g in enumerate(sums) if g is not None]
+      noisy = tf.cond(
+          draw,
+          lambda: dp_noise.add_gaussian_noise(
+              [sums[i] for i in present], stddev, generator=generator),
+          lambda: [tf.identity(sums[i]) for i in present])
+      for i, g in zip(present, noisy):
+        sums[i] = g
   return [None if g is None else g / tf.cast(normalizer, g.dtype)
           for g in sums]

@@ -14,8 +14,20 @@ Per global step with R replicas, each holding `B_r` examples
    `sum_r n_r ~ N(0, R * (sigma C)^2 / R) = N(0, (sigma C)^2)`: the noise of
    one global step is added exactly once, whatever R is.
 
+With Poisson batches (`tf_pxg.data`: the `sample_weight` slot holds the
+batch's `info` dict) a logical step spans one or more physical batches:
+padding rows get a constant loss (zero gradient, norm, loss and metric
+weight), the replicas' `S_r` accumulate locally
+(`tf_pxg.dp.accumulation.LogicalStepAccumulator`) and only the physical
+batch that ends the step draws the noise, divides by the expected batch
+size `qN` instead of `B`, and applies; the others leave weights, optimizer
+slots and `iterations` untouched. No replica-context conditional holds a
+synchronisation point (MirroredStrategy forbids it): the accumulators are
+updated with selects, and the apply is gated like the non-finite skip.
+
 Weight-regularizer gradients (data-independent) are added unclipped and
-un-noised, divided by R so that the all-reduce sums them once.
+un-noised, once per logical step, divided by R so that the all-reduce sums
+them once.
 
 If any example's gradient norm is non-finite (on any replica) the whole update
 is skipped — weights and optimizer slots untouched — but
@@ -24,6 +36,8 @@ iterations) stays conservative.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import keras
 import tensorflow as tf
@@ -44,32 +58,38 @@ def _dense(g):
   return g
 
 
-def _apply_then_undo_if_not_finite(optimizer, grads, variables, finite):
+def _apply_then_undo(optimizer, grads, variables, keep, step_end):
   """`_apply_or_skip` without a conditional, for XLA.
 
   Under `jit_compile` on CPU a `tf.cond` around `optimizer.apply` costs
-  several times a whole step. Instead the update is applied and, when
-  `finite` is false, every weight and optimizer slot is selected back to its
-  value before the step (`tf.where`, which XLA fuses); `iterations` keeps
-  its increment. The result is the same as skipping.
+  several times a whole step. Instead the update is applied and, unless
+  `keep`, every weight and optimizer slot is selected back to its value
+  before the step (`tf.where`, which XLA fuses); `iterations` keeps its
+  increment only at `step_end`. The result is the same as skipping.
   """
   slots = [v for v in optimizer.variables if v is not optimizer.iterations]
   state = list(variables) + slots
   before = [tf.identity(v.value) for v in state]
-  with tf.control_dependencies(before):
+  it_before = tf.identity(optimizer.iterations.value)
+  with tf.control_dependencies(before + [it_before]):
     optimizer.apply(grads, variables)
   for v, old in zip(state, before):
-    v.assign(tf.where(finite, v.value, old))
+    v.assign(tf.where(keep, v.value, old))
+  if step_end is not None:
+    optimizer.iterations.assign(
+        tf.where(step_end, optimizer.iterations.value, it_before))
 
 
-def _apply_or_skip(optimizer, grads, variables, finite, xla=False):
-  """Applies `grads` with `optimizer` if `finite`, else only counts the step.
+def _apply_or_skip(optimizer, grads, variables, finite, xla=False,
+                   step_end=None):
+  """At `step_end`: applies `grads` if `finite`, else only counts the step.
 
-  `finite` must be equal on all replicas. Follows
-  `keras.optimizers.LossScaleOptimizer`: under strategies that need
-  `merge_call` the `cond` is taken in cross-replica context. With `xla`
-  (and no merge call) the conditional is replaced by an undo, see
-  `_apply_then_undo_if_not_finite`.
+  `finite` and `step_end` (None: always) must be equal on all replicas.
+  Follows `keras.optimizers.LossScaleOptimizer`: under strategies that need
+  `merge_call` (MirroredStrategy) the conditionals are taken in
+  cross-replica context, since a replica-context conditional must not hold
+  a synchronisation point. With `xla` (and no merge call) they are replaced
+  by an undo, see `_apply_then_undo`.
   """
   if not optimizer.built:
     optimizer.build(variables)
@@ -77,24 +97,34 @@ def _apply_or_skip(optimizer, grads, variables, finite, xla=False):
   def skip():
     optimizer.iterations.assign_add(1)
 
+  def at_step_end(end, fn):
+    if end is None:
+      fn()
+    else:
+      tf.cond(end, lambda: fn() and None, lambda: None)
+
   if tf.__internal__.distribute.strategy_supports_no_merge_call():
     if xla:
-      _apply_then_undo_if_not_finite(optimizer, grads, variables, finite)
+      keep = finite if step_end is None else tf.logical_and(finite, step_end)
+      _apply_then_undo(optimizer, grads, variables, keep, step_end)
     else:
-      tf.cond(finite, lambda: optimizer.apply(grads, variables), skip)
+      at_step_end(step_end, lambda: tf.cond(
+          finite, lambda: optimizer.apply(grads, variables), skip))
     return
 
-  def cross_replica(distribution, grads, finite):
+  def cross_replica(distribution, grads, finite, step_end):
     finite = distribution.experimental_local_results(finite)[0]
+    if step_end is not None:
+      step_end = distribution.experimental_local_results(step_end)[0]
 
     def apply():
       distribution.extended.call_for_each_replica(
           lambda g: optimizer.apply(g, variables), args=(grads,))
 
-    tf.cond(finite, apply, skip)
+    at_step_end(step_end, lambda: tf.cond(finite, apply, skip))
 
   tf.distribute.get_replica_context().merge_call(
-      cross_replica, args=(grads, finite))
+      cross_replica, args=(grads, finite, step_end))
 
 
 def _regularization(model, variables):
@@ -158,16 +188,20 @@ def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
   reg_loss, reg_grads = _regularization(model, variables)
   xla = bool(getattr(model, "jit_compile", False))
 
-  def finish(totals, bad_total, normalizer):
+  def finish(totals, bad_total, normalizer, step_end=None):
     noisy = accumulation.noisy_mean(totals, l2_norm_clip, noise_multiplier,
-                                    normalizer, generator, replicas)
+                                    normalizer, generator, replicas,
+                                    draw=step_end)
     grads = [tf.cast(g, v.dtype) for g, v in zip(noisy, variables)]
     grads = [g if r is None else g + tf.cast(r, g.dtype) / replicas
              for g, r in zip(grads, reg_grads)]
     finite = tf.equal(bad_total, 0)
-    _apply_or_skip(optimizer, grads, variables, finite, xla=xla)
-    skipped_tracker.update_state(
-        tf.cast(tf.logical_not(finite), tf.float32) / replicas)
+    _apply_or_skip(optimizer, grads, variables, finite, xla=xla,
+                   step_end=step_end)
+    skipped = tf.logical_not(finite)
+    if step_end is not None:
+      skipped = tf.logical_and(skipped, step_end)
+    skipped_tracker.update_state(tf.cast(skipped, tf.float32) / replicas)
 
   if info is None:
     local_batch = tf.shape(losses)[0]
@@ -179,15 +213,53 @@ def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
   if not optimizer.built:  # not inside the step's conditional
     optimizer.build(variables)
   normalizer = info[dp_data.NORMALIZER][0]
-  step_end = info[dp_data.STEP_END][0]
-  accumulator_for(variables).step(
-      sums, bad, step_end, lambda t, b: finish(t, b, normalizer))
+  step_end = info[dp_data.STEP_END][0] > 0.5
+  totals, bad_total = accumulator_for(variables).step(sums, bad, step_end)
+  finish(totals, bad_total, normalizer, step_end)
   mask = info[dp_data.MASK]
   model._loss_tracker.update_state(
       losses + tf.cast(reg_loss, losses.dtype), sample_weight=mask)
-  return model.compute_metrics(
-      x, y, y_pred, sample_weight=mask if sample_weight is None else
-      _rows_times(sample_weight, mask))
+  with _metrics_masked(model, mask):
+    return model.compute_metrics(
+        x, y, y_pred, sample_weight=mask if sample_weight is None else
+        _rows_times(sample_weight, mask))
+
+
+@contextlib.contextmanager
+def _metrics_masked(model, mask):
+  """Compiled metrics see `mask` as a sample weight, weighted or not.
+
+  Keras passes sample weights only to `weighted_metrics`; padding rows must
+  not count in `metrics` either, so for the call their `update_state` gets
+  `sample_weight=mask` (weighted metrics get the given weights, which
+  already include the mask).
+  """
+  cm = getattr(model, "_compile_metrics", None)
+  if cm is None:
+    yield
+    return
+
+  def update_state(y_true, y_pred, sample_weight=None):
+    if not cm.built:
+      cm.build(y_true, y_pred)
+    y_true = cm._flatten_y(y_true)
+    y_pred = cm._flatten_y(y_pred)
+    weights = (cm._flatten_y(sample_weight) if sample_weight is not None
+               else [None])
+    if len(weights) < len(y_true):
+      weights = [weights[0]] * len(y_true)
+    for m, w_m, t, p, w in zip(cm._flat_metrics, cm._flat_weighted_metrics,
+                               y_true, y_pred, weights):
+      if m:
+        m.update_state(t, p, sample_weight=mask)
+      if w_m:
+        w_m.update_state(t, p, sample_weight=w)
+
+  cm.update_state = update_state
+  try:
+    yield
+  finally:
+    del cm.update_state
 
 
 def _rows_times(weight, mask):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import keras
@@ -15,7 +16,8 @@ class PrivacyCallback(keras.callbacks.Callback):
 
   ε is computed with `tf_pxg.accounting.compute_epsilon` (Poisson-subsampled
   Gaussian, sampling rate `batch_size / num_examples`) from
-  `model.optimizer.iterations`, the number of optimizer steps taken so far —
+  `model.optimizer.iterations`, the number of optimizer steps (logical
+  steps, with gradient accumulation) taken so far —
   including steps before a checkpoint restore and skipped (non-finite) steps,
   so the figure survives save/resume and stays conservative.
 
@@ -33,16 +35,26 @@ class PrivacyCallback(keras.callbacks.Callback):
     target_epsilon: optional budget; training stops before exceeding it.
     accountant: "rdp" or "pld".
 
+    allow_shuffled: the ε above assumes Poisson sampling, the default data
+      path of a DP model's `fit`. If `fit` is called with
+      `sampling="shuffled"` (fixed batches), the callback raises at
+      `on_train_begin` unless this is True; then it logs the same number
+      under the key `epsilon_if_poisson` (not `epsilon`), because it is
+      not a guarantee for shuffled batches (Chua et al., ICML 2024, show
+      such batches can be much less private), and warns once.
+
   Raises:
     ValueError: at `on_train_begin` when even the next step would exceed
       `target_epsilon` (training would otherwise take one step over budget),
-      or when no noise multiplier is known.
+      when no noise multiplier is known, when `fit` trains on shuffled
+      batches and `allow_shuffled` is False, or when `fit` samples with a
+      rate other than `batch_size / num_examples`.
   """
 
   def __init__(self, num_examples: int, batch_size: int,
                noise_multiplier: Optional[float] = None, delta: float = 1e-5,
                target_epsilon: Optional[float] = None,
-               accountant: str = "rdp"):
+               accountant: str = "rdp", allow_shuffled: bool = False):
     super().__init__()
     if target_epsilon is not None and not target_epsilon > 0:
       raise ValueError(
@@ -52,6 +64,8 @@ class PrivacyCallback(keras.callbacks.Callback):
     self.delta = delta
     self.target_epsilon = target_epsilon
     self.accountant = accountant
+    self.allow_shuffled = allow_shuffled
+    self._log_key = "epsilon"
     self._noise_multiplier = noise_multiplier
     self._max_steps_cache = {}
     # Validate the accounting arguments now rather than after an epoch.
@@ -110,8 +124,39 @@ class PrivacyCallback(keras.callbacks.Callback):
       return False
     return self.steps() + 1 > self.max_steps()
 
+  def _check_sampling(self):
+    """Matches the accounting to how the model's `fit` samples batches."""
+    info = getattr(self.model, "_dp_data", None) or {}
+    self._log_key = "epsilon"
+    if info.get("sampling") == "shuffled":
+      if not self.allow_shuffled:
+        raise ValueError(
+            "PrivacyCallback: fit was called with sampling='shuffled' "
+            "(fixed batches), but the ε it computes assumes Poisson "
+            "sampling, which shuffled batches do not satisfy (they can be "
+            "much less private). Use the default sampling='poisson', or pass "
+            "allow_shuffled=True to log the Poisson figure as "
+            "'epsilon_if_poisson' (not a guarantee).")
+      self._log_key = "epsilon_if_poisson"
+      warnings.warn(
+          "PrivacyCallback: training on shuffled batches; the logged "
+          "'epsilon_if_poisson' is the ε of Poisson sampling at rate "
+          f"{self.batch_size}/{self.num_examples}, not a guarantee for "
+          "these batches.", stacklevel=2)
+    elif info.get("sampling") == "poisson":
+      rate = self.batch_size / self.num_examples
+      if not math.isclose(rate, info["sampling_rate"], rel_tol=1e-9):
+        raise ValueError(
+            f"PrivacyCallback: accounts for sampling rate {rate:.6g} "
+            f"(batch_size={self.batch_size} / num_examples="
+            f"{self.num_examples}) but fit samples with rate "
+            f"{info['sampling_rate']:.6g} (batch_size="
+            f"{info['expected_batch_size']:g} / {info['num_examples']} "
+            "examples). Give the callback the same numbers.")
+
   def on_train_begin(self, logs=None):
     self.noise_multiplier  # noqa: B018  (raises now, not after an epoch)
+    self._check_sampling()
     if self._next_step_over_budget():
       raise ValueError(
           f"PrivacyCallback: the budget target_epsilon={self.target_epsilon} "
@@ -126,4 +171,4 @@ class PrivacyCallback(keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
     if logs is not None:
       eps = self.epsilon()
-      logs["epsilon"] = eps if math.isfinite(eps) else float("inf")
+      logs[self._log_key] = eps if math.isfinite(eps) else float("inf")

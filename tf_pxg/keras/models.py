@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Optional
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras.src.models.functional import Functional
 from keras.src.saving import serialization_lib
 
 from tf_pxg.keras import _validation
+from tf_pxg.keras import losses as pe_losses
 from tf_pxg.keras._train_step import dp_train_step
 from tf_pxg.keras.optimizers import DPOptimizer
 
@@ -42,9 +42,14 @@ class _DPTrainingMixin:
       from OS entropy. The seed is not saved with the model, so a reloaded
       model never replays the noise of a previous run.
 
-  The noisy sum is divided by the actual global batch size (Keras feeds
-  fixed-size batches; the accounting in `tf_pxg.accounting` treats
-  `batch_size` as the expected size of a Poisson-sampled batch).
+  Data: `fit` samples Poisson batches by default (each example joins each
+  logical step with probability `q = batch_size / N`, the sampling that
+  `tf_pxg.accounting` analyses), padded to fixed physical batches with a
+  mask, optionally over `accumulation_steps` physical batches per logical
+  step; the noisy sum is divided by the expected batch size `qN`. With
+  `fit(..., sampling="shuffled")`, `train_on_batch` or a custom loop on
+  plain batches, a batch is one step divided by its realised global size.
+  See `fit` and `tf_pxg.data`.
 
   Non-finite policy: if any example's gradient norm is NaN or inf, the whole
   update is skipped (weights and optimizer slots untouched) but
@@ -189,9 +194,10 @@ class _DPTrainingMixin:
     steps. `shuffle` is ignored (the sampling is random). Keras' epochs and
     progress bar count `k * steps_per_epoch` physical batches of an endless
     stream, so after an overflow a logical step may straddle an epoch end;
-    one still unfinished when `fit` returns is discarded (nothing was
-    released for it, and it is not counted). See `tf_pxg.data.poisson` for
-    the derivation.
+    one still unfinished when training ends is completed with its remaining
+    physical batches (discarded, uncounted, if training was stopped early,
+    e.g. by a privacy budget). See `tf_pxg.data.poisson` for the
+    derivation and `tf_pxg.keras._poisson_fit` for the stream.
 
     `sampling="shuffled"` is Keras' own data path (shuffled fixed batches,
     or the batches of the given dataset/generator), divided by the realised
@@ -204,13 +210,18 @@ class _DPTrainingMixin:
       physical_batch_size: rows per physical batch (global).
       sampling_seed: seeds the sampler (tests); default OS entropy.
       (others: as `keras.Model.fit`; `batch_size` is the expected logical
-      batch size, default 32; `steps_per_epoch` counts logical steps.)
+      batch size, default min(32, N); `steps_per_epoch` counts logical
+      steps.)
 
     Raises:
       ValueError: unknown `sampling`; data that cannot be Poisson-sampled
         (a batched dataset, a generator, a `PyDataset`); a `batch_size`
         larger than the dataset.
     """
+    if getattr(self, "optimizer", None) is not None:
+      self._check_trainable_for_dp(self.optimizer)  # before building
+    if getattr(self, "_compile_loss", None) is None:
+      pe_losses.per_example_losses(self, None, None)  # raises, names fix
     keras_kwargs = dict(
         epochs=epochs, verbose=verbose, callbacks=callbacks,
         validation_freq=validation_freq, initial_epoch=initial_epoch,
@@ -227,31 +238,27 @@ class _DPTrainingMixin:
       raise ValueError(f"`sampling` must be 'poisson' (the default, the "
                        f"sampling DP-SGD's ε assumes) or 'shuffled'; got "
                        f"{sampling!r}.")
-    dataset, sampler, validation_data = _poisson_input(
+    from tf_pxg.keras import _poisson_fit  # noqa: PLC0415
+    dataset, feed, data, validation_data = _poisson_fit.prepare(
         self, x, y, sample_weight, class_weight, batch_size,
         validation_split, validation_data, accumulation_steps,
         physical_batch_size, steps_per_epoch, sampling_seed)
+    sampler = feed.sampler
     self._dp_data = {
         "sampling": "poisson", "sampling_rate": sampler.sampling_rate,
         "num_examples": sampler.num_examples,
         "expected_batch_size": sampler.expected_batch_size,
         "accumulation_steps": sampler.accumulation_steps,
         "physical_batch_size": sampler.physical_batch_size}
-    accumulator = self._dp_accumulator_for(list(self.trainable_variables))
-    accumulator.reset()
-    try:
-      return super().fit(
-          dataset, validation_data=validation_data, shuffle=False,
-          steps_per_epoch=sampler.steps_per_epoch * accumulation_steps,
-          validation_batch_size=(validation_batch_size or batch_size or 32)
-          if validation_data is not None and
-          not isinstance(validation_data, tf.data.Dataset) else None,
-          **keras_kwargs)
-    finally:
-      # An overflowing logical step may straddle an epoch end (an epoch is
-      # k * steps_per_epoch physical batches of an endless stream); one left
-      # unfinished when fit ends is discarded: nothing was released for it.
-      accumulator.reset()
+    history = super().fit(
+        dataset, validation_data=validation_data, shuffle=False,
+        steps_per_epoch=sampler.steps_per_epoch * accumulation_steps,
+        validation_batch_size=(validation_batch_size or batch_size or 32)
+        if validation_data is not None and
+        not isinstance(validation_data, tf.data.Dataset) else None,
+        **keras_kwargs)
+    _poisson_fit.finish(self, feed, data)
+    return history
 
   def test_step(self, data):
     logs = super().test_step(data)
@@ -357,81 +364,3 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
       f"tf_pxg.keras.make_dp_model_class({type(model).__name__}) to get a DP "
       "version of the class, then build and load the weights into it.")
 
-
-def _to_arrays(dataset: tf.data.Dataset):
-  """An unbatched finite dataset of `(x, y[, w])` as numpy arrays."""
-  card = int(dataset.cardinality())
-  if card < 0:
-    raise ValueError(
-        "Poisson sampling needs the dataset size; this tf.data.Dataset has "
-        "unknown or infinite cardinality. Pass arrays, an unbatched finite "
-        "dataset (e.g. `dataset.apply(tf.data.experimental.assert_"
-        "cardinality(n))`), or `sampling='shuffled'` to train on its own "
-        "batches (no Poisson ε).")
-  spec = dataset.element_spec
-  first = tf.nest.flatten(spec)[0]
-  if not isinstance(spec, tuple) or not 2 <= len(spec) <= 3:
-    raise ValueError(
-        "Poisson sampling of a tf.data.Dataset needs elements `(x, y)` or "
-        f"`(x, y, sample_weight)` of single examples; got {spec}.")
-  if first.shape.rank and first.shape[0] is None:
-    raise ValueError(
-        "fit got a batched tf.data.Dataset: its batches are fixed, not "
-        "Poisson samples, so the ε of tf_pxg.accounting would not hold. "
-        "Pass it unbatched with `batch_size=` (it is read into memory and "
-        "Poisson-sampled), pass arrays, or pass `sampling='shuffled'` to "
-        "train on its batches as they are.")
-  items = list(dataset.as_numpy_iterator())
-  return tuple(tf.nest.map_structure(lambda *a: np.stack(a), *parts)
-               for parts in zip(*items))
-
-
-def _poisson_input(model, x, y, sample_weight, class_weight, batch_size,
-                   validation_split, validation_data, accumulation_steps,
-                   physical_batch_size, steps_per_epoch, seed):
-  """The Poisson `tf.data` input of a DP `fit`, with the model built."""
-  from tf_pxg import data as dp_data  # noqa: PLC0415
-  from keras.src.trainers.data_adapters import array_slicing  # noqa: PLC0415
-  from keras.src.trainers.data_adapters import data_adapter_utils  # noqa
-
-  if isinstance(x, tf.data.Dataset):
-    parts = _to_arrays(x)
-    x, y = parts[0], parts[1]
-    sample_weight = parts[2] if len(parts) == 3 else sample_weight
-  elif isinstance(x, keras.utils.PyDataset) or (
-      x is not None and not tf.nest.is_nested(x) and
-      not hasattr(x, "shape")):
-    raise ValueError(
-        f"fit got {type(x).__name__} data: its batches are fixed, not "
-        "Poisson samples. Pass arrays (or an unbatched finite "
-        "tf.data.Dataset) for Poisson sampling, or `sampling='shuffled'` to "
-        "train on these batches (no Poisson ε).")
-  if y is None:
-    raise ValueError("DP fit needs labels `y` (per-example losses).")
-  if validation_split and validation_data is None:
-    (x, y, sample_weight), validation_data = (
-        array_slicing.train_validation_split(
-            (x, y, sample_weight), validation_split=validation_split))
-  if class_weight is not None:
-    if sample_weight is not None:
-      raise ValueError("Pass `sample_weight` or `class_weight`, not both.")
-    sample_weight = data_adapter_utils.class_weight_to_sample_weights(
-        np.asarray(y), class_weight)
-  strategy = model.distribute_strategy
-  n = dp_data.num_examples(x, y, sample_weight)
-  sampler = dp_data.PoissonSampler(
-      n, 32 if batch_size is None else batch_size,
-      physical_batch_size=physical_batch_size,
-      accumulation_steps=accumulation_steps,
-      num_replicas=strategy.num_replicas_in_sync,
-      steps_per_epoch=steps_per_epoch, seed=seed)
-  dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,
-                                    repeat=True)
-  if not model.built or not model.optimizer.built:
-    sample = tf.nest.map_structure(
-        lambda a: np.asarray(a)[:sampler.physical_batch_size], (x, y))
-    with strategy.scope():
-      model._symbolic_build(data_batch=(sample[0], sample[1], None))
-  with strategy.scope():
-    model._dp_accumulator_for(list(model.trainable_variables))
-  return dataset, sampler, validation_data

@@ -1,0 +1,152 @@
+"""The Poisson data path of a DP model's `fit` (see `tf_pxg.data.poisson`).
+
+`prepare` turns `fit`'s arrays into an endless `tf.data` stream of masked
+physical batches, builds the model and its `LogicalStepAccumulator`;
+Keras' epochs then count `k * steps_per_epoch` physical batches. A logical
+step that overflowed into extra physical batches shifts the later steps'
+boundaries, so when `fit` ends, the last logical step may be unfinished:
+`finish` feeds its remaining physical batches (recorded by `_Feed`, so the
+same examples), so every logical step that was started is completed, the
+same data as if the epoch had been longer. If training was stopped early
+(e.g. `PrivacyCallback`'s budget), the unfinished step is discarded instead:
+nothing of it was released, and completing it could exceed the budget.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.trainers.data_adapters import array_slicing
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tf_pxg import data as dp_data
+
+# Logical steps of history kept to finish a step (prefetching runs ahead of
+# training by a few physical batches only).
+_HISTORY_STEPS = 256
+
+
+class _Feed:
+  """Endless physical batches of a sampler, remembering recent steps."""
+
+  def __init__(self, sampler):
+    self.sampler = sampler
+    self._history = collections.deque(maxlen=_HISTORY_STEPS)
+    self._position = 0
+
+  def stream(self):
+    self._history.clear()
+    self._position = 0
+    while True:
+      step = self.sampler.logical_step()
+      self._history.append((self._position, step))
+      self._position += len(step)
+      yield from step
+
+  def remaining(self, consumed: int) -> list:
+    """The physical batches left of the step holding batch `consumed - 1`."""
+    for start, step in self._history:
+      if start < consumed < start + len(step):
+        return step[consumed - start:]
+    return []
+
+
+def _to_arrays(dataset: tf.data.Dataset):
+  """An unbatched finite dataset of `(x, y[, w])` as numpy arrays."""
+  spec = dataset.element_spec
+  if not isinstance(spec, tuple) or not 2 <= len(spec) <= 3:
+    raise ValueError(
+        "Poisson sampling of a tf.data.Dataset needs elements `(x, y)` or "
+        f"`(x, y, sample_weight)` of single examples; got {spec}.")
+  first = tf.nest.flatten(spec)[0]
+  if first.shape.rank and first.shape[0] is None:
+    raise ValueError(
+        "fit got a batched tf.data.Dataset: its batches are fixed, not "
+        "Poisson samples, so the ε of tf_pxg.accounting would not hold. "
+        "Pass it unbatched with `batch_size=` (it is read into memory and "
+        "Poisson-sampled), pass arrays, or pass `sampling='shuffled'` to "
+        "train on its batches as they are.")
+  if int(dataset.cardinality()) < 0:
+    raise ValueError(
+        "Poisson sampling needs the dataset size; this tf.data.Dataset has "
+        "unknown or infinite cardinality. Pass arrays, a finite unbatched "
+        "dataset (e.g. with tf.data.experimental.assert_cardinality(n)), or "
+        "`sampling='shuffled'` to train on its own batches (no Poisson ε).")
+  items = list(dataset.as_numpy_iterator())
+  return tuple(tf.nest.map_structure(lambda *a: np.stack(a), *parts)
+               for parts in zip(*items))
+
+
+def prepare(model, x, y, sample_weight, class_weight, batch_size,
+            validation_split, validation_data, accumulation_steps,
+            physical_batch_size, steps_per_epoch, seed):
+  """The Poisson input of a DP `fit`, with the model and accumulator built.
+
+  Returns:
+    `(dataset, feed, data, validation_data)`: the endless dataset, its
+    `_Feed`, the training `(x, y, sample_weight)` arrays, and the
+    validation data (split off with `validation_split`).
+  """
+  if isinstance(x, tf.data.Dataset):
+    parts = _to_arrays(x)
+    x, y = parts[0], parts[1]
+    sample_weight = parts[2] if len(parts) == 3 else sample_weight
+  elif isinstance(x, keras.utils.PyDataset) or (
+      x is not None and not tf.nest.is_nested(x) and
+      not hasattr(x, "shape")):
+    raise ValueError(
+        f"fit got {type(x).__name__} data: its batches are fixed, not "
+        "Poisson samples. Pass arrays (or an unbatched finite "
+        "tf.data.Dataset) for Poisson sampling, or `sampling='shuffled'` to "
+        "train on these batches (no Poisson ε).")
+  if y is None:
+    raise ValueError("DP fit needs labels `y` (per-example losses).")
+  if validation_split and validation_data is None:
+    (x, y, sample_weight), validation_data = (
+        array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=validation_split))
+  if class_weight is not None:
+    if sample_weight is not None:
+      raise ValueError("Pass `sample_weight` or `class_weight`, not both.")
+    sample_weight = data_adapter_utils.class_weight_to_sample_weights(
+        np.asarray(y), class_weight)
+  strategy = model.distribute_strategy
+  n = dp_data.num_examples(x, y, sample_weight)
+  sampler = dp_data.PoissonSampler(
+      n, min(32, n) if batch_size is None else batch_size,
+      physical_batch_size=physical_batch_size,
+      accumulation_steps=accumulation_steps,
+      num_replicas=strategy.num_replicas_in_sync,
+      steps_per_epoch=steps_per_epoch, seed=seed)
+  feed = _Feed(sampler)
+  dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,
+                                    batches=feed.stream)
+  if not model.built or not model.optimizer.built:
+    sample = tf.nest.map_structure(
+        lambda a: np.asarray(a)[:sampler.physical_batch_size], (x, y))
+    with strategy.scope():
+      model._symbolic_build(data_batch=(sample[0], sample[1], None))
+  with strategy.scope():
+    model._dp_accumulator_for(list(model.trainable_variables)).reset()
+  return dataset, feed, (x, y, sample_weight), validation_data
+
+
+def finish(model, feed, data):
+  """Completes (or, after an early stop, discards) an unfinished step."""
+  accumulator = model._dp_accumulator_for(list(model.trainable_variables))
+  consumed = int(accumulator.position.read_value())
+  rest = [] if model.stop_training else feed.remaining(consumed)
+  if rest:
+    dataset = dp_data.poisson_dataset(feed.sampler, *data,
+                                      batches=lambda: rest)
+    iterator = iter(
+        model.distribute_strategy.experimental_distribute_dataset(dataset))
+    for _ in range(len(rest)):
+      try:
+        model.train_function(iterator)
+      except StopIteration:
+        break
+  accumulator.reset()
