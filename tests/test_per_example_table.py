@@ -752,3 +752,31 @@ def test_check_rejects_a_loss_that_is_not_per_example():
   with pytest.raises(ValueError, match=r"shape \[B\]"):
     pxg_testing.check_per_example_gradients(
         None, lambda inp: tf.reduce_sum(tf.linalg.matmul(inp, w)), [w], x)
+
+
+@pytest.mark.parametrize("op", ["FusedBatchNormV3", "fused_batch_norm_v1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_batch_norm_in_training_raises(op, mode):
+  """A raw fused batch norm in training mixes examples (batch statistics):
+  no per-example gradient exists, and the error says what to use instead."""
+  rng = np.random.default_rng(0)
+  x = _normal(rng, (4, 3, 3, 2), F32)
+  labels = _normal(rng, (4, 3, 3, 2), F32)
+  scale = _var(rng, (2,), F32, "scale", positive=True)
+  offset = _var(rng, (2,), F32, "offset")
+
+  def fn(inp):
+    if op == "FusedBatchNormV3":
+      return tf.raw_ops.FusedBatchNormV3(
+          x=inp, scale=scale, offset=offset, mean=tf.zeros([0]),
+          variance=tf.zeros([0]), is_training=True)[0]
+    return tf.compat.v1.nn.fused_batch_norm(inp, scale, offset,
+                                            is_training=True)[0]
+
+  with pytest.raises(ValueError) as info:
+    pxg_testing.check_per_example_gradients(
+        _loss, fn, [scale, offset], x, labels, mode=mode,
+        reference=[tf.zeros([4, 2]), tf.zeros([4, 2])])
+  msg = str(info.value)
+  assert "FusedBatchNorm" in msg, msg
+  assert "GroupNormalization" in msg and "LayerNormalization" in msg, msg
