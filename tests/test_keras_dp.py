@@ -373,3 +373,102 @@ def test_steps_per_execution_runs_every_dp_step():
   assert history.history["dp_skipped_steps"] == [0.0]
   assert all(np.any(v.numpy() != w)
              for w, v in zip(before, model.trainable_variables))
+
+
+def _per_example_grads(model, x, y, loss_fn):
+  """[g_b per variable] for each example, by a batch-of-one tape loop."""
+  out = []
+  for b in range(len(x)):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y[b:b + 1], model(x[b:b + 1], training=True), b)
+    out.append([tf.convert_to_tensor(t).numpy()
+                for t in tape.gradient(loss, model.trainable_variables)])
+  return out
+
+
+def _clipped_mean(grads, clip):
+  norms = np.array([math.sqrt(sum(float((t * t).sum()) for t in g))
+                    for g in grads])
+  factors = np.minimum(1.0, clip / norms)
+  mean = [sum(f * g[i] for f, g in zip(factors, grads)) / len(grads)
+          for i in range(len(grads[0]))]
+  return mean, norms
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_no_noise_mixed_clip_sgd_equals_reference(jit_compile):
+  """Some examples clipped, some not (the clip is the median norm)."""
+  x, y = _data()
+  model = _functional(dp_cls=dpk.DPModel, l2_norm_clip=1.0,
+                      noise_multiplier=0.0)
+  grads = _per_example_grads(model, x, y, lambda yt, yp, b: _sce()(yt, yp))
+  _, norms = _clipped_mean(grads, 1.0)
+  clip = float(np.median(norms))
+  assert np.sum(norms > clip * 1.01) >= 2 and np.sum(norms < clip * 0.99) >= 2
+  ref, _ = _clipped_mean(grads, clip)
+  model = _functional(dp_cls=dpk.DPModel, l2_norm_clip=clip,
+                      noise_multiplier=0.0)
+  before = [v.numpy() for v in model.trainable_variables]
+  model.compile(optimizer=keras.optimizers.SGD(LR), loss=_sce(),
+                jit_compile=jit_compile)
+  got = _one_step(model, x, y)
+  for w0, r, g in zip(before, ref, got):
+    np.testing.assert_allclose(g, w0 - LR * r, rtol=1e-4, atol=1e-6)
+
+
+def test_masked_sequence_varied_lengths_match_reference():
+  """Each example's loss is the mean over ITS unmasked steps (the counts
+  differ, so batch-level mask normalisation would give another update)."""
+  rng = np.random.RandomState(4)
+  lengths = [5, 1, 3, 2, 4, 2]
+  x = rng.randint(1, 20, size=(6, 5)).astype("int32")
+  for b, n in enumerate(lengths):
+    x[b, n:] = 0
+  y = rng.randn(6, 5, 2).astype("float32")
+
+  def build(clip=1.0):
+    keras.utils.set_random_seed(6)
+    inp = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(20, 4, mask_zero=True)(inp)
+    out = keras.layers.Dense(2)(h)
+    return dpk.DPModel(inp, out, l2_norm_clip=clip, noise_multiplier=0.0)
+
+  def per_example_loss(yt, yp, b):
+    m = tf.cast(x[b:b + 1] != 0, tf.float32)
+    per_step = tf.reduce_mean(tf.square(yt - yp), axis=-1)
+    return tf.reduce_sum(per_step * m) / tf.reduce_sum(m)
+
+  model = build()
+  grads = _per_example_grads(model, x, y, per_example_loss)
+  _, norms = _clipped_mean(grads, 1.0)
+  clip = float(np.median(norms))
+  ref, _ = _clipped_mean(grads, clip)
+  # Batch-level normalisation (each step weighted 1 / all unmasked steps)
+  # differs from per-example normalisation by more than the tolerance.
+  scale = [n * len(x) / sum(lengths) for n in lengths]
+  batch_level, _ = _clipped_mean(
+      [[s * t for t in g] for s, g in zip(scale, grads)], clip)
+  assert max(np.abs(a - r).max() for a, r in zip(batch_level, ref)) > 1e-3
+
+  model = build(clip)
+  before = [v.numpy() for v in model.trainable_variables]
+  model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+  got = _one_step(model, x, y)
+  for w0, r, g in zip(before, ref, got):
+    np.testing.assert_allclose(g, w0 - LR * r, rtol=1e-4, atol=1e-7)
+
+
+def test_model_seed_makes_noise_reproducible():
+  x = np.zeros((4, 100), "float32")
+  y = np.zeros((4, 50), "float32")
+
+  def update(seed):
+    model = _zero_grad_model(dpk.DPModel, l2_norm_clip=1.0,
+                             noise_multiplier=1.0, seed=seed)
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+    return np.concatenate([w.ravel() for w in _one_step(model, x, y)])
+
+  first, again, other = update(7), update(7), update(8)
+  np.testing.assert_array_equal(first, again)
+  assert np.abs(first).max() > 0.1
+  assert np.abs(first - other).max() > 0.1
