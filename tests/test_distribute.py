@@ -165,3 +165,97 @@ def test_multi_worker_two_processes_total_noise_is_sigma_clip_over_batch():
     _check(r, replicas=2)
   # Both workers hold the same (all-reduced) weights.
   assert results[0]["std"] == pytest.approx(results[1]["std"], rel=1e-6)
+
+
+_MIRRORED_EXACT = textwrap.dedent("""
+    import json, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_pxg.keras as dpk
+
+    CLIP, LR, REG = 0.3, 0.5, 0.25
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((NUM, 4)).astype("float32")
+    y = rng.standard_normal((NUM, 3)).astype("float32")
+
+    def build(dp):
+      keras.utils.set_random_seed(0)
+      inp = keras.Input((4,))
+      out = keras.layers.Dense(
+          3, kernel_regularizer=keras.regularizers.L2(REG) if WITH_REG
+          else None)(inp)
+      if not dp:
+        return keras.Model(inp, out)
+      return dpk.DPModel(inp, out, l2_norm_clip=CLIP, noise_multiplier=0.0)
+
+    # Reference without a strategy: per step, the mean over the step's
+    # examples of the clipped gradients, plus the regulariser's gradient.
+    ref = build(False)
+    w = [v.numpy().astype("float64") for v in ref.trainable_variables]
+    for start in range(0, NUM, 4):
+      xs, ys = x[start:start + 4], y[start:start + 4]
+      total = [np.zeros_like(t) for t in w]
+      for b in range(len(xs)):
+        for v, t in zip(ref.trainable_variables, w):
+          v.assign(t)
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean(tf.square(ref(xs[b:b + 1]) - ys[b:b + 1]))
+        g = [t.numpy() for t in tape.gradient(loss, ref.trainable_variables)]
+        f = min(1.0, CLIP / np.sqrt(sum((t * t).sum() for t in g)))
+        total = [a + f * t for a, t in zip(total, g)]
+      grads = [t / len(xs) for t in total]
+      if WITH_REG:
+        grads[0] = grads[0] + 2 * REG * w[0]
+      w = [t - LR * g for t, g in zip(w, grads)]
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+      model = build(True)
+      model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    import inspect
+    fixed = ({"sampling": "shuffled"} if "sampling" in
+             inspect.signature(model.fit).parameters else {})
+    model.fit(ds, epochs=1, verbose=0, **fixed)
+    got = [v.numpy().astype("float64") for v in model.trainable_variables]
+    err = max(float(np.abs(a - b).max()) for a, b in zip(got, w))
+    size = max(float(np.abs(a - b).max())
+               for a, b in zip(w, [v.numpy() for v in
+                                   build(False).trainable_variables]))
+    print("RESULT", json.dumps(dict(
+        err=err, size=size, replicas=strategy.num_replicas_in_sync,
+        iterations=int(keras.ops.convert_to_numpy(
+            model.optimizer.iterations)))))
+    """)
+
+
+def _run_mirrored_exact(num, with_reg):
+  code = _MIRRORED_EXACT.replace("NUM", str(num)).replace(
+      "WITH_REG", str(with_reg))
+  proc = subprocess.run([sys.executable, "-c", code], env=_env(),
+                        capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = _result(proc.stdout)
+  assert result["replicas"] == 2
+  assert result["iterations"] == -(-num // 4)
+  assert result["size"] > 1e-3
+  return result
+
+
+def test_mirrored_regularizer_gradient_counted_once():
+  """Two replicas: the weight regulariser's gradient (divided by R on each
+  replica, summed by the all-reduce) is added once, unclipped."""
+  result = _run_mirrored_exact(8, True)
+  assert result["err"] <= 1e-5 * max(1.0, result["size"]), result
+
+
+def test_mirrored_uneven_last_batch_divides_by_its_examples():
+  """7 examples, global batch 4: the last batch of 3 splits 2/1 over the
+  replicas; its update is the mean over those 3 clipped gradients."""
+  result = _run_mirrored_exact(7, False)
+  assert result["err"] <= 1e-5 * max(1.0, result["size"]), result
