@@ -9,7 +9,7 @@ absolute time alone.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from absl import flags
 import keras
@@ -80,11 +80,17 @@ def interleaved_median(fns: Dict[str, Callable[[], object]], steps: int,
   return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def peak_memory(fn: Callable[[], object]) -> int:
-  """TF CPU allocator peak bytes during one call of `fn` (already traced)."""
-  tf.config.experimental.reset_memory_stats("CPU:0")
+def peak_memory(fn: Callable[[], object]) -> Optional[int]:
+  """TF CPU allocator peak bytes during one call of `fn` (already traced).
+
+  None where the CPU allocator keeps no statistics (some builds raise
+  `Cannot reset memory stats for device 'CPU:0'`); the suite
+  (`python -m benchmarks`) then reports the peak RSS of a subprocess.
+  """
+  from benchmarks import memory  # noqa: PLC0415
+  has_stats = memory.reset_allocator_stats()
   _sync(fn())
-  return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+  return memory.allocator_peak_bytes() if has_stats else None
 
 
 def measure(build: Callable[[str, int, bool], Dict[str, Callable]],
@@ -98,7 +104,8 @@ def measure(build: Callable[[str, int, bool], Dict[str, Callable]],
   mem = {k: peak_memory(fns[k]) for k in ("plain", "dp")}
   result = {"model": name, "time_plain_ms": 1e3 * t["plain"],
             "time_dp_ms": 1e3 * t["dp"], "time_ratio": t["dp"] / t["plain"],
-            "mem_ratio": mem["dp"] / mem["plain"]}
+            "mem_ratio": (mem["dp"] / mem["plain"]
+                          if mem["dp"] and mem["plain"] else float("nan"))}
   if "noise" in t:
     result["noise_ratio"] = t["noise"] / t["plain"]
   return result

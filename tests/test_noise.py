@@ -116,6 +116,31 @@ def test_tensors_in_one_call_get_independent_noise():
   assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 5 / math.sqrt(N)
 
 
+def test_generator_tensors_share_a_draw_but_get_independent_noise():
+  # Static-shape tensors of one dtype are filled from one draw (split and
+  # reshaped); tensors of unknown shape or another dtype draw their own.
+  # Every tensor's noise must still be N(0, s^2) and independent of the
+  # others'. Sizes are odd so the draw has a dropped last element.
+  gen = dp.make_generator(seed=13)
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+  def noisy(dynamic):
+    grads = [tf.zeros([N // 2 + 1]), tf.zeros([N // 4, 2], tf.float64),
+             tf.zeros([3, N // 6]), dynamic]
+    return dp.add_gaussian_noise(grads, 0.5, generator=gen)
+
+  outs = noisy(tf.zeros([N // 2 + 1]))
+  assert [o.shape for o in outs] == [(N // 2 + 1,), (N // 4, 2),
+                                     (3, N // 6), (N // 2 + 1,)]
+  assert outs[1].dtype == tf.float64
+  for o in outs:
+    assert _ks_statistic(o, 0.5) < 2 * KS_CRITICAL  # smaller samples
+  flat = [tf.reshape(tf.cast(o, tf.float64), [-1]).numpy() for o in outs]
+  m = min(len(f) for f in flat)
+  corr = np.corrcoef(np.stack([f[:m] for f in flat]))
+  assert np.max(np.abs(corr[~np.eye(len(flat), dtype=bool)])) < 5 / math.sqrt(m)
+
+
 def test_generator_advances():
   gen = dp.make_generator(seed=3)
   a, = dp.add_gaussian_noise([tf.zeros([100])], 1.0, generator=gen)

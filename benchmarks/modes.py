@@ -1,0 +1,244 @@
+"""The benchmarked training modes: one `fit` step each, on a fixed batch.
+
+Every mode trains one of `benchmarks.models` with SGD(0.01) on sparse
+categorical cross-entropy from logits; DP modes use `l2_norm_clip` C = 1 and
+`noise_multiplier` sigma = 1.1. `make(mode, model, batch, seq_len)` returns a
+`Step`: a no-argument callable running one training step, plus what the mode
+reports about itself (e.g. which path TensorFlow Privacy took).
+
+Modes and the non-private mode each is compared with (`BASELINE`):
+
+| mode | what | baseline |
+|---|---|---|
+| keras / keras_xla | Keras 3 `fit` step, without / with XLA | |
+| pxg / pxg_xla | tf_pxg `make_private` DP model | keras / keras_xla |
+| pxg_naive | tf_pxg per-example gradients materialised, clipped, summed | keras |
+| noise | drawing one DP step's noise alone (tf_pxg) | keras |
+| tf_keras / tf_keras_xla | tf_keras `fit` step | |
+| tfp_dpmodel / tfp_dpmodel_xla | TF Privacy DPModel, fullest registry | tf_keras / tf_keras_xla |
+| tfp_optimizer | TF Privacy DPKerasSGDOptimizer | tf_keras |
+
+TensorFlow Privacy modes need the benchmark venv (`benchmarks.venv`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional
+
+import numpy as np
+
+from benchmarks import models
+
+L2_NORM_CLIP = 1.0
+NOISE_MULTIPLIER = 1.1
+LEARNING_RATE = 0.01
+
+BASELINE = {
+    "pxg": "keras",
+    "pxg_xla": "keras_xla",
+    "pxg_naive": "keras",
+    "noise": "keras",
+    "tfp_dpmodel": "tf_keras",
+    "tfp_dpmodel_xla": "tf_keras_xla",
+    "tfp_optimizer": "tf_keras",
+}
+ALL_MODES = ("keras", "keras_xla", "pxg", "pxg_xla", "pxg_naive", "noise",
+             "tf_keras", "tf_keras_xla", "tfp_dpmodel", "tfp_dpmodel_xla",
+             "tfp_optimizer")
+TFP_MODES = frozenset({"tf_keras", "tf_keras_xla", "tfp_dpmodel",
+                       "tfp_dpmodel_xla", "tfp_optimizer"})
+
+
+@dataclasses.dataclass
+class Step:
+  """One training step of a mode: `fn()` runs it; `info` describes it."""
+  fn: Callable[[], object]
+  info: Dict[str, object] = dataclasses.field(default_factory=dict)
+
+
+def sync(result) -> None:
+  """Waits for a step's outputs (TF runs ops asynchronously)."""
+  import tensorflow as tf  # noqa: PLC0415
+  for t in tf.nest.flatten(result):
+    if hasattr(t, "numpy"):
+      t.numpy()
+
+
+def _iterator(x, y):
+  import tensorflow as tf  # noqa: PLC0415
+  return iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+
+
+def _fit_step(model, x, y, k, jit_compile, optimizer=None, loss=None):
+  """`model.train_function` on a repeated batch, compiled as `fit` does."""
+  model.compile(
+      optimizer=optimizer or k.optimizers.SGD(LEARNING_RATE),
+      loss=loss or k.losses.SparseCategoricalCrossentropy(from_logits=True),
+      jit_compile=jit_compile)
+  model.make_train_function()
+  iterator = _iterator(x, y)
+  return lambda: model.train_function(iterator)
+
+
+# Keras 3 and tf_pxg.
+
+
+def _keras(name, x, y, seq_len, jit):
+  import keras  # noqa: PLC0415
+  return Step(_fit_step(models.build(keras, name, seq_len), x, y, keras, jit))
+
+
+def _pxg(name, x, y, seq_len, jit):
+  import keras  # noqa: PLC0415
+  import tf_pxg.keras as pxk  # noqa: PLC0415
+  model = pxk.make_private(models.build(keras, name, seq_len),
+                           l2_norm_clip=L2_NORM_CLIP,
+                           noise_multiplier=NOISE_MULTIPLIER)
+  return Step(_fit_step(model, x, y, keras, jit))
+
+
+def _pxg_naive(name, x, y, seq_len, jit):
+  """Per-example gradients materialised ([B, *w] each), clipped, summed."""
+  del jit
+  import keras  # noqa: PLC0415
+  import tensorflow as tf  # noqa: PLC0415
+  import tf_pxg  # noqa: PLC0415
+  from tf_pxg import dp  # noqa: PLC0415
+  model = models.build(keras, name, seq_len)
+  variables = model.trainable_variables
+  optimizer = keras.optimizers.SGD(LEARNING_RATE)
+  optimizer.build(variables)
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                       reduction=None)
+  generator = dp.make_generator()
+  x, y = tf.constant(x), tf.constant(y)
+
+  @tf.function
+  def step(x, y):
+    with tf_pxg.GradientTape() as tape:
+      losses = loss_fn(y, model(x, training=True))
+    grads = [tf.convert_to_tensor(g)
+             for g in tape.per_example_gradient(losses, variables)]
+    b = tf.shape(losses)[0]
+    sq = tf.add_n([tf.reduce_sum(tf.square(tf.reshape(g, [b, -1])), 1)
+                   for g in grads])
+    clip = tf.minimum(1.0, L2_NORM_CLIP / tf.maximum(tf.sqrt(sq), 1e-12))
+    sums = [tf.tensordot(clip, g, 1) for g in grads]
+    noisy = dp.add_gaussian_noise(sums, NOISE_MULTIPLIER * L2_NORM_CLIP,
+                                  generator=generator)
+    optimizer.apply([g / tf.cast(b, g.dtype) for g in noisy], variables)
+    return tf.reduce_mean(losses)
+
+  return Step(lambda: step(x, y))
+
+
+def _noise(name, x, y, seq_len, jit):
+  """Draws the noise of one DP step of `name` (one Gaussian per weight)."""
+  del x, y
+  import keras  # noqa: PLC0415
+  import tensorflow as tf  # noqa: PLC0415
+  from tf_pxg import dp  # noqa: PLC0415
+  shapes = [v.shape for v in models.build(keras, name, seq_len)
+            .trainable_variables]
+  generator = dp.make_generator()
+
+  @tf.function(jit_compile=jit)
+  def draw():
+    return dp.add_gaussian_noise([tf.zeros(s) for s in shapes],
+                                 NOISE_MULTIPLIER * L2_NORM_CLIP,
+                                 generator=generator)
+  return Step(draw, {"weights": int(sum(np.prod(s) for s in shapes))})
+
+
+# tf_keras and TensorFlow Privacy 0.9.0 (in the benchmark venv).
+
+
+def _tf_keras_model(name, seq_len):
+  import tf_keras  # noqa: PLC0415
+  return models.build(tf_keras, name, seq_len)
+
+
+def _tf_keras(name, x, y, seq_len, jit):
+  import tf_keras  # noqa: PLC0415
+  return Step(_fit_step(_tf_keras_model(name, seq_len), x, y, tf_keras, jit))
+
+
+def fullest_registry():
+  """TF Privacy 0.9.0's registry with every layer it has a function for.
+
+  Dense and Embedding (its default registry) plus EinsumDense,
+  LayerNormalization and MultiHeadAttention. (Its NLP registry functions are
+  for `tensorflow_models` layers, which these models do not use.)
+  """
+  import tf_keras  # noqa: PLC0415
+  from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry  # noqa: PLC0415,E501
+  from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import einsum_dense  # noqa: PLC0415,E501
+  from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import layer_normalization  # noqa: PLC0415,E501
+  from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import multi_head_attention  # noqa: PLC0415,E501
+  registry = layer_registry.make_default_layer_registry()
+  registry.insert(tf_keras.layers.EinsumDense,
+                  einsum_dense.einsum_layer_computation)
+  registry.insert(tf_keras.layers.LayerNormalization,
+                  layer_normalization.layer_normalization_computation)
+  registry.insert(tf_keras.layers.MultiHeadAttention,
+                  multi_head_attention.multi_head_attention_layer_computation)
+  return registry
+
+
+def _tfp_dpmodel(name, x, y, seq_len, jit):
+  import tf_keras  # noqa: PLC0415
+  from tensorflow_privacy.privacy.keras_models import dp_keras_model  # noqa: PLC0415,E501
+  base = _tf_keras_model(name, seq_len)
+  model = dp_keras_model.DPModel(
+      L2_NORM_CLIP, NOISE_MULTIPLIER, None, jit, fullest_registry(),
+      inputs=base.inputs, outputs=base.outputs)
+  fast = bool(model._enable_fast_peg_computation)  # pylint: disable=protected-access
+  info = {"path": "registry fast path" if fast
+          else "vectorized fallback (tf.vectorized_map over examples)"}
+  # DPModel compiles its own train_step with XLA when use_xla (= jit).
+  return Step(_fit_step(model, x, y, tf_keras, False), info)
+
+
+def _tfp_optimizer(name, x, y, seq_len, jit):
+  import tf_keras  # noqa: PLC0415
+  from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras  # noqa: PLC0415,E501
+  optimizer = dp_optimizer_keras.DPKerasSGDOptimizer(
+      l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER,
+      num_microbatches=None, learning_rate=LEARNING_RATE)
+  loss = tf_keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
+  return Step(_fit_step(_tf_keras_model(name, seq_len), x, y, tf_keras, jit,
+                        optimizer=optimizer, loss=loss),
+              {"path": "per-example jacobian (num_microbatches=None)"})
+
+
+_BUILDERS = {
+    "keras": (_keras, False),
+    "keras_xla": (_keras, True),
+    "pxg": (_pxg, False),
+    "pxg_xla": (_pxg, True),
+    "pxg_naive": (_pxg_naive, False),
+    "noise": (_noise, False),
+    "tf_keras": (_tf_keras, False),
+    "tf_keras_xla": (_tf_keras, True),
+    "tfp_dpmodel": (_tfp_dpmodel, False),
+    "tfp_dpmodel_xla": (_tfp_dpmodel, True),
+    "tfp_optimizer": (_tfp_optimizer, False),
+}
+
+
+def make(mode: str, name: str, batch_size: int,
+         seq_len: Optional[int] = None, seed: int = 0) -> Step:
+  """Builds mode `mode` for model `name`; the returned step is not yet run.
+
+  Raises:
+    KeyError: unknown mode or model.
+  """
+  import keras  # noqa: PLC0415
+  import tensorflow as tf  # noqa: PLC0415
+  builder, jit = _BUILDERS[mode]
+  keras.utils.set_random_seed(seed)
+  tf.random.set_seed(seed)
+  x, y = models.batch(name, batch_size, seq_len or 0, seed)
+  return builder(name, x, y, seq_len or 0, jit)

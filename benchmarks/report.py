@@ -1,0 +1,243 @@
+"""Writes a suite result as JSON, a PNG bar chart and Markdown tables.
+
+  python -m benchmarks.report benchmarks/results/full.json   # re-render
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+from typing import List, Optional
+
+DP_MODES = ("pxg", "pxg_xla", "pxg_naive", "tfp_dpmodel", "tfp_dpmodel_xla",
+            "tfp_optimizer")
+LABELS = {
+    "pxg": "tf_pxg DPModel",
+    "pxg_xla": "tf_pxg DPModel, XLA",
+    "pxg_naive": "tf_pxg naive (materialised)",
+    "noise": "noise alone (tf_pxg)",
+    "tfp_dpmodel": "TF Privacy DPModel",
+    "tfp_dpmodel_xla": "TF Privacy DPModel, XLA",
+    "tfp_optimizer": "TF Privacy DPKerasSGDOptimizer",
+}
+
+
+def _fmt(x: Optional[float], digits: int = 2, suffix: str = "×") -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return "–"
+  return f"{x:.{digits}f}{suffix}"
+
+
+def _mode(res: dict, mode: str) -> dict:
+  return res.get("modes", {}).get(mode, {})
+
+
+def _cell(r: dict) -> str:
+  """`wall ratio (CPU ratio)`, or the mode's failure status."""
+  if not r:
+    return "–"
+  if r.get("status") != "ok":
+    return r.get("status", "?")
+  if r.get("cpu_ratio") is None:
+    return _fmt(r.get("ratio"))
+  return f"{_fmt(r.get('ratio'))} ({_fmt(r.get('cpu_ratio'))})"
+
+
+def _pair(row: dict, prefix: str, name: str = "time") -> str:
+  """`wall (CPU)` of a summary entry."""
+  if prefix:
+    wall, cpu = row.get(f"{prefix}{name}"), row.get(f"{prefix}cpu_{name}")
+  else:
+    wall, cpu = row.get(name), row.get(f"cpu_{name}")
+  return f"{_fmt(wall)} ({_fmt(cpu)})"
+
+
+def summary(result: dict) -> dict:
+  """Per model: the headline numbers the targets are stated in."""
+  out = {}
+  for model, res in result.get("time", {}).items():
+    ours, theirs = _mode(res, "pxg"), _mode(res, "tfp_dpmodel")
+    row = {}
+    for kind, ratio, ms in (("", "ratio", "ms"),
+                            ("cpu_", "cpu_ratio", "cpu_ms")):
+      a, b = ours.get(ratio), theirs.get(ratio)
+      row[f"pxg_{kind}ratio"], row[f"tfp_{kind}ratio"] = a, b
+      if ours.get(ms) and theirs.get(ms):
+        row[f"pxg_over_tfp_{kind}time"] = ours[ms] / theirs[ms]
+      if a and b and b > 1:
+        row[f"{kind}overhead_ratio"] = (a - 1) / (b - 1)
+    mem = result.get("memory", {}).get(model, {})
+    row["pxg_alloc_ratio"] = mem.get("pxg", {}).get("alloc_ratio")
+    row["tfp_alloc_ratio"] = mem.get("tfp_dpmodel", {}).get("alloc_ratio")
+    out[model] = row
+  return out
+
+
+def markdown(result: dict) -> str:
+  """The tables of a result as Markdown."""
+  m = result.get("machine", {})
+  lines = [
+      f"Run {result.get('date')} on {m.get('model_name', '?')} "
+      f"({m.get('cores')} cores, {m.get('mem_total_gb')} GB), load average "
+      f"{result.get('load_average_start')} at the start, "
+      f"{result.get('load_average_end')} at the end; "
+      f"{'quick' if result.get('settings', {}).get('quick') else 'full'} run, "
+      f"{result.get('settings', {}).get('rounds')} interleaved rounds, "
+      f"{result.get('seconds')} s. Versions: "
+      + ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
+      + ".", ""]
+  time_res = result.get("time", {})
+  if time_res:
+    lines += [
+        "**Step time**, ratio to the same framework's non-private `fit` "
+        "step (Keras 3 for tf_pxg, tf_keras for TF Privacy; XLA modes to "
+        "the XLA baseline); median of per-round ratios of wall time, and "
+        "in parentheses of process CPU time:", "",
+        "| model (batch) | Keras 3 step | " + " | ".join(
+            LABELS[k] for k in DP_MODES) + " | noise alone | "
+        "tf_pxg / TF Privacy DP step | our overhead / theirs |",
+        "|---" * (len(DP_MODES) + 5) + "|"]
+    summ = summary(result)
+    for model, res in time_res.items():
+      size = f"{res['batch_size']}" + (f", T={res['seq_len']}"
+                                       if res.get("seq_len") else "")
+      base = _mode(res, "keras")
+      lines.append(
+          f"| {model} ({size}) | "
+          f"{_fmt(base.get('ms'), 1, ' ms') if base.get('ms') else _cell(base)}"
+          " | " + " | ".join(_cell(_mode(res, k)) for k in DP_MODES) + " | "
+          + _cell(_mode(res, "noise")) + " | "
+          + _pair(summ[model], "pxg_over_tfp_") + " | "
+          + _pair(summ[model], "", "overhead_ratio") + " |")
+    paths = {f"{model}: {_mode(res, 'tfp_dpmodel').get('path')}"
+             for model, res in time_res.items()
+             if _mode(res, "tfp_dpmodel").get("path")}
+    lines += ["", "TF Privacy DPModel's path: " + "; ".join(sorted(paths))
+              + "."]
+    errors = [f"{model} {k}: {r.get('error')}"
+              for model, res in time_res.items()
+              for k, r in res["modes"].items() if r.get("status") != "ok"]
+    if errors:
+      lines += ["", "Not run: " + "; ".join(errors) + "."]
+    lines.append("")
+  growth = result.get("growth", [])
+  if growth:
+    modes = [k for k in ("pxg", "tfp_dpmodel")
+             if any(k in g["modes"] for g in growth)]
+    lines += ["**Cost growth**, DP / non-private step:", "",
+              "| model | size | " + " | ".join(LABELS[k] for k in modes)
+              + " |", "|---|---|" + "---|" * len(modes)]
+    for g in growth:
+      lines.append(f"| {g['model']} | {g['axis']} {g['size']} | " +
+                   " | ".join(_cell(g["modes"].get(k, {})) for k in modes)
+                   + " |")
+    lines.append("")
+  memory = result.get("memory", {})
+  if memory:
+    modes = [k for k in DP_MODES if any(k in v for v in memory.values())]
+    lines += [
+        "**Peak memory**, each mode in its own process: TF allocator peak "
+        "over a step / the baseline's (RSS peak ratio in parentheses):", "",
+        "| model | baseline alloc peak | " + " | ".join(
+            LABELS[k] for k in modes) + " |",
+        "|---|---|" + "---|" * len(modes)]
+    for model, mem in memory.items():
+      base = mem.get("keras", {})
+      cells = []
+      for k in modes:
+        r = mem.get(k, {})
+        if r.get("status") != "ok":
+          cells.append(r.get("status", "–"))
+        else:
+          cells.append(f"{_fmt(r.get('alloc_ratio'))} "
+                       f"({_fmt(r.get('rss_ratio'))})")
+      lines.append(f"| {model} | {_fmt(base.get('alloc_peak_mb'), 1, ' MB')}"
+                   " | " + " | ".join(cells) + " |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def plot(result: dict, path: pathlib.Path) -> Optional[pathlib.Path]:
+  """A PNG: time ratio per model and mode, memory ratio, cost growth."""
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return None
+  fig, axes = plt.subplots(1, 3, figsize=(19, 5.5))
+  time_res = result.get("time", {})
+  models = list(time_res)
+  modes = [k for k in DP_MODES + ("noise",)
+           if any("ratio" in _mode(r, k) for r in time_res.values())]
+  width = 0.8 / max(1, len(modes))
+  ax = axes[0]
+  for i, k in enumerate(modes):
+    ys = [_mode(time_res[mo], k).get("ratio", float("nan")) for mo in models]
+    ax.bar([j + i * width for j in range(len(models))], ys, width,
+           label=LABELS[k])
+  ax.axhline(1.0, color="k", lw=0.8)
+  ax.set_yscale("log")
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))])
+  ax.set_xticklabels(models)
+  ax.set_ylabel("step time / non-private step (log)")
+  ax.set_title("Step time ratio")
+  ax.legend(fontsize=7)
+  ax = axes[1]
+  memory = result.get("memory", {})
+  mmodes = [k for k in DP_MODES
+            if any("alloc_ratio" in v.get(k, {}) for v in memory.values())]
+  mmodels = list(memory)
+  width = 0.8 / max(1, len(mmodes))
+  for i, k in enumerate(mmodes):
+    ys = [memory[mo].get(k, {}).get("alloc_ratio", float("nan"))
+          for mo in mmodels]
+    ax.bar([j + i * width for j in range(len(mmodels))], ys, width,
+           label=LABELS[k])
+  ax.axhline(1.0, color="k", lw=0.8)
+  ax.set_yscale("log")
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(mmodels))])
+  ax.set_xticklabels(mmodels)
+  ax.set_ylabel("TF allocator peak / non-private (log)")
+  ax.set_title("Peak memory ratio")
+  ax.legend(fontsize=7)
+  ax = axes[2]
+  growth = result.get("growth", [])
+  for model in dict.fromkeys(g["model"] for g in growth):
+    rows = [g for g in growth if g["model"] == model]
+    for k, style in (("pxg", "-o"), ("tfp_dpmodel", "--s")):
+      ys = [g["modes"].get(k, {}).get("ratio", float("nan")) for g in rows]
+      if not all(math.isnan(y) for y in ys):
+        ax.plot([g["size"] for g in rows], ys, style,
+                label=f"{model} ({rows[0]['axis']}) {LABELS[k]}")
+  ax.set_xscale("log", base=2)
+  ax.axhline(1.0, color="k", lw=0.8)
+  ax.set_xlabel("batch size or sequence length")
+  ax.set_ylabel("DP step / non-private step")
+  ax.set_title("Cost growth")
+  ax.legend(fontsize=7)
+  fig.suptitle(f"tf_pxg vs TF Privacy 0.9.0, {result.get('date')}, "
+               f"{result.get('machine', {}).get('model_name', '')}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+  return path
+
+
+def write(result: dict, out_dir: pathlib.Path, stem: str) -> List[pathlib.Path]:
+  """Writes `<stem>.json`, `<stem>.png` (if matplotlib) and `<stem>.md`."""
+  out_dir.mkdir(parents=True, exist_ok=True)
+  result = dict(result, summary=summary(result))
+  json_path = out_dir / f"{stem}.json"
+  json_path.write_text(json.dumps(result, indent=1) + "\n")
+  md_path = out_dir / f"{stem}.md"
+  md_path.write_text(markdown(result))
+  png = plot(result, out_dir / f"{stem}.png")
+  return [p for p in (json_path, png, md_path) if p]
+
+
+if __name__ == "__main__":
+  source = pathlib.Path(sys.argv[1])
+  write(json.loads(source.read_text()), source.parent, source.stem)

@@ -1,0 +1,124 @@
+"""Interleaved timing of several training steps in one process.
+
+All steps of a group are built first, then timed in rounds: each round runs
+every step `n` times back to back (its own `n`, calibrated so a round of each
+takes about the same wall time). Machine noise — other processes on the two
+cores, frequency changes — drifts slowly, so it hits a DP step and its
+baseline in the same round alike; a DP/baseline ratio is taken per round and
+the median over rounds is reported.
+
+Both wall time and the process's CPU time (all threads) are recorded. On a
+machine shared with other work, wall time includes waiting for a core,
+while CPU time counts only this process's work (it also counts threads that
+spin while waiting for work, so it is not a pure FLOP count); the two ratios
+bracket the truth, and they agree on an idle machine.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Callable, Dict, Optional
+
+import numpy as np
+
+from benchmarks import modes as modes_lib
+
+
+def error_message(exc: BaseException) -> str:
+  """One line: the exception type, its first line and (TF's "in user code"
+  traces) its last line, which holds the actual message."""
+  lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+  text = type(exc).__name__ + ": " + (lines[0] if lines else "")
+  if len(lines) > 1:
+    text += " ... " + lines[-1]
+  return text[:500]
+
+
+def _error(exc: BaseException) -> dict:
+  return {"status": "unsupported" if isinstance(exc, NotImplementedError)
+                    else "error",
+          "error": error_message(exc),
+          "traceback_tail": traceback.format_exc().strip().splitlines()[-3:]}
+
+
+def _time_calls(fn: Callable[[], object], n: int):
+  """(wall seconds, CPU seconds) per call, over `n` calls."""
+  start, cpu = time.perf_counter(), time.process_time()
+  out = None
+  for _ in range(n):
+    out = fn()
+  modes_lib.sync(out)
+  return ((time.perf_counter() - start) / n,
+          (time.process_time() - cpu) / n)
+
+
+def build_group(names, make: Callable[[str], modes_lib.Step],
+                log=print) -> Dict[str, object]:
+  """Builds and warms up each mode; a failure becomes a status record."""
+  built = {}
+  for name in names:
+    start = time.perf_counter()
+    try:
+      step = make(name)
+      modes_lib.sync(step.fn())  # traces/compiles
+      modes_lib.sync(step.fn())
+      built[name] = step
+      log(f"    built {name} in {time.perf_counter() - start:.1f} s")
+    except Exception as exc:  # noqa: BLE001 (reported, not hidden)
+      built[name] = _error(exc)
+      log(f"    {name}: {built[name]['status']}: {built[name]['error']}")
+  return built
+
+
+def run_rounds(built: Dict[str, object], rounds: int,
+               round_seconds: float, max_calls: int = 200) -> Dict[str, dict]:
+  """Times the built steps in `rounds` interleaved rounds.
+
+  Returns:
+    For each mode: `{"status": "ok", "ms": median ms per step, "round_ms":
+    [per round], "calls_per_round": n}`, or the build's failure record.
+  """
+  steps = {k: v for k, v in built.items()
+           if isinstance(v, modes_lib.Step)}
+  calls = {}
+  for k, step in steps.items():
+    once, _ = _time_calls(step.fn, 1)
+    calls[k] = int(max(1, min(max_calls, round(round_seconds / once))))
+  times = {k: [] for k in steps}
+  cpu = {k: [] for k in steps}
+  order = list(steps)
+  for r in range(rounds):
+    # Rotate the order so no mode always runs right after the same one.
+    shift = r % max(1, len(order))
+    for k in order[shift:] + order[:shift]:
+      wall_s, cpu_s = _time_calls(steps[k].fn, calls[k])
+      times[k].append(wall_s)
+      cpu[k].append(cpu_s)
+  out = {}
+  for k, v in built.items():
+    if k in steps:
+      out[k] = {"status": "ok", "ms": 1e3 * float(np.median(times[k])),
+                "round_ms": [1e3 * t for t in times[k]],
+                "cpu_ms": 1e3 * float(np.median(cpu[k])),
+                "round_cpu_ms": [1e3 * t for t in cpu[k]],
+                "calls_per_round": calls[k], **steps[k].info}
+    else:
+      out[k] = v
+  return out
+
+
+def add_ratios(results: Dict[str, dict],
+               baseline: Optional[Dict[str, str]] = None) -> None:
+  """Adds each mode's `ratio` to its baseline: median of per-round ratios."""
+  baseline = baseline or modes_lib.BASELINE
+  for k, r in results.items():
+    base = results.get(baseline.get(k, ""))
+    if r.get("status") != "ok" or not base or base.get("status") != "ok":
+      continue
+    per_round = np.array(r["round_ms"]) / np.array(base["round_ms"])
+    r["baseline"] = baseline[k]
+    r["ratio"] = float(np.median(per_round))
+    r["ratio_min_max"] = [float(per_round.min()), float(per_round.max())]
+    cpu_round = np.array(r["round_cpu_ms"]) / np.array(base["round_cpu_ms"])
+    r["cpu_ratio"] = float(np.median(cpu_round))
