@@ -321,7 +321,8 @@ for op, v3 in (("BatchMatMulV2", False), ("BatchMatMulV3", True)):
                lambda x, w, v3=v3: _bmm(x, w, adj_x=True, v3=v3), (5, 4),
                [(5, 3)], sq=M),
       raw_case(f"{op}_param1_rank3", [op],
-               lambda x, w, v3=v3: _bmm(x, w, v3=v3), (4, 5), [(1, 5, 3)], sq=M),
+               lambda x, w, v3=v3: _bmm(x, w, v3=v3), (4, 5), [(1, 5, 3)],
+               sq=M),
       raw_case(f"{op}_param0", [op],
                lambda x, w, v3=v3: _bmm(w, x, v3=v3), (4, 5), [(3, 4)], sq=M),
       raw_case(f"{op}_param0_adj_x", [op],
@@ -358,7 +359,8 @@ RAW_CASES += [
              lambda x, b: tf.nn.bias_add(x, b, data_format="NCHW"),
              (2, 3, 3), [(2,)], sq=M),
     # Elementwise with broadcasting, parameter on either side.
-    raw_case("AddV2_x_plus_w", ["AddV2"], lambda x, w: x + w, (4, 5), [(5,)], sq=M),
+    raw_case("AddV2_x_plus_w", ["AddV2"], lambda x, w: x + w, (4, 5), [(5,)],
+             sq=M),
     raw_case("AddV2_w_plus_x", ["AddV2"], lambda x, w: w + x, (4, 5),
              [(4, 5)], sq=M),
     raw_case("AddV2_w_1x5", ["AddV2"], lambda x, w: tf.tanh(x) + w, (5,),
@@ -367,10 +369,14 @@ RAW_CASES += [
              (4, 5), [(5,)], sq=M),
     raw_case("Add_w_plus_x", ["Add"], lambda x, w: tf.raw_ops.Add(x=w, y=x),
              (4, 5), [(4, 1)], sq=M),
-    raw_case("Sub_x_minus_w", ["Sub"], lambda x, w: x - w, (4, 5), [(5,)], sq=M),
-    raw_case("Sub_w_minus_x", ["Sub"], lambda x, w: w - x, (4, 5), [(4, 5)], sq=M),
-    raw_case("Mul_x_times_w", ["Mul"], lambda x, w: x * w, (4, 5), [(5,)], sq=M),
-    raw_case("Mul_w_times_x", ["Mul"], lambda x, w: w * x, (4, 5), [(4, 1)], sq=M),
+    raw_case("Sub_x_minus_w", ["Sub"], lambda x, w: x - w, (4, 5), [(5,)],
+             sq=M),
+    raw_case("Sub_w_minus_x", ["Sub"], lambda x, w: w - x, (4, 5), [(4, 5)],
+             sq=M),
+    raw_case("Mul_x_times_w", ["Mul"], lambda x, w: x * w, (4, 5), [(5,)],
+             sq=M),
+    raw_case("Mul_w_times_x", ["Mul"], lambda x, w: w * x, (4, 5), [(4, 1)],
+             sq=M),
     raw_case("Mul_scalar_param", ["Mul"], lambda x, w: w * x, (5,), [()], sq=M),
     raw_case("Mul_param_squared_times_x", ["Mul"],
              lambda x, w: x * (w * w), (5,), [(5,)]),
@@ -780,3 +786,136 @@ def test_fused_batch_norm_in_training_raises(op, mode):
   msg = str(info.value)
   assert "FusedBatchNorm" in msg, msg
   assert "GroupNormalization" in msg and "LayerNormalization" in msg, msg
+
+
+# The tooling itself: it must be able to fail --------------------------------
+
+
+def test_rule_declaration_catches_the_fallback_and_the_other_form():
+  """`rule_problems` flags a case whose rule silently fell back, and a norm
+  that took the other form than declared."""
+  case = _CASES_BY_NAME["Einsum_bti_io_to_bto_ghost"]
+  setup, labels, reference = _built(case, F32, 4)
+  with pxg_testing.trace_rules() as records:
+    pxg_testing.check_per_example_gradients(
+        _loss, setup.model, setup.variables, setup.inputs, labels,
+        reference=reference)
+  assert not rule_problems(case, records)
+  as_materialised = dataclasses.replace(
+      case, rules={"Einsum": "EinsumRule/materialised"})
+  assert any("ghost form, expected materialised" in p
+             for p in rule_problems(as_materialised, records))
+  with without_rule("Einsum"):
+    with pxg_testing.trace_rules() as records:
+      pxg_testing.check_per_example_gradients(  # exact, so it passes...
+          _loss, setup.model, setup.variables, setup.inputs, labels,
+          reference=reference)
+  problems = rule_problems(case, records)  # ...but the declaration does not
+  assert any(f"ran {FALLBACK}, expected EinsumRule" in p for p in problems)
+  assert any("fell back to the vectorized" in p for p in problems)
+
+
+def _conv_per_example_numpy(x, dz, rates, kernel):
+  """Example b's filter gradient of sum(conv(x, w) * dz), VALID, stride 1,
+  by explicit loops over output positions and kernel taps."""
+  b_total, out_h, out_w, c_out = dz.shape
+  kh, kw = kernel
+  g = np.zeros((b_total, kh, kw, x.shape[-1], c_out))
+  for i in range(kh):
+    for j in range(kw):
+      patch = x[:, i * rates[0]:i * rates[0] + out_h,
+                j * rates[1]:j * rates[1] + out_w, :]
+      g[:, i, j] = np.einsum("bhwc,bhwo->bco", patch, dz)
+  return g
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_dilation_free_reference_matches_explicit_loops(dtype):
+  """The reference's dilated-conv gradient (zero-dilated filter, needs no
+  dilated backprop kernel) is the exact filter gradient."""
+  rng = np.random.default_rng(0)
+  x = _normal(rng, (3, 7, 6, 2), dtype)
+  w = _var(rng, (2, 3, 2, 4), dtype, "w")
+  dz = _normal(rng, (3, 5, 2, 4), dtype)  # output: 7 - 2, 6 - 2 * 2
+
+  def fn(inputs):
+    inp, d = inputs
+    out = tf.nn.conv2d(inp, w, strides=1, padding="VALID", dilations=[2, 2])
+    return tf.reduce_sum(out * d, axis=[1, 2, 3])
+
+  ref, = pxg_testing.reference_per_example_gradients(None, fn, [w], (x, dz))
+  ref = ref.numpy()
+  want = _conv_per_example_numpy(x.numpy(), dz.numpy(), (2, 2), (2, 3))
+  tol = 1e-12 if dtype == F64 else 1e-5
+  np.testing.assert_allclose(ref, want, rtol=tol, atol=tol)
+
+
+def test_noise_floor_is_relative_to_the_gradient_set():
+  """A gradient that is zero in exact arithmetic, compared with float noise
+  at the scale of the other gradients, passes; a 1% error in a real gradient
+  100x smaller than the largest still fails."""
+  rng = np.random.default_rng(0)
+  big = _var(rng, (3,), F32, "big")
+  small = _var(rng, (3,), F32, "small")
+  zero = _var(rng, (3,), F32, "zero")
+  x = _normal(rng, (4, 3), F32)
+  labels = tf.zeros([4, 3])
+
+  def model(inp):  # zero's gradient is exactly 0 for tf_pxg and reference
+    return tf.stack([tf.reduce_sum(inp * big, 1) * 100.0,
+                     tf.reduce_sum(inp * small, 1),
+                     tf.reduce_sum(inp * zero, 1) * 0.0], 1)
+
+  loss = lambda y, out: tf.reduce_sum(out, 1)
+  variables = [big, small, zero]
+  ref = pxg_testing.reference_per_example_gradients(loss, model, variables, x,
+                                                    labels)
+  largest = float(tf.reduce_max(tf.abs(ref[0])))
+  assert largest > 50.0 and float(tf.reduce_max(tf.abs(ref[1]))) < 5.0
+  # Float noise of 5e-8 of the largest entry (the MHA key bias's level) in
+  # place of zero: over atol (1e-6) and any rtol of zero, but not over the
+  # noise floor.
+  noise = tf.constant(rng.choice([-1.0, 1.0], (4, 3)) * 5e-8 * largest,
+                      tf.float32)
+  check = lambda r: pxg_testing.check_per_example_gradients(
+      loss, model, variables, x, labels, reference=r)
+  assert check([ref[0], ref[1], ref[2] + noise]) <= 1e-4
+  with pytest.raises(AssertionError, match="small"):
+    check([ref[0], ref[1] * 1.01, ref[2]])
+
+
+class _ZeroRule(tf_pxg.rules.base.Rule):
+  """Per-example gradients and weighted sums of zero (a "lost" variable)."""
+
+  def per_example(self, ctx):
+    return 0.0 * tf_pxg.rules.base.vectorized_per_example(ctx)
+
+  def weighted_sum(self, ctx, c):
+    return 0.0 * super().weighted_sum(ctx, c)
+
+
+def _wrong(form):
+  return _ZeroRule() if form == "zero" else _WrongRule(form)
+
+
+@pytest.mark.parametrize("wrong,message", [
+    ("weighted_sum", "clipped_gradient_sum"),
+    ("per_example", "sum_b per_example_gradient"),
+    ("zero", "all zero"),
+])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_invariants_report_a_wrong_rule(wrong, message, mode):
+  rng = np.random.default_rng(0)
+  w = _var(rng, (3,), F32, "w")
+  x = _normal(rng, (4, 3), F32)
+  labels = _normal(rng, (4, 3), F32)
+  fn = lambda inp: tf.math.squared_difference(inp, w)
+  pxg_testing.check_gradient_invariants(_loss, fn, [w], x, labels, mode=mode)
+  with without_rule("SquaredDifference"):
+    tf_pxg.register("SquaredDifference")(_wrong(wrong))
+    try:
+      with pytest.raises(AssertionError, match=message):
+        pxg_testing.check_gradient_invariants(_loss, fn, [w], x, labels,
+                                              mode=mode)
+    finally:
+      registry.unregister("SquaredDifference")
