@@ -84,10 +84,11 @@ def measure(mode: str, model: str, batch_size: int, seq_len: int,
   """Builds `mode` for `model`, runs warm-up and `steps` steps; memory."""
   from benchmarks import models  # noqa: PLC0415
   from benchmarks import modes  # noqa: PLC0415
-  batch_size = batch_size or models.SPECS[model].batch
-  result = {"mode": mode, "model": model, "batch_size": batch_size,
-            "seq_len": seq_len or models.SPECS[model].seq_len or None}
+  result = {"mode": mode, "model": model}
   try:
+    batch_size = batch_size or models.SPECS[model].batch
+    result.update(batch_size=batch_size,
+                  seq_len=seq_len or models.SPECS[model].seq_len or None)
     step = modes.make(mode, model, batch_size, seq_len)
     result["rss_base_mb"] = _mb(_status_kb("VmRSS"))
     modes.sync(step.fn())

@@ -12,10 +12,10 @@ Modes and the non-private mode each is compared with (`BASELINE`):
 |---|---|---|
 | keras / keras_xla | Keras 3 `fit` step, without / with XLA | |
 | pxg / pxg_xla | tf_pxg `make_private` DP model | keras / keras_xla |
-| pxg_naive | tf_pxg per-example gradients materialised, clipped, summed | keras |
+| pxg_naive | tf_pxg: per-example gradients materialised, clipped | keras |
 | noise | drawing one DP step's noise alone (tf_pxg) | keras |
 | tf_keras / tf_keras_xla | tf_keras `fit` step | |
-| tfp_dpmodel / tfp_dpmodel_xla | TF Privacy DPModel, fullest registry | tf_keras / tf_keras_xla |
+| tfp_dpmodel(_xla) | TF Privacy DPModel, fullest registry | tf_keras(_xla) |
 | tfp_optimizer | TF Privacy DPKerasSGDOptimizer | tf_keras |
 
 TensorFlow Privacy modes need the benchmark venv (`benchmarks.venv`).
@@ -52,9 +52,11 @@ TFP_MODES = frozenset({"tf_keras", "tf_keras_xla", "tfp_dpmodel",
 
 @dataclasses.dataclass
 class Step:
-  """One training step of a mode: `fn()` runs it; `info` describes it."""
+  """One training step of a mode: `fn()` runs it; `info` describes it
+  (JSON-able); `model` is the model it trains (None for "noise")."""
   fn: Callable[[], object]
   info: Dict[str, object] = dataclasses.field(default_factory=dict)
+  model: object = None
 
 
 def sync(result) -> None:
@@ -86,7 +88,8 @@ def _fit_step(model, x, y, k, jit_compile, optimizer=None, loss=None):
 
 def _keras(name, x, y, seq_len, jit):
   import keras  # noqa: PLC0415
-  return Step(_fit_step(models.build(keras, name, seq_len), x, y, keras, jit))
+  model = models.build(keras, name, seq_len)
+  return Step(_fit_step(model, x, y, keras, jit), model=model)
 
 
 def _pxg(name, x, y, seq_len, jit):
@@ -95,7 +98,7 @@ def _pxg(name, x, y, seq_len, jit):
   model = pxk.make_private(models.build(keras, name, seq_len),
                            l2_norm_clip=L2_NORM_CLIP,
                            noise_multiplier=NOISE_MULTIPLIER)
-  return Step(_fit_step(model, x, y, keras, jit))
+  return Step(_fit_step(model, x, y, keras, jit), model=model)
 
 
 def _pxg_naive(name, x, y, seq_len, jit):
@@ -130,7 +133,7 @@ def _pxg_naive(name, x, y, seq_len, jit):
     optimizer.apply([g / tf.cast(b, g.dtype) for g in noisy], variables)
     return tf.reduce_mean(losses)
 
-  return Step(lambda: step(x, y))
+  return Step(lambda: step(x, y), model=model)
 
 
 def _noise(name, x, y, seq_len, jit):
@@ -161,7 +164,8 @@ def _tf_keras_model(name, seq_len):
 
 def _tf_keras(name, x, y, seq_len, jit):
   import tf_keras  # noqa: PLC0415
-  return Step(_fit_step(_tf_keras_model(name, seq_len), x, y, tf_keras, jit))
+  model = _tf_keras_model(name, seq_len)
+  return Step(_fit_step(model, x, y, tf_keras, jit), model=model)
 
 
 def fullest_registry():
@@ -171,46 +175,52 @@ def fullest_registry():
   LayerNormalization and MultiHeadAttention. (Its NLP registry functions are
   for `tensorflow_models` layers, which these models do not use.)
   """
+  import importlib  # noqa: PLC0415
   import tf_keras  # noqa: PLC0415
-  from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry  # noqa: PLC0415,E501
-  from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import einsum_dense  # noqa: PLC0415,E501
-  from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import layer_normalization  # noqa: PLC0415,E501
-  from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import multi_head_attention  # noqa: PLC0415,E501
-  registry = layer_registry.make_default_layer_registry()
-  registry.insert(tf_keras.layers.EinsumDense,
-                  einsum_dense.einsum_layer_computation)
-  registry.insert(tf_keras.layers.LayerNormalization,
-                  layer_normalization.layer_normalization_computation)
-  registry.insert(tf_keras.layers.MultiHeadAttention,
-                  multi_head_attention.multi_head_attention_layer_computation)
+  fgc = "tensorflow_privacy.privacy.fast_gradient_clipping"
+  functions = importlib.import_module(f"{fgc}.registry_functions")
+  registry = importlib.import_module(
+      f"{fgc}.layer_registry").make_default_layer_registry()
+  for layer, module, fn in (
+      ("EinsumDense", "einsum_dense", "einsum_layer_computation"),
+      ("LayerNormalization", "layer_normalization",
+       "layer_normalization_computation"),
+      ("MultiHeadAttention", "multi_head_attention",
+       "multi_head_attention_layer_computation")):
+    importlib.import_module(f"{functions.__name__}.{module}")
+    registry.insert(getattr(tf_keras.layers, layer),
+                    getattr(getattr(functions, module), fn))
   return registry
 
 
 def _tfp_dpmodel(name, x, y, seq_len, jit):
   import tf_keras  # noqa: PLC0415
-  from tensorflow_privacy.privacy.keras_models import dp_keras_model  # noqa: PLC0415,E501
+  from tensorflow_privacy.privacy.keras_models import (  # noqa: PLC0415
+      dp_keras_model)
   base = _tf_keras_model(name, seq_len)
   model = dp_keras_model.DPModel(
       L2_NORM_CLIP, NOISE_MULTIPLIER, None, jit, fullest_registry(),
       inputs=base.inputs, outputs=base.outputs)
-  fast = bool(model._enable_fast_peg_computation)  # pylint: disable=protected-access
+  fast = bool(model._enable_fast_peg_computation)  # pylint: disable=W0212
   info = {"path": "registry fast path" if fast
           else "vectorized fallback (tf.vectorized_map over examples)"}
   # DPModel compiles its own train_step with XLA when use_xla (= jit).
-  return Step(_fit_step(model, x, y, tf_keras, False), info)
+  return Step(_fit_step(model, x, y, tf_keras, False), info, model)
 
 
 def _tfp_optimizer(name, x, y, seq_len, jit):
   import tf_keras  # noqa: PLC0415
-  from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras  # noqa: PLC0415,E501
+  from tensorflow_privacy.privacy.optimizers import (  # noqa: PLC0415
+      dp_optimizer_keras)
   optimizer = dp_optimizer_keras.DPKerasSGDOptimizer(
       l2_norm_clip=L2_NORM_CLIP, noise_multiplier=NOISE_MULTIPLIER,
       num_microbatches=None, learning_rate=LEARNING_RATE)
   loss = tf_keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
-  return Step(_fit_step(_tf_keras_model(name, seq_len), x, y, tf_keras, jit,
-                        optimizer=optimizer, loss=loss),
-              {"path": "per-example jacobian (num_microbatches=None)"})
+  model = _tf_keras_model(name, seq_len)
+  return Step(_fit_step(model, x, y, tf_keras, jit, optimizer=optimizer,
+                        loss=loss),
+              {"path": "per-example jacobian (num_microbatches=None)"}, model)
 
 
 _BUILDERS = {

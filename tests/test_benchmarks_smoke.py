@@ -1,0 +1,125 @@
+"""Smoke tests of the benchmark suite's code (no timing assertions).
+
+They run each piece once on tiny batches: the modes train, the interleaved
+timer and the ratio bookkeeping produce complete records, failures become
+status records, the memory probe reports without crashing where the
+allocator keeps no statistics, and the report renders.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import memory
+from benchmarks import models
+from benchmarks import modes
+from benchmarks import report
+from benchmarks import timing
+
+
+@pytest.mark.parametrize("name", sorted(models.SPECS))
+def test_models_build_for_keras3_and_take_their_batch(name):
+  import keras  # pylint: disable=g-import-not-at-top
+  model = models.build(keras, name, 8 if models.SPECS[name].seq_len else 0)
+  x, y = models.batch(name, 3, 8)
+  out = model(x)
+  assert out.shape == (3, models.SPECS[name].classes)
+  assert y.shape == (3,) and y.max() < models.SPECS[name].classes
+
+
+@pytest.mark.parametrize("mode", ["keras", "pxg", "pxg_naive"])
+def test_keras3_modes_train_the_embedding_model(mode):
+  # Integer inputs, which Keras casts on their way into the model: DP fit
+  # must still see them as data. Each step changes the weights.
+  step = modes.make(mode, "embed", 4, 6)
+  variables = step.model.trainable_variables
+  before = [v.numpy().copy() for v in variables]
+  modes.sync(step.fn())
+  after = [v.numpy() for v in variables]
+  assert all(a.shape == b.shape for a, b in zip(before, after))
+  assert all(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_noise_mode_draws_one_normal_per_weight():
+  step = modes.make("noise", "mlp", 4)
+  noise = step.fn()
+  assert step.info["weights"] == sum(int(np.prod(n.shape)) for n in noise)
+  flat = np.concatenate([np.ravel(n) for n in noise])
+  assert abs(flat.std() - modes.NOISE_MULTIPLIER * modes.L2_NORM_CLIP) < 0.01
+
+
+def test_interleaved_rounds_give_ratios_and_failures_become_records():
+  def make(name):
+    if name == "broken":
+      raise NotImplementedError("op 'X' has no rule")
+    return modes.make(name, "mlp", 4)
+
+  built = timing.build_group(["keras", "pxg", "broken"], make, log=print)
+  results = timing.run_rounds(built, rounds=2, round_seconds=0.01)
+  timing.add_ratios(results)
+  assert results["broken"]["status"] == "unsupported"
+  assert "no rule" in results["broken"]["error"]
+  for name in ("keras", "pxg"):
+    r = results[name]
+    assert r["status"] == "ok" and len(r["round_ms"]) == 2
+    assert r["ms"] > 0 and r["cpu_ms"] >= 0
+  assert results["pxg"]["baseline"] == "keras"
+  assert results["pxg"]["ratio"] > 0
+  assert "ratio" not in results["keras"]
+
+
+def test_error_message_keeps_the_last_line_of_tf_traces():
+  exc = TypeError("in user code:\n\n  File x, line 1\n\nTypeError: bad op")
+  assert timing.error_message(exc) == (
+      "TypeError: in user code: ... TypeError: bad op")
+
+
+def test_memory_probe_reports_rss_and_allocator_peak_or_none():
+  r = memory.measure("keras", "mlp", 4, 0, steps=1)
+  assert r["status"] == "ok"
+  assert r["rss_base_mb"] > 0 and r["rss_peak_mb"] >= r["rss_base_mb"] * 0.5
+  # The allocator peak is a number where TF keeps CPU stats, else None
+  # (the case that used to crash with "Cannot reset memory stats").
+  assert r["alloc_peak_mb"] is None or r["alloc_peak_mb"] > 0
+  bad = memory.measure("keras", "no_such_model", 4, 0, steps=1)
+  assert bad["status"] == "error" and "no_such_model" in bad["error"]
+
+
+def test_allocator_helpers_do_not_raise():
+  has = memory.reset_allocator_stats()
+  peak = memory.allocator_peak_bytes()
+  assert isinstance(has, bool)
+  assert peak is None or peak >= 0
+
+
+def test_report_renders_tables_and_writes_json(tmp_path):
+  ok = {"status": "ok", "ms": 2.0, "cpu_ms": 2.0, "ratio": 1.5,
+        "cpu_ratio": 1.4}
+  result = {
+      "date": "2026-01-01T00:00:00+00:00",
+      "machine": {"model_name": "CPU", "cores": 2, "mem_total_gb": 1.0},
+      "settings": {"quick": True, "rounds": 1},
+      "time": {"mlp": {"batch_size": 4, "seq_len": None, "modes": {
+          "keras": {"status": "ok", "ms": 1.0, "cpu_ms": 1.0},
+          "pxg": ok,
+          "tf_keras": {"status": "ok", "ms": 1.0, "cpu_ms": 1.0},
+          "tfp_dpmodel": dict(ok, ratio=3.0, cpu_ratio=3.0, ms=4.0,
+                              cpu_ms=4.0, path="registry fast path"),
+          "tfp_optimizer": {"status": "error", "error": "TypeError: x"}}}},
+      "growth": [{"model": "mlp", "axis": "batch", "size": 32,
+                  "modes": {"pxg": ok}}],
+      "memory": {"mlp": {"keras": {"status": "ok", "alloc_peak_mb": 2.0},
+                         "pxg": {"status": "ok", "alloc_ratio": 1.2,
+                                 "rss_ratio": 1.0}}},
+  }
+  md = report.markdown(result)
+  assert "| mlp (4) | 1.0 ms | 1.50× (1.40×)" in md
+  # tf_pxg time / TF Privacy's, and overhead ratios (1.5-1)/(3-1) etc.
+  assert "| 0.50× (0.50×) | 0.25× (0.20×) |" in md
+  assert "registry fast path" in md and "TypeError: x" in md
+  assert "| mlp | batch 32 | 1.50× (1.40×) |" in md
+  paths = report.write(result, tmp_path, "t")
+  saved = json.loads((tmp_path / "t.json").read_text())
+  assert saved["summary"]["mlp"]["overhead_ratio"] == pytest.approx(0.25)
+  assert (tmp_path / "t.md").exists() and len(paths) >= 2
