@@ -141,9 +141,19 @@ def _install_keras_unrolling() -> bool:
 
   @functools.wraps(rnn)
   def unrolling_rnn(step_function, inputs, initial_states, *args, **kwargs):
-    if recording() and not kwargs.get("unroll", False) and len(args) < 4:
-      if _time_steps(inputs, kwargs.get("time_major", False)):
-        kwargs["unroll"] = True
+    time_major = kwargs.get("time_major", False)
+    if (recording() and not kwargs.get("unroll", False) and not args and
+        _time_steps(inputs, time_major)):
+      kwargs["unroll"] = True
+      if kwargs.get("go_backwards", False):
+        # Keras' unrolled go_backwards reverses a tuple in graphs (an
+        # AttributeError); reversing the sequence first is the same loop.
+        kwargs["go_backwards"] = False
+        axis = 0 if time_major else 1
+        inputs = tf.nest.map_structure(lambda t: tf.reverse(t, [axis]),
+                                       inputs)
+        if kwargs.get("mask") is not None:
+          kwargs["mask"] = tf.reverse(kwargs["mask"], [axis])
     return rnn(step_function, inputs, initial_states, *args, **kwargs)
 
   def no_cudnn(kernel):

@@ -4,8 +4,8 @@ Every tensor the tape saw is classified as
 
 * PARAM: derived from the sources alone (a variable read, its cast to
   float16, `W + A @ B`, a reshaped kernel);
-* DATA: carries examples on axis 0 (the inputs, and anything computed from
-  them);
+* DATA: carries examples (the inputs, and anything computed from them),
+  on the batch axis tracked by `tf_pxg.batch_axis` (axis 0 for inputs);
 * CONST: neither (scalars, graph constants, reads of non-source variables,
   shape arithmetic).
 
@@ -16,8 +16,13 @@ quantities for its PARAM input. The PARAM-only region between the interface
 and the sources is then differentiated with ordinary (or batched) gradient
 functions (phase 2).
 
-Integer inputs are shape arithmetic except at the positions that carry
-examples as indices (gathers), listed in `INTEGER_DATA_INPUTS`.
+"Carries examples" is a property of the data, not of its dtype or
+differentiability: it flows through casts to integer, gathers, one-hot and
+table lookups. Shape ops (`Shape`, `Size`...) give constants, so shape
+arithmetic never does; a non-floating input made outside the tape (a
+placeholder of token ids, say) counts as data only at the positions listed in
+`INTEGER_DATA_INPUTS` (gather and one-hot indices, casts, lookup keys), so a
+constant shape vector never passes for a batch of examples.
 """
 
 from __future__ import annotations
@@ -28,27 +33,33 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_pxg import batch_axis
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.tape.recording import Entry, Recorder
 
 PARAM, CONST, DATA = "param", "const", "data"
 
-# Where an integer input of an op with floating outputs carries examples:
-# gather indices, and the shape of a batch-sized fill (an RNN's zero state).
+# Where a non-floating input made outside the tape carries examples (token
+# ids, string keys): indices of gathers and one-hot, casts (Keras casts
+# token ids to the input layer's dtype and back), table lookups.
+# Non-floating tensors made on the tape carry examples iff their inputs do.
 INTEGER_DATA_INPUTS = {
-    # Token ids cast to float and back (Keras casts model inputs to the
-    # input layer's dtype) stay data.
     "Cast": (0,),
     "GatherV2": (1,),
     "Gather": (1,),
     "ResourceGather": (1,),
     "GatherNd": (1,),
     "ResourceGatherNd": (1,),
-    "Fill": (0,),
-    "BroadcastTo": (1,),
+    "OneHot": (0,),
+    "LookupTableFindV2": (1,),
+    "LookupTableFind": (1,),
+    "StringToHashBucketFast": (0,),
+    "StringToHashBucketStrong": (0,),
+    "StringToHashBucket": (0,),
+    "Bucketize": (0,),
 }
 
-_NON_DATA_DTYPES = (tf.resource, tf.variant, tf.string)
+_NON_DATA_DTYPES = (tf.resource, tf.variant)
 
 # Ops whose outputs never depend on parameter values (only on shapes).
 _SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "VariableShape")
@@ -58,10 +69,6 @@ _SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "VariableShape")
 # Ops without inputs (graph constants, placeholders) are judged the same way.
 _FILLS = ("Fill", "BroadcastTo")
 
-# Ops that move spatial blocks into the batch axis with the example index
-# minor ([blocks * B]), and their inverses.
-_TO_BATCH_MINOR = ("SpaceToBatchND", "SpaceToBatch")
-_FROM_BATCH_MINOR = ("BatchToSpaceND", "BatchToSpace")
 
 
 def _is_float(dtype) -> bool:
@@ -102,42 +109,55 @@ class Classifier:
     self._sources = set(source_ids)
     self._batch_size = batch_size
     self.status: Dict[int, str] = {}
-    self.batch_minor: set = set()
+    self.layouts: Dict[int, batch_axis.Layout] = {}
+    self.mixing: Dict[int, str] = {}  # id(entry) -> why it mixes examples.
+    # Non-floating tensors holding values of examples (not shapes).
+    self._values: set = set()
     for entry in recorder.entries:
       st = CONST
-      minor = False
+      layouts = {}
+      values = False
       for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs)):
         s = self.input_status(entry, i, tid, t)
         if s == DATA:
           st = DATA
-          minor = minor or tid in self.batch_minor
+          layouts[i] = self.layout(tid)
+          values = values or (
+              _is_float(t.dtype) or tid in self._values or
+              i in INTEGER_DATA_INPUTS.get(entry.op_type, ()))
         elif s == PARAM and st != DATA:
           st = PARAM
-      if entry.op_type in _SHAPE_OPS and st == PARAM:
+      if entry.op_type in _SHAPE_OPS:
         st = CONST
       elif (entry.op_type in _FILLS or not entry.inputs) and st == CONST:
         st = self._external(entry.outputs[0])  # A zero state [B, units]?
-      if entry.op_type in _TO_BATCH_MINOR:
-        minor = True
-      elif entry.op_type in _FROM_BATCH_MINOR:
-        minor = False
-      for tid in entry.output_ids:
+      out_layouts = [batch_axis.AXIS0] * len(entry.outputs)
+      if st == DATA and layouts:
+        out_layouts, why = batch_axis.propagate(entry, layouts,
+                                                 batch_size)
+        if why:
+          self.mixing[id(entry)] = why
+      for tid, lay in zip(entry.output_ids, out_layouts):
         self.status[tid] = PARAM if tid in self._sources else st
-        if minor and st == DATA:
-          self.batch_minor.add(tid)
+        if st == DATA:
+          self.layouts[tid] = lay
+          if values:
+            self._values.add(tid)
 
   def input_status(self, entry: Entry, i: int, tid: int, t) -> str:
     """Status of input `i` of `entry` as it affects the entry's outputs.
 
-    Integer inputs of ops with floating outputs are shape arithmetic, except
-    at the positions in `INTEGER_DATA_INPUTS`.
+    A non-floating input of an op with floating outputs is shape arithmetic
+    (CONST) unless it carries the values of examples: it was computed from
+    floating data (a cast of float token ids to int) or from a position
+    listed in `INTEGER_DATA_INPUTS`, or it sits at such a position.
     """
     if tid in self._sources:
       return PARAM
     if (not _is_float(t.dtype) and entry.outputs and
-        _is_float(entry.outputs[0].dtype) and
+        _is_float(entry.outputs[0].dtype) and tid not in self._values and
         i not in INTEGER_DATA_INPUTS.get(entry.op_type, ())):
-      return CONST
+      return CONST  # Shape arithmetic (or a mask) feeding a float op.
     if tid in self.status:
       return self.status[tid]
     return self._external(t)
@@ -184,9 +204,19 @@ class Classifier:
     return (any(self.status.get(t) == DATA for t in entry.output_ids) and
             bool(self.param_inputs(entry)))
 
+  def layout(self, tid: int) -> batch_axis.Layout:
+    """`(batch axis, minor)` of a DATA tensor; None if unknown."""
+    return self.layouts.get(tid, batch_axis.AXIS0)
+
+  @property
+  def batch_minor(self) -> set:
+    """DATA tensors whose batch axis holds examples minor (`[k, B]`)."""
+    return {t for t, lay in self.layouts.items() if lay and lay[1]}
+
   def is_batch_minor(self, entry: Entry) -> bool:
-    """Whether the entry's data inputs hold examples minor on axis 0."""
-    return any(t in self.batch_minor for t in entry.input_ids)
+    """Whether the entry's data inputs hold examples minor on their axis."""
+    return any((self.layout(t) or batch_axis.AXIS0)[1]
+               for t in entry.input_ids if self.status.get(t) == DATA)
 
   def param_ids(self) -> set:
     return {t for t, s in self.status.items() if s == PARAM} | self._sources
@@ -214,17 +244,128 @@ def check_examples_independent(entry: Entry, classifier: Classifier,
       training = True
     if training:
       why = "normalises with statistics of the whole batch"
-  elif vector_target and entry.op_type in _REDUCTIONS:
-    data, axis = entry.inputs[0], tf.get_static_value(entry.inputs[1])
-    rank = data.shape.rank
-    if (axis is not None and rank and rank >= 2 and
-        classifier.status.get(entry.input_ids[0]) == DATA):
-      if 0 in {int(a) % rank for a in np.reshape(axis, [-1])}:
-        why = "reduces over the batch axis 0 (batch statistics)"
+  elif vector_target:
+    why = _mixes_along_batch(entry, classifier)
   if why:
+    hint = (" BatchNormalization in training does this; use "
+            "keras.layers.GroupNormalization or "
+            "keras.layers.LayerNormalization instead (or freeze the layer "
+            "and call it with training=False)." if "statistics" in why else
+            " Check which axis holds the examples: tf_pxg follows the batch "
+            "axis through transposes, reshapes and contractions, and an op "
+            "may reduce or contract any other axis.")
     raise ValueError(
         f"{entry.describe()} mixes examples: it {why}, so "
         "an example's gradient depends on the other examples and has no "
-        "per-example value. BatchNormalization in training does this; use "
-        "keras.layers.GroupNormalization or keras.layers.LayerNormalization "
-        "instead (or freeze the layer and call it with training=False).")
+        f"per-example value.{hint}")
+
+
+def _mixes_along_batch(entry: Entry, classifier: Classifier):
+  """Why `entry` mixes examples along the tracked batch axis, or None.
+
+  Reductions of `[B]` vectors are left alone (a loss may be averaged); where
+  the batch axis of a reduction's input is unknown it is taken to be 0.
+  """
+  data = entry.inputs[0] if entry.inputs else None
+  rank = data.shape.rank if data is not None else None
+  if entry.op_type in _REDUCTIONS and not (rank and rank >= 2):
+    return None
+  why = classifier.mixing.get(id(entry))
+  if why or entry.op_type not in _REDUCTIONS:
+    return why
+  if (classifier.status.get(entry.input_ids[0]) != DATA or
+      classifier.layout(entry.input_ids[0]) is not None):
+    return None
+  axis = tf.get_static_value(entry.inputs[1])
+  if axis is not None and 0 in {int(a) % rank for a in np.reshape(axis, [-1])}:
+    return "reduces over the batch axis 0 (batch statistics)"
+  return None
+
+
+# Batch axis at the interface -------------------------------------------------
+
+# Ops for which moving the batch axis of the data operand and of the output
+# to 0 gives the same op on permuted tensors (the parameter is broadcast
+# along every axis that moves), and the checks that make it so.
+_PERMUTABLE = ("AddV2", "Add", "Sub", "Mul", "BiasAdd", "BatchMatMulV2",
+               "BatchMatMulV3", "GatherV2", "ResourceGather")
+
+
+def expected_axes(itf: Interface):
+  """(data axis, output axis) where the rule expects the examples."""
+  entry = itf.entry
+  if entry.op_type == "MatMul":
+    ta = gradient_functions.get_attr(entry, "transpose_a") or False
+    tb = gradient_functions.get_attr(entry, "transpose_b") or False
+    if itf.param_index == 1:
+      return (1 if ta else 0), 0
+    return (0 if tb else 1), 1
+  return 0, 0
+
+
+def _move_to_front(t, axis: int):
+  perm = [axis] + [a for a in range(t.shape.rank) if a != axis]
+  return tf.transpose(t, perm)
+
+
+def _permutable(itf: Interface, axis: int) -> bool:
+  entry = itf.entry
+  out_rank = entry.outputs[0].shape.rank
+  p_rank = itf.param.shape.rank
+  if out_rank is None or p_rank is None or entry.op_type not in _PERMUTABLE:
+    return False
+  if entry.op_type in ("GatherV2", "ResourceGather"):
+    return itf.param_index == 0
+  if entry.op_type == "BiasAdd":
+    fmt = gradient_functions.get_attr(entry, "data_format") or b"NHWC"
+    return fmt in (b"NHWC", "NHWC") and axis < out_rank - 1
+  if entry.op_type.startswith("BatchMatMul"):
+    return p_rank == 2 and axis < out_rank - 2
+  # Elementwise: the parameter must not reach the moved axes 0..axis.
+  return p_rank <= out_rank - (axis + 1) and all(
+      entry.inputs[i].shape.rank == out_rank for i in itf.data_indices)
+
+
+def normalise_batch_axis(itf: Interface, classifier: Classifier) -> Interface:
+  """`itf` with the examples where its rule expects them.
+
+  Rules take the examples on axis 0 of the data operand and the output (a
+  MatMul's on the rows of the matrix that holds them). Where the tracked
+  batch axis differs — time-major data, say — the data operand, the
+  outputs and their gradients are transposed to put it first, for ops that
+  stay the same op under that permutation.
+
+  Raises:
+    ValueError: the examples are on another axis of an op that cannot be
+      permuted that way.
+  """
+  entry = itf.entry
+  lays = [classifier.layout(entry.input_ids[i]) for i in itf.data_indices]
+  outs = [classifier.layout(t) for t in entry.output_ids]
+  known = [l for l in lays if l is not None]
+  minor = any(l[1] for l in known)
+  want_data, want_out = expected_axes(itf)
+  if (all(l[0] == want_data for l in known) and
+      all(l is None or l[0] == want_out for l in outs)):
+    itf.batch_minor = itf.batch_minor or minor
+    return itf
+  axis = known[0][0] if known else None
+  if (len({l[0] for l in known}) != 1 or want_data != 0 or
+      not _permutable(itf, axis)):
+    raise ValueError(
+        f"{entry.describe()} consumes a parameter with the examples on axis "
+        f"{axis} of its data operand, which its per-example rule cannot take "
+        "(it expects them on axis 0). Transpose the data so the batch is "
+        "axis 0 before this op, or use tf.einsum with the batch letter "
+        "first.")
+  inputs = list(entry.inputs)
+  for i in itf.data_indices:
+    inputs[i] = _move_to_front(inputs[i], axis)
+  out_axes = [axis if l is None else l[0] for l in outs]
+  outputs = [_move_to_front(o, a) for o, a in zip(entry.outputs, out_axes)]
+  grads = [g if g is None else _move_to_front(g, a)
+           for g, a in zip(itf.output_grads, out_axes)]
+  moved = Entry(entry.op_type, tuple(inputs), tuple(outputs), entry.attrs,
+                entry.op, entry.scope, entry.index)
+  return Interface(moved, itf.param_index, grads, itf.data_indices, minor,
+                   itf.rule)

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.interface import PARAM, Classifier, Interface
+from tf_pxg.interface import Classifier, Interface, expected_axes
 from tf_pxg.rules import base
 from tf_pxg.tape.recording import Entry
 
@@ -101,8 +101,9 @@ def _fully_defined_tail(t) -> bool:
 
 def _group_key(itf: Interface, keys: ValueKeys):
   entry = itf.entry
-  if entry.op_type not in MERGEABLE or itf.batch_minor:
-    return None
+  if (entry.op_type not in MERGEABLE or itf.batch_minor or
+      expected_axes(itf) != (0, 0)):
+    return None  # Rows are merged on axis 0 of the data and the outputs.
   data = set(itf.data_indices)
   tensors = [entry.inputs[i] for i in data] + list(entry.outputs)
   if not all(_fully_defined_tail(t) for t in tensors):

@@ -31,7 +31,8 @@ from tf_pxg import registry
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.interface import (PARAM, Classifier, Interface,
-                              check_examples_independent)
+                              check_examples_independent,
+                              normalise_batch_axis)
 from tf_pxg.rules import base
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
@@ -124,6 +125,7 @@ class PerExampleBackprop:
           "the target as a [B] vector of per-example values.")
     imperative_grad(self._producer, {target_id: [output_gradient]}, param_ids,
                     backward)
+    found = [normalise_batch_axis(itf, classifier) for itf in found]
     for itf in found:
       itf.rule = registry.lookup(itf.entry.op_type) or _FALLBACK
       try:

@@ -86,6 +86,7 @@ class Recorder:
     self.entries: list[Entry] = []
     self.producer: dict[int, Entry] = {}
     self._graph = None
+    self._first_op_id = 0
     self._active = False
     self._watcher = None
     self.paused = 0
@@ -100,6 +101,8 @@ class Recorder:
     self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     if self._graph is None:
       self._renew_watcher()
+    else:
+      self._first_op_id = self._graph.version  # The last op id so far.
     op_callbacks.add_op_callback(self._callback)
     control_flow.enter(self)
     self._active = True
@@ -176,9 +179,24 @@ class Recorder:
       op = outputs[0].op
       scope = op.name
       attrs = None
+      self._record_silent_producers(inputs)
     self._append(Entry(op_type, tuple(inputs), tuple(outputs), attrs, op,
                        scope))
     return outputs
+
+  def _record_silent_producers(self, inputs):
+    """Records call ops built without an op callback (a `ConcreteFunction`
+    called in a graph) that produce `inputs`, so that their use is seen."""
+    for t in inputs:
+      op = getattr(t, "op", None)
+      if (tensor_id(t) in self.producer or op is None or
+          op.graph is not self._graph or
+          op._id <= self._first_op_id or  # pylint: disable=protected-access
+          op.type not in control_flow.OPAQUE_OPS):
+        continue
+      self._record_silent_producers(op.inputs)
+      self._append(Entry(op.type, tuple(op.inputs), tuple(op.outputs), None,
+                         op, op.name))
 
   def _append(self, entry: Entry):
     entry.index = len(self.entries)

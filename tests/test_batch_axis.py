@@ -1,0 +1,183 @@
+"""What carries examples, and on which axis.
+
+"Carries examples" is a property of the data: it flows through casts to
+integer, one-hot and gathers (Keras casts token ids to a float input spec
+and back). The batch axis is tracked through transposes, reshapes and the
+operand order of contractions (`tf_pxg.batch_axis`): time-major data and a
+parameter as the first matmul operand are exact against the
+`tf.GradientTape` loop over single examples, in eager mode, `tf.function`
+and XLA; ops that really mix examples along the batch axis still raise.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_pxg
+import tf_pxg.keras as dpk
+from tf_pxg import testing as pxg_testing
+
+MODES = pxg_testing.MODES
+B = 3
+L = keras.layers
+
+
+class Fn:
+  """A function of raw TF ops on given variables, as the reference wants."""
+
+  def __init__(self, fn, variables):
+    self.fn, self.trainable_variables = fn, list(variables)
+
+  def __call__(self, x):
+    return self.fn(x)
+
+
+def _var(shape, seed, dtype=tf.float32):
+  return tf.Variable(np.random.default_rng(seed).standard_normal(shape),
+                     dtype=dtype)
+
+
+def _x(shape, seed=0):
+  return tf.constant(np.random.default_rng(seed).standard_normal(shape),
+                     tf.float32)
+
+
+def _time_major_dense():
+  layer = L.Dense(3, activation="tanh")
+  layer.build((None, 2))
+
+  def fn(x):  # [B, T, d] -> time-major [T, B, d] -> sum over time -> [B]
+    h = layer(tf.transpose(x, [1, 0, 2]))
+    return tf.reduce_sum(tf.square(tf.reduce_sum(h, axis=0)), axis=-1)
+  return Fn(fn, layer.trainable_variables), _x((B, 4, 2))
+
+
+def _param_first_matmul():
+  w, v = _var((3, 5), 1), _var((3,), 2)
+
+  def fn(x):  # [u, B]: examples on axis 1, then back on axis 0
+    h = tf.tanh(tf.matmul(w, x, transpose_b=True))
+    return tf.reduce_sum(tf.square(h), axis=0) + tf.reduce_sum(
+        tf.transpose(h) * v, axis=1)
+  return Fn(fn, [w, v]), _x((B, 5))
+
+
+def _time_major_reshaped_matmul():
+  w = _var((2, 3), 3)
+
+  def fn(x):  # [T, B, d] -> [T*B, d] (examples minor) -> back -> sum(T)
+    t, d = x.shape[1], x.shape[2]
+    tm = tf.reshape(tf.transpose(x, [1, 0, 2]), [-1, d])
+    h = tf.reshape(tf.tanh(tf.matmul(tm, w)), [t, -1, 3])
+    return tf.reduce_sum(tf.square(h), axis=[0, 2])
+  return Fn(fn, [w]), _x((B, 4, 2))
+
+
+def _time_major_tokens():
+  table = _var((7, 2), 4)
+
+  def fn(ids):  # ids [B, L] -> [L, B] -> gather [L, B, D]
+    e = tf.gather(table, tf.transpose(ids))
+    return tf.reduce_sum(tf.square(tf.tanh(e)), axis=[0, 2])
+  ids = tf.constant(np.random.default_rng(5).integers(0, 7, (B, 4)),
+                    tf.int32)
+  return Fn(fn, [table]), ids
+
+
+def _float_tokens_one_hot():
+  w = _var((6, 3), 6)
+
+  def fn(x):  # float token ids, cast to int, one-hot
+    h = tf.matmul(tf.one_hot(tf.cast(x, tf.int32), 6), w)  # [B, L, 3]
+    return tf.reduce_sum(tf.square(tf.tanh(h)), axis=[1, 2])
+  ids = tf.constant(np.random.default_rng(7).integers(0, 6, (B, 4)),
+                    tf.float32)
+  return Fn(fn, [w]), ids
+
+
+CASES = {
+    "time_major_dense": _time_major_dense,
+    "param_first_matmul_batch_on_axis_1": _param_first_matmul,
+    "time_major_reshaped_matmul": _time_major_reshaped_matmul,
+    "time_major_token_gather": _time_major_tokens,
+    "float_tokens_cast_one_hot": _float_tokens_one_hot,
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_batch_axis_cases_match_reference(name, mode):
+  model, x = CASES[name]()
+  pxg_testing.check_per_example_gradients(
+      None, model, model.trainable_variables, x, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ("eager", "function"))
+def test_reduction_over_tracked_batch_axis_still_raises(mode):
+  w = _var((2, 3), 8)
+
+  def run(x):
+    with tf_pxg.GradientTape() as tape:
+      h = tf.matmul(tf.transpose(x, [1, 0, 2]), w)        # [T, B, u]
+      centred = h - tf.reduce_mean(h, axis=1, keepdims=True)  # over B
+      losses = tf.reduce_sum(tf.square(centred), axis=[0, 2])
+    return tape.per_example_norms(losses, [w])
+
+  if mode == "function":
+    run = tf.function(run)
+  with pytest.raises(ValueError, match="batch axis 1"):
+    run(_x((B, 4, 2)))
+
+
+def test_softmax_over_examples_raises():
+  w = _var((2, 3), 9)
+
+  @tf.function
+  def run(x):
+    with tf_pxg.GradientTape() as tape:
+      h = tf.nn.softmax(tf.matmul(w, x, transpose_a=True, transpose_b=True))
+      losses = tf.reduce_sum(tf.square(h), axis=0)
+    return tape.per_example_norms(losses, [w])
+
+  with pytest.raises(ValueError, match="mixes examples"):
+    run(_x((B, 2)))
+
+
+def test_int_tokens_behind_float_input_spec_train_exactly():
+  """DPSequential built with a float input spec: Keras casts token ids."""
+  rng = np.random.default_rng(10)
+  ids = rng.integers(0, 50, (4, 12))
+  y = rng.integers(0, 2, 4)
+
+  def layers():
+    return [L.Embedding(50, 4), L.Conv1D(3, 5), L.GlobalMaxPooling1D(),
+            L.Dense(2)]
+
+  keras.utils.set_random_seed(0)
+  plain = keras.Sequential(layers())
+  plain.build((None, 12))
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                    reduction=None)
+  ref = pxg_testing.reference_per_example_gradients(
+      loss, plain, plain.trainable_variables,
+      tf.constant(ids, tf.float32), labels=tf.constant(y))
+  norms = np.sqrt(sum(np.sum(np.reshape(r.numpy() ** 2, [4, -1]), 1)
+                      for r in ref))
+  clip = float(np.median(norms))
+  model = dpk.DPSequential(layers(), l2_norm_clip=clip, noise_multiplier=0.0)
+  model.build((None, 12))
+  model.set_weights(plain.get_weights())
+  model.compile(optimizer=keras.optimizers.SGD(1.0),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  before = [v.numpy() for v in model.trainable_variables]
+  model.fit(ids, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+  factors = np.minimum(1.0, clip / norms)
+  for v, w0, r in zip(model.trainable_variables, before, ref):
+    expected = w0 - np.tensordot(factors, r.numpy(), axes=1) / 4
+    step = float(np.max(np.abs(expected - w0)))
+    np.testing.assert_allclose(v.numpy(), expected, rtol=0,
+                               atol=1e-4 * step + 1e-7)

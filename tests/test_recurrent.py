@@ -1,0 +1,206 @@
+"""Recurrent layers with `unroll=False` (a `While` loop in TF) and loops.
+
+Every Keras recurrent layer, with its default `unroll=False`, is compared
+with the plain `tf.GradientTape` loop over single examples
+(`tf_pxg.testing`) in eager mode, `tf.function` and XLA: per-example
+gradients, global norms and clipped sums. While the tape records,
+`tf_pxg.control_flow` unrolls loops with a static number of steps; a loop it
+cannot see into raises. A DP `fit` step with an LSTM equals
+`w - mean_b clip(g_b)`.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_pxg
+import tf_pxg.keras as dpk
+from tf_pxg import testing as pxg_testing
+
+L = keras.layers
+MODES = pxg_testing.MODES
+B = 3
+
+
+def _sq_loss(outputs):
+  outputs = tf.convert_to_tensor(outputs)
+  return tf.reduce_sum(tf.reshape(tf.square(outputs),
+                                  [tf.shape(outputs)[0], -1]), axis=1)
+
+
+class MinimalCell(L.Layer):
+  """A custom RNN cell written as keras.io writes one (add_weight)."""
+
+  def __init__(self, units, **kwargs):
+    super().__init__(**kwargs)
+    self.units = units
+    self.state_size = units
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(shape=(input_shape[-1], self.units),
+                                  initializer="glorot_uniform", name="kernel")
+    self.recurrent_kernel = self.add_weight(
+        shape=(self.units, self.units), initializer="orthogonal",
+        name="recurrent_kernel")
+
+  def call(self, inputs, states):
+    h = keras.ops.tanh(keras.ops.matmul(inputs, self.kernel) +
+                       keras.ops.matmul(states[0], self.recurrent_kernel))
+    return h, [h]
+
+
+# name -> (layer factory, per-example input shape)
+LAYERS = {
+    "SimpleRNN_sequences": (lambda: L.SimpleRNN(
+        3, return_sequences=True), (4, 2)),
+    "LSTM": (lambda: L.LSTM(3), (4, 2)),
+    "LSTM_go_backwards_sequences": (lambda: L.LSTM(
+        3, go_backwards=True, return_sequences=True), (4, 2)),
+    "GRU": (lambda: L.GRU(3), (4, 2)),
+    "GRU_reset_before_go_backwards": (lambda: L.GRU(
+        3, reset_after=False, go_backwards=True), (4, 2)),
+    "Bidirectional_LSTM": (lambda: L.Bidirectional(L.LSTM(
+        2, return_sequences=True)), (4, 2)),
+    "RNN_custom_cell": (lambda: L.RNN(MinimalCell(3)), (4, 2)),
+    "ConvLSTM1D": (lambda: L.ConvLSTM1D(2, 3, padding="same"), (3, 5, 2)),
+    "ConvLSTM2D": (lambda: L.ConvLSTM2D(2, 2), (2, 4, 4, 1)),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_recurrent_layer_matches_reference(name, mode):
+  keras.utils.set_random_seed(0)
+  make, shape = LAYERS[name]
+  layer = make()
+  x = tf.constant(np.random.default_rng(1).standard_normal((B,) + shape),
+                  tf.float32)
+  layer(x)
+  pxg_testing.check_per_example_gradients(
+      _sq_loss, layer, layer.trainable_variables, x, mode=mode)
+
+
+def _masked_text_model():
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([
+      keras.Input((6,), dtype="int32"),
+      L.Embedding(12, 4, mask_zero=True),
+      L.Bidirectional(L.GRU(3, return_sequences=True)),
+      L.LSTM(2),
+      L.Dense(2),
+  ])
+  # Varying numbers of unmasked steps (trailing zeros are masked).
+  ids = np.array([[3, 4, 5, 6, 7, 8],
+                  [2, 9, 1, 0, 0, 0],
+                  [5, 0, 0, 0, 0, 0]], np.int32)
+  return model, tf.constant(ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_masked_stacked_recurrent_text_model_matches_reference(mode):
+  model, ids = _masked_text_model()
+  model(ids)
+  pxg_testing.check_per_example_gradients(
+      _sq_loss, model, model.trainable_variables, ids, mode=mode)
+
+
+def test_lstm_float64_and_batch_of_one():
+  keras.utils.set_random_seed(0)
+  layer = L.LSTM(3, return_sequences=True, dtype="float64")
+  x = tf.constant(np.random.default_rng(2).standard_normal((1, 4, 2)),
+                  tf.float64)
+  layer(x)
+  for mode in ("eager", "function"):
+    pxg_testing.check_per_example_gradients(
+        _sq_loss, layer, layer.trainable_variables, x, mode=mode)
+
+
+def test_gradient_equals_tf_gradient_tape_for_lstm_in_function():
+  keras.utils.set_random_seed(0)
+  layer = L.LSTM(3)
+  x = tf.constant(np.random.default_rng(3).standard_normal((B, 4, 2)),
+                  tf.float32)
+  layer(x)
+
+  @tf.function
+  def both(x):
+    with tf_pxg.GradientTape() as tape:
+      ours = tf.reduce_sum(layer(x) ** 2)
+    with tf.GradientTape() as ref_tape:
+      ref = tf.reduce_sum(layer(x) ** 2)
+    return (tape.gradient(ours, layer.trainable_variables),
+            ref_tape.gradient(ref, layer.trainable_variables))
+
+  ours, ref = both(x)
+  for g, r in zip(ours, ref):
+    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5,
+                               atol=1e-6 * float(np.max(np.abs(r))))
+
+
+def test_dp_fit_step_with_lstm_equals_clipped_reference_update():
+  """One fit step, SGD(1), no noise: w - mean_b clip(g_b) (flat clipping)."""
+  keras.utils.set_random_seed(0)
+  rng = np.random.default_rng(4)
+  ids = rng.integers(1, 30, (4, 5)).astype(np.int32)
+  ids[1, 3:] = 0
+  y = rng.integers(0, 2, 4)
+  layers = lambda: [keras.Input((5,), dtype="int32"),
+                    L.Embedding(30, 4, mask_zero=True), L.LSTM(3),
+                    L.Dense(2)]
+  plain = keras.Sequential(layers())
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                    reduction=None)
+  ref = pxg_testing.reference_per_example_gradients(
+      loss, plain, plain.trainable_variables, tf.constant(ids),
+      labels=tf.constant(y))
+  norms = np.sqrt(sum(np.sum(np.reshape(r.numpy() ** 2, [4, -1]), 1)
+                      for r in ref))
+  clip = float(np.median(norms))  # Some examples clipped, some not.
+  model = dpk.DPSequential(layers(), l2_norm_clip=clip, noise_multiplier=0.0)
+  model.set_weights(plain.get_weights())
+  model.compile(optimizer=keras.optimizers.SGD(1.0),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  before = [v.numpy() for v in model.trainable_variables]
+  model.fit(ids, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+  factors = np.minimum(1.0, clip / norms)
+  for v, w0, r in zip(model.trainable_variables, before, ref):
+    expected = w0 - np.tensordot(factors, r.numpy(), axes=1) / 4
+    step = float(np.max(np.abs(expected - w0)))
+    np.testing.assert_allclose(v.numpy(), expected, rtol=0,
+                               atol=1e-4 * step + 1e-7)
+
+
+def test_raw_while_loop_on_a_parameter_raises_naming_loop_and_variable():
+  w = tf.Variable(tf.ones([2, 2]), name="loop_kernel")
+  x = tf.ones([B, 2])
+
+  @tf.function
+  def run(x):
+    with tf_pxg.GradientTape() as tape:
+      h = tf.while_loop(lambda i, h: i < 3,
+                        lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w))),
+                        (0, x))[1]
+      losses = tf.reduce_sum(h, axis=1)
+    return tape.per_example_gradient(losses, [w])
+
+  with pytest.raises(ValueError, match=r"(?s)While.*loop_kernel.*loop"):
+    run(x)
+
+
+def test_keras_lstm_with_dynamic_length_raises_instead_of_none():
+  keras.utils.set_random_seed(0)
+  layer = L.LSTM(2)
+  layer(tf.zeros([1, 3, 2]))
+
+  @tf.function(input_signature=[tf.TensorSpec([None, None, 2])])
+  def run(x):
+    with tf_pxg.GradientTape() as tape:
+      losses = tf.reduce_sum(layer(x), axis=1)
+    return tape.per_example_norms(losses, layer.trainable_variables)
+
+  with pytest.raises(ValueError, match=r"(?s)While.*lstm.*static"):
+    run(tf.ones([B, 4, 2]))
