@@ -4,11 +4,13 @@
 probability q = B/N) and lays them out as fixed-size physical batches with a
 per-row mask; `poisson_dataset` turns them into a `tf.data.Dataset` of
 `(x, y, info)` that a DP model's `fit` and custom loops consume;
-`shard_batch` slices a global batch for `tf.distribute` input functions.
+`for_input_pipeline` splits global batches for
+`strategy.distribute_datasets_from_function`.
 See `tf_pxg.data.poisson` for the semantics and the overflow rule.
 """
 
 from tf_pxg.data.dataset import dp_batch_info
+from tf_pxg.data.dataset import for_input_pipeline
 from tf_pxg.data.dataset import is_dp_batch_info
 from tf_pxg.data.dataset import num_examples
 from tf_pxg.data.dataset import poisson_dataset
@@ -30,6 +32,7 @@ __all__ = [
     "WEIGHT",
     "default_physical_batch_size",
     "dp_batch_info",
+    "for_input_pipeline",
     "is_dp_batch_info",
     "num_examples",
     "poisson_dataset",

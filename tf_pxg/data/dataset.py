@@ -123,14 +123,43 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
 def shard_batch(batch, num_shards: int, index):
   """Rows `[index * P/S, (index + 1) * P/S)` of every tensor of `batch`.
 
-  For `strategy.distribute_datasets_from_function`: every input pipeline
-  builds the same global batches (same sampler seed) and keeps its slice;
-  the sampler dealt the real rows round-robin over the slices.
+  Slice `index` is replica `index`'s share of a global batch: the sampler
+  dealt the real rows round-robin over the slices. (Under a strategy use
+  `for_input_pipeline`.)
   """
   def cut(t):
     rows = tf.shape(t)[0] // num_shards
     return t[index * rows:(index + 1) * rows]
   return tf.nest.map_structure(cut, batch)
+
+
+def for_input_pipeline(dataset: tf.data.Dataset,
+                       input_context: tf.distribute.InputContext
+                       ) -> tf.data.Dataset:
+  """A dataset of global batches, as one input pipeline's replicas take it.
+
+  For `strategy.distribute_datasets_from_function(fn)`: `fn(ctx)` builds the
+  same global dataset on every worker (same sampler seed) and returns
+  `for_input_pipeline(dataset, ctx)`. Each global batch (P rows, laid out by
+  replica) becomes the consecutive slices of this pipeline's replicas
+  (replica `i * R/W + j` for pipeline i of W, j < R/W), which is the order
+  in which the strategy hands elements to its local replicas.
+
+  Raises:
+    ValueError: the replica count is not a multiple of the pipeline count.
+  """
+  r = input_context.num_replicas_in_sync
+  w = input_context.num_input_pipelines
+  if r % w:
+    raise ValueError(f"{r} replicas cannot be split evenly over {w} input "
+                     "pipelines.")
+  local, first = r // w, input_context.input_pipeline_id * (r // w)
+
+  def slices(*batch):
+    return tf.data.Dataset.range(local).map(
+        lambda j: shard_batch(batch, r, first + tf.cast(j, tf.int32)))
+
+  return dataset.flat_map(slices)
 
 
 def is_dp_batch_info(value) -> bool:
@@ -160,5 +189,5 @@ def dp_batch_info(mask, step_end, normalizer, weight=None) -> dict:
              {poisson.WEIGHT: tf.cast(weight, tf.float32)})}
 
 
-__all__ = ["dp_batch_info", "is_dp_batch_info", "num_examples",
-           "poisson_dataset", "shard_batch"]
+__all__ = ["dp_batch_info", "for_input_pipeline", "is_dp_batch_info",
+           "num_examples", "poisson_dataset", "shard_batch"]

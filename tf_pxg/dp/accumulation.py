@@ -17,9 +17,10 @@ step equals one step on the concatenated batch.
 `ON_READ`/`SUM` variables: under a `tf.distribute` strategy each replica
 accumulates its own share locally (no communication per physical batch);
 the optimizer's all-reduce at the end of the logical step sums them.
-`noisy_mean` adds the noise and normalises; under R replicas each adds std
-`sigma C / sqrt(R)` (`tf_pxg.dp.noise.replica_noise_stddev`), so the
-all-reduced sum carries std `sigma C` exactly once.
+`step_noise` adds the noise (`noisy_mean` also normalises); under R
+replicas each adds std `sigma C / sqrt(R)`
+(`tf_pxg.dp.noise.replica_noise_stddev`), so the all-reduced sum carries
+std `sigma C` exactly once.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class LogicalStepAccumulator:
       sums: this replica's clipped-gradient sums for this physical batch,
         one dense tensor per variable.
       non_finite: scalar int32, the number of non-finite per-example norms
-        in this physical batch, already summed over replicas.
+        in this replica's share of this physical batch (all-reduce the
+        returned total before deciding to skip).
       step_end: scalar bool, equal on all replicas: whether this physical
         batch is the last of its logical step.
 
@@ -108,43 +110,56 @@ class LogicalStepAccumulator:
     return totals, bad
 
 
-def noisy_mean(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
-               noise_multiplier: float, normalizer,
-               generator: tf.random.Generator,
+def step_noise(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
+               noise_multiplier: float, generator: tf.random.Generator,
                num_replicas: int = 1,
                draw: Optional[tf.Tensor] = None) -> List[Optional[tf.Tensor]]:
-  """`(sums + N(0, (sigma C)^2 / R)) / normalizer`, per replica.
+  """`sums + N(0, (sigma C)^2 / R)`: one replica's share of a step's noise.
 
   Args:
     sums: one replica's clipped-gradient sums over its share of a logical
       step (`None` entries pass through).
     l2_norm_clip: C.
     noise_multiplier: sigma; 0 draws no noise.
-    normalizer: scalar, the divisor: the expected batch size qN of a Poisson
-      step (or the realised global batch size for fixed batches).
     generator: the noise generator (created in the strategy scope, so every
       replica has its own stream).
-    num_replicas: R; the R replicas' results are summed by the all-reduce.
+    num_replicas: R; the R replicas' results are summed by the all-reduce,
+      so each adds std `sigma C / sqrt(R)`.
     draw: optional scalar bool; when false no noise is drawn (a physical
       batch that does not end its logical step; its result is discarded).
 
   Returns:
-    The replica's noisy, normalised gradients.
+    The replica's noisy sums.
   """
   sums = list(sums)
-  if noise_multiplier:
-    stddev = dp_noise.replica_noise_stddev(noise_multiplier * l2_norm_clip,
-                                           num_replicas)
-    if draw is None:
-      sums = dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
-    else:
-      present = [i for i, g in enumerate(sums) if g is not None]
-      noisy = tf.cond(
-          draw,
-          lambda: dp_noise.add_gaussian_noise(
-              [sums[i] for i in present], stddev, generator=generator),
-          lambda: [tf.identity(sums[i]) for i in present])
-      for i, g in zip(present, noisy):
-        sums[i] = g
+  if not noise_multiplier:
+    return sums
+  stddev = dp_noise.replica_noise_stddev(noise_multiplier * l2_norm_clip,
+                                         num_replicas)
+  if draw is None:
+    return dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
+  present = [i for i, g in enumerate(sums) if g is not None]
+  noisy = tf.cond(
+      draw,
+      lambda: dp_noise.add_gaussian_noise(
+          [sums[i] for i in present], stddev, generator=generator),
+      lambda: [tf.identity(sums[i]) for i in present])
+  for i, g in zip(present, noisy):
+    sums[i] = g
+  return sums
+
+
+def noisy_mean(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
+               noise_multiplier: float, normalizer,
+               generator: tf.random.Generator,
+               num_replicas: int = 1,
+               draw: Optional[tf.Tensor] = None) -> List[Optional[tf.Tensor]]:
+  """`step_noise(...) / normalizer` (see `step_noise` for the arguments).
+
+  `normalizer` is the divisor: the expected batch size qN of a Poisson
+  step (or the realised global batch size for fixed batches).
+  """
+  noisy = step_noise(sums, l2_norm_clip, noise_multiplier, generator,
+                     num_replicas, draw)
   return [None if g is None else g / tf.cast(normalizer, g.dtype)
-          for g in sums]
+          for g in noisy]

@@ -124,11 +124,13 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
   feed = _Feed(sampler)
   dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,
                                     batches=feed.stream)
-  if not model.built or not model.optimizer.built:
-    sample = tf.nest.map_structure(
-        lambda a: np.asarray(a)[:sampler.physical_batch_size], (x, y))
-    with strategy.scope():
-      model._symbolic_build(data_batch=(sample[0], sample[1], None))
+  # Build what is unbuilt (model, optimizer, compiled loss and metrics) on
+  # plain arrays: Keras would otherwise build them under a strategy from
+  # the first element of the stream, whose `sample_weight` slot is `info`.
+  sample = tf.nest.map_structure(
+      lambda a: np.asarray(a)[:sampler.physical_batch_size], (x, y))
+  with strategy.scope():
+    model._symbolic_build(data_batch=(sample[0], sample[1], None))
   with strategy.scope():
     model._dp_accumulator_for(list(model.trainable_variables)).reset()
   return dataset, feed, (x, y, sample_weight), validation_data

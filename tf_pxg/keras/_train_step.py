@@ -38,6 +38,7 @@ iterations) stays conservative.
 from __future__ import annotations
 
 import contextlib
+from typing import Any, NamedTuple, Optional
 
 import keras
 import tensorflow as tf
@@ -138,18 +139,58 @@ def _regularization(model, variables):
   return reg_loss, reg_tape.gradient(reg_loss, variables)
 
 
-def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
-                  noise_multiplier: float, generator: tf.random.Generator,
-                  optimizer, skipped_tracker, accumulator_for=None):
-  """Runs one DP-SGD (physical) step of `model` on `data`; returns the logs.
+class ReplicaGradients(NamedTuple):
+  """What `dp_gradients` computed on one replica for one physical batch.
+
+  Attributes:
+    grads: this replica's noisy clipped-gradient sums, one per trainable
+      variable (`model.trainable_variables` order), not yet normalised;
+      meaningful only when `step_end` is true (or None).
+    normalizer: scalar float32: the expected batch size qN of a Poisson
+      step, or, for a plain batch, this replica's example count (the
+      global batch size is its all-reduced sum).
+    reg_grads: the weight regularizers' gradients divided by R (None where
+      a variable has none), added after normalisation.
+    non_finite: scalar int32, this replica's count of non-finite
+      per-example norms in the logical step so far (not all-reduced).
+    step_end: scalar bool, or None for a plain (non-Poisson) batch, which
+      is always a whole step.
+    x, y, y_pred, sample_weight, losses, mask, reg_loss: for the loss and
+      metric trackers (`mask` None for a plain batch).
+  """
+  grads: list
+  normalizer: tf.Tensor
+  reg_grads: list
+  non_finite: tf.Tensor
+  step_end: Optional[tf.Tensor]
+  x: Any
+  y: Any
+  y_pred: Any
+  sample_weight: Any
+  losses: tf.Tensor
+  mask: Optional[tf.Tensor]
+  reg_loss: tf.Tensor
+
+
+def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
+                 noise_multiplier: float, generator: tf.random.Generator,
+                 accumulator_for=None) -> ReplicaGradients:
+  """The replica-local part of a DP step: no cross-replica communication.
+
+  Forward pass, per-example losses, flat per-example clipping, the logical
+  step's accumulation and the noise (drawn only at a step's end);
+  `dp_apply` normalises. It holds no synchronisation point, so it compiles
+  as one XLA program per replica under any strategy (`tf.function(...,
+  jit_compile=True)`), including MirroredStrategy on CPUs, whose optimizer
+  step still needs `merge_call`.
 
   `data` is `(x, y, sample_weight)`. When `sample_weight` is the `info` dict
   of a Poisson physical batch (`tf_pxg.data`), padding rows are masked out,
   the clipped sums accumulate until the batch that ends the logical step,
-  and the noisy sum is divided by the expected batch size; then
+  and the noisy sum is to be divided by the expected batch size; then
   `accumulator_for(variables)` must return the model's
   `tf_pxg.dp.accumulation.LogicalStepAccumulator`. Otherwise the batch is
-  one logical step divided by its realised global size.
+  one logical step, to be divided by its realised global size.
   """
   from tf_pxg import data as dp_data  # noqa: PLC0415
   from tf_pxg.dp import accumulation  # noqa: PLC0415
@@ -176,53 +217,87 @@ def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
   sums, norms = tape.clipped_gradient_sum(losses, variables, l2_norm_clip)
   sums = [tf.zeros_like(v) if s is None else _dense(s)
           for s, v in zip(sums, variables)]
-
   replicas = _num_replicas()
   bad = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(norms)),
                               tf.int32))
-  ctx = tf.distribute.get_replica_context()
-  if ctx is not None and replicas > 1:
-    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
   # Data-independent weight regularizers: unclipped, un-noised, once per
   # logical step (divided by R: the all-reduce sums the replicas' copies).
   reg_loss, reg_grads = _regularization(model, variables)
-  xla = bool(getattr(model, "jit_compile", False))
-
-  def finish(totals, bad_total, normalizer, step_end=None):
-    noisy = accumulation.noisy_mean(totals, l2_norm_clip, noise_multiplier,
-                                    normalizer, generator, replicas,
-                                    draw=step_end)
-    grads = [tf.cast(g, v.dtype) for g, v in zip(noisy, variables)]
-    grads = [g if r is None else g + tf.cast(r, g.dtype) / replicas
-             for g, r in zip(grads, reg_grads)]
-    finite = tf.equal(bad_total, 0)
-    _apply_or_skip(optimizer, grads, variables, finite, xla=xla,
-                   step_end=step_end)
-    skipped = tf.logical_not(finite)
-    if step_end is not None:
-      skipped = tf.logical_and(skipped, step_end)
-    skipped_tracker.update_state(tf.cast(skipped, tf.float32) / replicas)
 
   if info is None:
-    local_batch = tf.shape(losses)[0]
-    finish(sums, bad, tf.cast(local_batch * replicas, tf.float32))
-    model._loss_tracker.update_state(
-        tf.reduce_mean(losses) + reg_loss, sample_weight=local_batch)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    step_end, mask = None, None
+    normalizer = tf.cast(tf.shape(losses)[0], tf.float32)
+  else:
+    step_end = info[dp_data.STEP_END][0] > 0.5
+    normalizer = info[dp_data.NORMALIZER][0]
+    sums, bad = accumulator_for(variables).step(sums, bad, step_end)
+    mask = info[dp_data.MASK]
+  noisy = accumulation.step_noise(sums, l2_norm_clip, noise_multiplier,
+                                  generator, replicas, draw=step_end)
+  reg_grads = [None if r is None else r / replicas for r in reg_grads]
+  return ReplicaGradients(noisy, normalizer, reg_grads, bad, step_end, x, y,
+                          y_pred, sample_weight, losses, mask, reg_loss)
 
-  if not optimizer.built:  # not inside the step's conditional
+
+def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
+             skipped_tracker, xla: bool = False):
+  """The synchronising part of a DP step: all-reduce, apply, metrics.
+
+  All-reduces the non-finite count; at a logical step's end applies
+  `result.grads` with `optimizer` (whose all-reduce sums the replicas'
+  noisy shares) or, if any norm was non-finite, only counts the step;
+  updates the loss and metric trackers (padding rows excluded). Returns the
+  metric logs.
+  """
+  variables = list(model.trainable_variables)
+  if not optimizer.built:  # not inside a conditional
     optimizer.build(variables)
-  normalizer = info[dp_data.NORMALIZER][0]
-  step_end = info[dp_data.STEP_END][0] > 0.5
-  totals, bad_total = accumulator_for(variables).step(sums, bad, step_end)
-  finish(totals, bad_total, normalizer, step_end)
-  mask = info[dp_data.MASK]
+  replicas = _num_replicas()
+  bad = result.non_finite
+  ctx = tf.distribute.get_replica_context()
+  if ctx is not None and replicas > 1:
+    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+  finite = tf.equal(bad, 0)
+  step_end = result.step_end
+  normalizer = result.normalizer
+  if step_end is None and ctx is not None and replicas > 1:
+    # Plain batches: the global batch is the sum of the replicas' shares,
+    # which differ for a partial last batch.
+    normalizer = ctx.all_reduce(tf.distribute.ReduceOp.SUM, normalizer)
+  grads = [tf.cast(g / tf.cast(normalizer, g.dtype), v.dtype)
+           for g, v in zip(result.grads, variables)]
+  grads = [g if r is None else g + tf.cast(r, g.dtype)
+           for g, r in zip(grads, result.reg_grads)]
+  _apply_or_skip(optimizer, grads, variables, finite, xla=xla,
+                 step_end=step_end)
+  skipped = tf.logical_not(finite)
+  if step_end is not None:
+    skipped = tf.logical_and(skipped, step_end)
+  skipped_tracker.update_state(tf.cast(skipped, tf.float32) / replicas)
+
+  x, y, y_pred, losses = result.x, result.y, result.y_pred, result.losses
+  sample_weight, mask = result.sample_weight, result.mask
+  if mask is None:
+    local_batch = tf.shape(losses)[0]
+    model._loss_tracker.update_state(
+        tf.reduce_mean(losses) + result.reg_loss, sample_weight=local_batch)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
   model._loss_tracker.update_state(
-      losses + tf.cast(reg_loss, losses.dtype), sample_weight=mask)
+      losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
   with _metrics_masked(model, mask):
     return model.compute_metrics(
         x, y, y_pred, sample_weight=mask if sample_weight is None else
         _rows_times(sample_weight, mask))
+
+
+def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
+                  noise_multiplier: float, generator: tf.random.Generator,
+                  optimizer, skipped_tracker, accumulator_for=None):
+  """One DP-SGD (physical) step: `dp_gradients` then `dp_apply`."""
+  result = dp_gradients(model, data, l2_norm_clip, noise_multiplier,
+                        generator, accumulator_for)
+  return dp_apply(model, result, optimizer, skipped_tracker,
+                  xla=bool(getattr(model, "jit_compile", False)))
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from keras.src.saving import serialization_lib
 
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
+from tf_pxg.keras import _train_step
 from tf_pxg.keras._train_step import dp_train_step
 from tf_pxg.keras.optimizers import DPOptimizer
 
@@ -151,6 +152,38 @@ class _DPTrainingMixin:
     return dp_train_step(self, data, clip, noise, self._dp_generator,
                          optimizer, self._dp_skipped,
                          accumulator_for=self._dp_accumulator_for)
+
+  def dp_gradients(self, data):
+    """The replica-local half of `train_step` (no synchronisation).
+
+    Returns a `tf_pxg.keras._train_step.ReplicaGradients`; pass it to
+    `dp_apply` in the same replica context. Splitting the step lets a
+    custom loop compile this half with XLA per replica where the strategy
+    forbids synchronisation inside a compiled function (MirroredStrategy on
+    CPU); `train_step` is `dp_apply(dp_gradients(data))`.
+    """
+    self._check_trainable_for_dp(self.optimizer)
+    clip, noise = self._resolve_dp_params(self.optimizer, strict=True)
+    return _train_step.dp_gradients(self, data, clip, noise,
+                                     self._dp_generator,
+                                     self._dp_accumulator_for)
+
+  def dp_apply(self, result):
+    """The synchronising half of `train_step`: apply or skip, metrics."""
+    optimizer = self.optimizer
+    if isinstance(optimizer, DPOptimizer):
+      optimizer = optimizer.inner_optimizer
+    return _train_step.dp_apply(self, result, optimizer, self._dp_skipped,
+                                xla=bool(getattr(self, "jit_compile", False)))
+
+  def build_accumulator(self):
+    """Creates the logical-step accumulator (custom loops).
+
+    `fit` does this itself. A custom loop that feeds Poisson batches
+    (`tf_pxg.data.poisson_dataset`) to `train_step` under a strategy must
+    call it once in `strategy.scope()`, after the model is built.
+    """
+    return self._dp_accumulator_for(list(self.trainable_variables))
 
   # Poisson sampling and logical steps -----------------------------------------
 

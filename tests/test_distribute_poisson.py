@@ -1,0 +1,207 @@
+"""Poisson logical steps under real strategies: exact, and noise once.
+
+Each case runs in fresh subprocesses (2 logical CPUs for MirroredStrategy;
+2 worker processes on 127.0.0.1 for MultiWorkerMirroredStrategy, reusing
+`test_distribute`'s harness). In each:
+- exactness: with sigma = 0, q = 1 and SGD(1), one logical step over k = 4
+  physical batches (each split over 2 replicas, padded and masked) moves
+  the weights by `-mean_b clip(g_b)` from a plain `tf.GradientTape` loop
+  over single examples, to 1e-5 of the update size;
+- noise: a zero-gradient model's update after one logical step (k = 2) has
+  std `sigma C / (q N)` within 3% (R = 2 replicas each adding
+  `sigma C / sqrt(2)`; sqrt(2) or 2 times too much would fail).
+Under Mirrored the step runs through `fit`, and again as a custom loop whose
+replica-local half (`dp_gradients`) is compiled with XLA, with its HLO
+fetched; under MWMS (where Keras' fit fails upstream) as the custom loop
+of `examples/dp_digits_multiworker.py`'s kind.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from test_distribute import _env
+from test_distribute import _free_ports
+from test_distribute import _result
+
+_SIGMA, _CLIP, _N, _B = 1.3, 0.7, 64, 16
+
+_COMMON = textwrap.dedent(f"""
+    import json, math, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
+    def sce():
+      return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def mlp(strategy, clip, sigma, lr):
+      import tf_pxg.keras as dpk
+      with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((5,))
+        h = keras.layers.Dense(7, activation="tanh")(inp)
+        out = keras.layers.Dense(3)(h)
+        model = dpk.DPModel(inp, out, l2_norm_clip=clip,
+                            noise_multiplier=sigma, seed=5)
+        model.compile(optimizer=keras.optimizers.SGD(lr), loss=sce())
+        model.optimizer.build(model.trainable_variables)
+        model.build_accumulator()
+      return model
+
+    def zero_grad_model(strategy):
+      import tf_pxg.keras as dpk
+      with strategy.scope():
+        inp = keras.Input((200,))
+        out = keras.layers.Dense(50, kernel_initializer="zeros")(inp)
+        model = dpk.DPModel(inp, out, l2_norm_clip={_CLIP},
+                            noise_multiplier={_SIGMA}, seed=7)
+        model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        model.build_accumulator()
+      return model
+
+    def weights(model):
+      return [v.numpy() for v in model.trainable_variables]
+
+    def reference_update(model, x, y, clip):
+      total = None
+      for b in range(len(y)):
+        with tf.GradientTape() as tape:
+          loss = sce()(y[b:b + 1], model(x[b:b + 1], training=True))
+        g = tape.gradient(loss, model.trainable_variables)
+        c = min(1.0, clip / math.sqrt(
+            sum(float(tf.reduce_sum(t * t)) for t in g)))
+        g = [c * t.numpy() for t in g]
+        total = g if total is None else [a + t for a, t in zip(total, g)]
+      return [-t / len(y) for t in total]
+
+    def rel_error(model, before, want):
+      got = [w - b for w, b in zip(weights(model), before)]
+      scale = max(np.abs(w).max() for w in want)
+      return float(max(np.abs(g - w).max() for g, w in zip(got, want)) / scale)
+
+    def custom_loop(strategy, model, x, y, batch, k, seed, jit=False):
+      from tf_pxg import data as dpd
+      r = strategy.num_replicas_in_sync
+      sampler = dpd.PoissonSampler(len(y), batch, accumulation_steps=k,
+                                   num_replicas=r, seed=seed,
+                                   steps_per_epoch=1)
+      def input_fn(ctx):
+        return dpd.for_input_pipeline(dpd.poisson_dataset(sampler, x, y), ctx)
+      dist = strategy.distribute_datasets_from_function(input_fn)
+      grads = tf.function(model.dp_gradients, jit_compile=True) if jit else (
+          model.dp_gradients)
+      @tf.function
+      def step(b):
+        strategy.run(lambda d: model.dp_apply(grads(d)), args=(b,))
+      for b in dist:
+        step(b)
+      hlo = None
+      if jit:
+        local = next(iter(input_fn(tf.distribute.InputContext(1, 0, r))))
+        hlo = strategy.experimental_local_results(strategy.run(
+            lambda: grads.experimental_get_compiler_ir(local)(stage="hlo")))
+      return hlo
+
+    def run(strategy, mode):
+      rng = np.random.RandomState(1)
+      x = (rng.randn(24, 5) * 2).astype("float32")
+      y = rng.randint(0, 3, 24).astype("int32")
+      out = dict(replicas=strategy.num_replicas_in_sync)
+      model = mlp(strategy, 2.5, 0.0, 1.0)
+      before = weights(model)
+      want = reference_update(model, x, y, 2.5)
+      if mode == "fit":
+        model.fit(x, y, batch_size=24, epochs=1, verbose=0,
+                  accumulation_steps=4, sampling_seed=0)
+        out["hlo_len"] = None
+      else:
+        hlo = custom_loop(strategy, model, x, y, 24, 4, seed=0,
+                          jit=(mode == "jit"))
+        out["hlo_len"] = None if hlo is None else [len(h) for h in hlo]
+      out["exact_error"] = rel_error(model, before, want)
+      out["iterations"] = int(model.optimizer.iterations.numpy())
+      noisy = zero_grad_model(strategy)
+      xz = np.zeros(({_N}, 200), "float32")
+      yz = np.zeros(({_N}, 50), "float32")
+      if mode == "fit":
+        noisy.fit(xz, yz, batch_size={_B}, epochs=1, steps_per_epoch=1,
+                  verbose=0, accumulation_steps=2, sampling_seed=0)
+      else:
+        custom_loop(strategy, noisy, xz, yz, {_B}, 2, seed=0)
+      update = np.concatenate([-v.ravel() for v in weights(noisy)])
+      out["noise_ratio"] = float(update.std() / ({_SIGMA} * {_CLIP} / {_B}))
+      out["noise_iterations"] = int(noisy.optimizer.iterations.numpy())
+      return out
+    """)
+
+_MIRRORED = _COMMON + textwrap.dedent("""
+    import sys
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    print("RESULT", json.dumps(run(strategy, sys.argv[1])))
+    """)
+
+_MULTI_WORKER = _COMMON + textwrap.dedent("""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    print("RESULT", json.dumps(run(strategy, "loop")))
+    """)
+
+
+def _check(result):
+  assert result["replicas"] == 2
+  assert result["iterations"] == 1
+  assert result["exact_error"] < 1e-5, result
+  assert result["noise_iterations"] == 1
+  assert abs(result["noise_ratio"] - 1) < 0.03, result
+
+
+def _mirrored(mode):
+  proc = subprocess.run([sys.executable, "-c", _MIRRORED, mode], env=_env(),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return _result(proc.stdout)
+
+
+def test_mirrored_fit_poisson_logical_step_exact_and_noise_once():
+  _check(_mirrored("fit"))
+
+
+def test_mirrored_custom_loop_with_xla_replica_step_exact_and_hlo():
+  result = _mirrored("jit")
+  _check(result)
+  assert len(result["hlo_len"]) == 2 and min(result["hlo_len"]) > 1000
+
+
+def test_multi_worker_poisson_logical_step_exact_and_noise_once():
+  ports = _free_ports(2)
+  cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+  procs = []
+  for index in range(2):
+    tf_config = json.dumps({"cluster": cluster,
+                            "task": {"type": "worker", "index": index}})
+    procs.append(subprocess.Popen(
+        [sys.executable, "-c", _MULTI_WORKER],
+        env=_env(TF_CONFIG=tf_config, CUDA_VISIBLE_DEVICES="-1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  outputs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=300)
+      outputs.append((p.returncode, out, err))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for code, _, err in outputs:
+    assert code == 0, err[-4000:]
+  results = [_result(out) for _, out, _ in outputs]
+  for r in results:
+    _check(r)
+  # Both workers hold the same (all-reduced) weights.
+  assert results[0]["noise_ratio"] == results[1]["noise_ratio"]
