@@ -124,3 +124,26 @@ def test_concrete_function_call_raises_naming_function_and_variable(mode):
     run = tf.function(run)
   with pytest.raises(ValueError, match=r"(?s)inner_kernel.*project"):
     run(x)
+
+
+def test_gradient_through_concrete_function_call_equals_tf():
+  """The call op of a ConcreteFunction is recorded: `gradient` still works."""
+  model = Model()
+  concrete = model.project.get_concrete_function(
+      tf.TensorSpec([None, 4], tf.float32))
+  x = tf.constant(np.random.default_rng(4).standard_normal((B, 4)),
+                  tf.float32)
+
+  @tf.function
+  def both(x):
+    with tf_pxg.GradientTape() as tape:
+      ours = tf.reduce_sum(tf.tanh(concrete(x) + model.b))
+    with tf.GradientTape() as ref_tape:
+      ref = tf.reduce_sum(tf.tanh(concrete(x) + model.b))
+    return (tape.gradient(ours, [model.w, model.b]),
+            ref_tape.gradient(ref, [model.w, model.b]))
+
+  ours, ref = both(x)
+  for g, r in zip(ours, ref):
+    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-6,
+                               atol=1e-6 * float(np.max(np.abs(r.numpy()))))

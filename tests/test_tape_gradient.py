@@ -114,7 +114,39 @@ def _attention():
   return keras.Model(inp, L.Dense(3)(h))
 
 
+def _rnn_loops():
+  """Default unroll=False (a While loop; unrolled while tf_pxg records)."""
+  return keras.Sequential([
+      keras.Input((5,), dtype="int32"),
+      L.Embedding(10, 3, mask_zero=True),
+      L.Bidirectional(L.GRU(4, return_sequences=True)),
+      L.LSTM(4, go_backwards=True),
+      L.Dense(3),
+  ])
+
+
+class _WithNestedFunction(keras.layers.Layer):
+  """Calls a tf.function (inlined while tf_pxg records)."""
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(shape=(input_shape[-1], 3), name="kernel")
+
+  @tf.function
+  def _project(self, x):
+    return keras.ops.matmul(x, self.kernel)
+
+  def call(self, x):
+    return self._project(x)
+
+
+def _nested_function():
+  return keras.Sequential([keras.Input((5,)), L.Dense(4, activation="tanh"),
+                           _WithNestedFunction()])
+
+
 MODELS = {
+    "rnn_loops_masked": (_rnn_loops, (4, 5), 10),
+    "nested_tf_function": (_nested_function, (4, 5), None),
     "mlp": (_mlp, (4, 5), None),
     "cnn": (_cnn, (4, 8, 8, 2), None),
     "rnn_unroll": (_rnn, (4, 5, 3), None),

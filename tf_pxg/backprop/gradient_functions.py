@@ -65,6 +65,18 @@ def get_attr(entry: Entry, name: str):
   return op_view(entry).get_attr(name)
 
 
+_CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def _call_op_gradient(op, *out_grads):
+  """A function call in a graph (a ConcreteFunction called while tracing):
+  its symbolic gradient, as `tf.gradients` takes it."""
+  from tensorflow.python.ops import gradients_util  # pylint: disable=g-import-not-at-top
+  grads = [tf.zeros_like(o) if g is None else g
+           for o, g in zip(op.outputs, out_grads)]
+  return gradients_util._SymGrad(op._op, grads)  # pylint: disable=protected-access
+
+
 def lookup(entry: Entry):
   """TF's registered gradient function for `entry`, or None if not differentiable.
 
@@ -80,6 +92,8 @@ def lookup(entry: Entry):
   try:
     return ops._gradient_registry.lookup(op_type)  # pylint: disable=protected-access
   except LookupError as e:
+    if entry.op is not None and op_type in _CALL_OPS:
+      return _call_op_gradient
     raise LookupError(
         f"No gradient defined for {entry.describe()} (op type '{op_type}'). "
         "TensorFlow has no registered gradient for it; register one with "
