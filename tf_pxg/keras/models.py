@@ -229,8 +229,12 @@ class _DPTrainingMixin:
     stream, so after an overflow a logical step may straddle an epoch end;
     one still unfinished when training ends is completed with its remaining
     physical batches (discarded, uncounted, if training was stopped early,
-    e.g. by a privacy budget). See `tf_pxg.data.poisson` for the
-    derivation and `tf_pxg.keras._poisson_fit` for the stream.
+    e.g. by a privacy budget). Keras runs whole executions: if
+    `steps_per_execution` does not divide `k * steps_per_epoch`, an epoch
+    holds the next multiple of it physical batches (more logical steps than
+    `N / B`; ε, computed from `optimizer.iterations`, counts them all). See
+    `tf_pxg.data.poisson` for the derivation and `tf_pxg.keras._poisson_fit`
+    for the stream.
 
     `sampling="shuffled"` is Keras' own data path (shuffled fixed batches,
     or the batches of the given dataset/generator), divided by the realised
