@@ -8,10 +8,15 @@ Prints test accuracy and ε after each epoch and a final line
 `final: test_accuracy=... epsilon=... delta=...`. The data (1797 images,
 80/20 train/test split) ships with scikit-learn, so nothing is downloaded.
 
-ε is accounted as Poisson sampling with rate batch_size / num_train
-(`tf_pxg.accounting`), while Keras feeds shuffled fixed-size batches: the
-usual DP-SGD practice, an approximation of the sampling the analysis assumes.
+Batches are Poisson samples, the default data path of a DP model's `fit`:
+each step includes every training example independently with probability
+q = batch_size / num_train, padded to a fixed physical batch with masked rows;
+the noisy sum is divided by the expected batch size q * num_train. So the ε
+printed (`tf_pxg.accounting`: Poisson-subsampled Gaussian, RDP) describes the
+batches actually trained on. An epoch is ceil(num_train / batch_size) steps.
 """
+
+import math
 
 import os
 
@@ -41,9 +46,9 @@ _TARGET_EPSILON = flags.DEFINE_float(
     "Privacy budget; training stops before exceeding it.")
 _DELTA = flags.DEFINE_float("delta", 1e-5, "δ of (ε, δ)-DP.")
 _SEED = flags.DEFINE_integer("seed", 0,
-                             "Seed for the split, weights and data order "
-                             "(the DP noise is always seeded from OS "
-                             "entropy).")
+                             "Seed for the split and the weights (the "
+                             "Poisson sampling and the DP noise are always "
+                             "seeded from OS entropy).")
 _NODP = flags.DEFINE_bool("nodp", False, "Train without privacy (baseline).")
 
 
@@ -90,8 +95,8 @@ def main(argv):
     noise = _NOISE_MULTIPLIER.value
     if noise is None:
       noise = accounting.noise_multiplier_for_epsilon(
-          _TARGET_EPSILON.value, n, batch, epochs=_EPOCHS.value,
-          delta=_DELTA.value)
+          _TARGET_EPSILON.value, n, batch,
+          steps=_EPOCHS.value * math.ceil(n / batch), delta=_DELTA.value)
     model = dpk.DPSequential(cnn_layers(), l2_norm_clip=_L2_NORM_CLIP.value,
                              noise_multiplier=noise)
     callbacks.append(dpk.PrivacyCallback(
