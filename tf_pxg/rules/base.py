@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from typing import Any, Callable, Optional, Sequence
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
@@ -207,6 +208,52 @@ def trace_note(**details) -> None:
   """Annotates the current rule call's record, e.g. `sq_norm="ghost"`."""
   if _trace:
     _trace[-1].update(details)
+
+
+# Per-example gradients a rule's `sq_norm` materialised, kept for the
+# `weighted_sum` of the same interface: entry -> {param_index: (output
+# gradients, g)}. Book-keeping clipping asks for the norms first and the
+# weighted sums after; `sum_b c_b g_b` from a kept `[B, ...]` g costs
+# B*|param|, while the weighted sum by TF's weight gradient costs what the
+# non-private step's weight gradient does, B*R*|param| for R rows per example
+# (a sequence, the positions of a convolution).
+_kept = weakref.WeakKeyDictionary()
+
+
+def keep_per_example(ctx: Context, g, payload=None) -> bool:
+  """Keeps `g`, the interface's per-example gradient `[B, ...]` in any axis
+  order (or `payload`, something holding it), for `take_per_example`, if
+  holding it is cheap: no larger than the interface's data operands and
+  output gradient, which backprop holds anyway. Returns whether it was
+  kept."""
+  sizes = [t.shape.num_elements() for t in
+           [g, ctx.dz] + [ctx.inputs[i] for i in ctx.data_indices]]
+  if None in sizes or sizes[0] > sum(sizes[1:]):
+    return False
+  _kept.setdefault(ctx.entry, {})[ctx.param_index] = (
+      tuple(ctx.output_grads), g if payload is None else payload)
+  return True
+
+
+def take_per_example(ctx: Context):
+  """What `keep_per_example` kept for this interface and these very
+  output gradients (a persistent tape may ask about another target), or
+  None. One use: it is released when taken."""
+  slot = _kept.get(ctx.entry)
+  item = slot.pop(ctx.param_index, None) if slot else None
+  if item is None:
+    return None
+  grads, g = item
+  if len(grads) != len(ctx.output_grads) or any(
+      a is not b for a, b in zip(grads, ctx.output_grads)):
+    return None
+  return g
+
+
+def weighted_sum_of(g, c, dtype):
+  """`sum_b c[b] g[b]` of a `[B, ...]` tensor, in `dtype`."""
+  trace_note(weighted_sum="from per-example")
+  return tf.cast(tf.tensordot(tf.cast(c, g.dtype), g, 1), dtype)
 
 
 def vectorized_per_example(ctx: Context):

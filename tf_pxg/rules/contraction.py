@@ -82,8 +82,11 @@ def _batch_matmul_spec(ctx) -> Spec:
     size_p = shapes[p][ax]
     if c in batch_letters and c in subs[d]:
       size_d = shapes[d][subs[d].index(c)]
-      if size_p == 1 and size_d != 1:
-        continue  # Broadcast parameter axis: dropped, restored by reshape.
+      # A size-1 parameter axis against a larger data axis, or against the
+      # data's batch axis (even when B = 1), is broadcast: dropped, and
+      # restored by a reshape.
+      if size_p == 1 and (size_d != 1 or subs[d].index(c) == 0):
+        continue
     keep.append(ax)
     param_sub += c
   data_sub = subs[d]
@@ -148,6 +151,16 @@ def per_example(s: Spec, data, dz, batch_size, minor=False):
 
 def sq_norm(s: Spec, data, dz, batch_size, minor=False):
   """`[B]` squared norms, ghost form or materialised, whichever is cheaper."""
+  return sq_norm_and_per_example(s, data, dz, batch_size, minor)[0]
+
+
+def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
+  """(`[B]` float32 squared norms, the per-example gradient or None).
+
+  The per-example gradient `[B, *param_sub sizes]` is returned when it was
+  materialised for the norm (float64 for float64 operands, else float32),
+  None when the ghost form was cheaper.
+  """
   data, dz, data_sub, out_sub = split_operands(s, data, dz, batch_size, minor)
   x = s.batch
   p = set(s.param_sub)
@@ -171,18 +184,20 @@ def sq_norm(s: Spec, data, dz, batch_size, minor=False):
   ghost = (not lonely and None not in (nr, npd, npo) and
            nr * (npd + npo) < npd * npo)
   base.trace_note(sq_norm="ghost" if ghost else "materialised")
-  data, dz = tf.cast(data, tf.float32), tf.cast(dz, tf.float32)
+  dtype = tf.float64 if data.dtype == tf.float64 else tf.float32
+  data, dz = tf.cast(data, dtype), tf.cast(dz, dtype)
   if not ghost:
     g = tf.einsum(f"{data_sub},{out_sub}->{x}{s.param_sub}", data, dz)
-    return base.batch_sq_norm(g)
+    return base.batch_sq_norm(g), g
   primed = _fresh(data_sub + out_sub + s.param_sub, len(summed))
   prime = str.maketrans(summed, primed)
   keep = f"{x}{shared}{summed}{primed}"
   gram_d = tf.einsum(f"{data_sub},{data_sub.translate(prime)}->{keep}",
                      data, data)
   gram_z = tf.einsum(f"{out_sub},{out_sub.translate(prime)}->{keep}", dz, dz)
-  return tf.reduce_sum(
-      tf.reshape(gram_d * gram_z, [tf.shape(gram_d)[0], -1]), axis=1)
+  return tf.cast(tf.reduce_sum(
+      tf.reshape(gram_d * gram_z, [tf.shape(gram_d)[0], -1]), axis=1),
+                 tf.float32), None
 
 
 class _Contraction(base.Rule):
@@ -204,11 +219,21 @@ class _Contraction(base.Rule):
 
   def sq_norm(self, ctx):
     s = self.spec(ctx)
-    return sq_norm(s, ctx.inputs[s.data_index], ctx.dz, ctx.batch_size,
-                   ctx.batch_minor)
+    norms, g = sq_norm_and_per_example(s, ctx.inputs[s.data_index], ctx.dz,
+                                       ctx.batch_size, ctx.batch_minor)
+    if g is not None:
+      base.keep_per_example(ctx, g)
+    return norms
 
   def weighted_sum(self, ctx, c):
+    """From the per-example gradients the norm materialised, if kept (a
+    sum over B instead of a weight gradient over B*R rows), else TF's
+    weight gradient with dz scaled per example."""
     s = self.spec(ctx)
+    g = base.take_per_example(ctx)
+    if g is not None:
+      w = base.weighted_sum_of(g, c, ctx.param_dtype)
+      return w if s.param_keep is None else tf.reshape(w, ctx.param_shape)
     dz = ctx.scale_examples(ctx.dz, c, s.out_sub.index(s.batch))
     return ctx.tf_gradient([dz] + list(ctx.output_grads[1:]))
 

@@ -118,14 +118,23 @@ class _PatchContraction(base.Rule):
     ops = self.operands(ctx)
     if ops is None:
       return super().sq_norm(ctx)
-    spec, data, dz, _ = ops
-    return contraction.sq_norm(spec, data, dz, ctx.batch_size,
-                               ctx.batch_minor)
+    spec, data, dz, to_param = ops
+    norms, g = contraction.sq_norm_and_per_example(
+        spec, data, dz, ctx.batch_size, ctx.batch_minor)
+    if g is not None:
+      base.keep_per_example(ctx, g, (g, to_param))
+    return norms
 
   def weighted_sum(self, ctx, c):
-    """TF's filter gradient with dz scaled per example; for dilations > 1
+    """From the per-example gradients the norm materialised, if kept;
+    else TF's filter gradient with dz scaled per example; for dilations > 1
     the patch contraction instead, as some CPU builds have no dilated
     `Conv*BackpropFilter/Input` kernel (float64, or without oneDNN)."""
+    kept = base.take_per_example(ctx)
+    if kept is not None:
+      g, to_param = kept
+      w = base.weighted_sum_of(g, c, ctx.param_dtype)
+      return tf.reshape(to_param(w[None]), ctx.param_shape)
     rates = _spatial(ctx, "dilations", ctx.dz.shape.rank)
     ops = None if all(r == 1 for r in rates) else self.operands(ctx)
     if ops is None:
