@@ -122,6 +122,7 @@ def markdown(result: dict) -> str:
     if errors:
       lines += ["", "Not run: " + "; ".join(errors) + "."]
     lines.append("")
+  lines += _floor_lines(result)
   growth = result.get("growth", [])
   if growth:
     modes = [k for k in ("pxg", "tfp_dpmodel")
@@ -157,6 +158,47 @@ def markdown(result: dict) -> str:
                    " | " + " | ".join(cells) + " |")
     lines.append("")
   return "\n".join(lines)
+
+
+TARGETS = {"mlp": 1.15, "cnn": 1.4, "embed": 1.2, "transformer": 1.15}
+
+
+def _floor_lines(result: dict) -> List[str]:
+  """The noise floor per model: 1 + (noise alone) / (non-private step)."""
+  kernels = result.get("noise_kernels")
+  time_res = result.get("time", {})
+  rows = []
+  for model, res in time_res.items():
+    noise, base = _mode(res, "noise"), _mode(res, "keras")
+    if "cpu_ms" not in noise or not base.get("cpu_ms"):
+      continue
+    floor = 1 + noise["cpu_ms"] / base["cpu_ms"]
+    target = TARGETS.get(model)
+    rows.append(
+        f"| {model} | {noise.get('weights', '?'):,} | "
+        f"{noise['cpu_ms']:.2f} ms | {base['cpu_ms']:.2f} ms | "
+        f"{floor:.2f}× | {_fmt(_mode(res, 'pxg').get('cpu_ratio'))} | "
+        + (f"{target}× ({'above' if floor < target else 'below'} "
+           "the floor)" if target else "–") + " |")
+  if not rows:
+    return []
+  lines = ["**The noise floor.** A DP step draws one Gaussian per weight; "
+           "no clipping engine removes that, so in CPU time the DP / "
+           "non-private ratio is at least 1 + (noise alone) / (non-private "
+           "step)."]
+  if kernels:
+    lines[0] += (
+        f" On this CPU (CPU time per element over {kernels['elements']:,}): "
+        f"TF's Philox generator {kernels['philox_ns_per_word']:.2f} ns per "
+        f"32-bit word, Box-Muller normals (tf_pxg) "
+        f"{kernels['box_muller_ns_per_gaussian']:.2f} ns per Gaussian, TF's "
+        f"own normal {kernels['tf_normal_ns_per_gaussian']:.2f} ns, against "
+        f"{kernels['copy_ns_per_float']:.2f} ns to write one float (memory "
+        "bandwidth): the generator, not memory, is the limit.")
+  lines += ["", "| model | weights | noise alone (CPU) | non-private step "
+            "(CPU) | floor | tf_pxg DP (CPU) | target |",
+            "|---|---|---|---|---|---|---|"] + rows + [""]
+  return lines
 
 
 def plot(result: dict, path: pathlib.Path) -> Optional[pathlib.Path]:

@@ -48,7 +48,8 @@ _MODES = flags.DEFINE_list("modes", [], "Modes (default: all, or the quick "
 _ROUNDS = flags.DEFINE_integer("rounds", 0, "Timing rounds (0: 5, quick 3).")
 _ROUND_SECONDS = flags.DEFINE_float(
     "round_seconds", 0, "Wall time of one mode per round (0: 0.6, quick 0.3).")
-_SKIP = flags.DEFINE_list("skip", [], "Parts to skip: time, growth, memory.")
+_SKIP = flags.DEFINE_list("skip", [],
+                          "Parts to skip: time, growth, limits, memory.")
 _OUT = flags.DEFINE_string("output_dir", "", "Default benchmarks/results.")
 _MEMORY_JOBS = flags.DEFINE_integer(
     "memory_jobs", 2, "Memory subprocesses run at once.")
@@ -273,6 +274,10 @@ def main(argv):
     result["time"] = run_time(settings)
   if "growth" not in _SKIP.value:
     result["growth"] = run_growth(settings)
+  if "limits" not in _SKIP.value:
+    from benchmarks import limits  # noqa: PLC0415
+    result["noise_kernels"] = limits.noise_kernels()
+    _log(f"[limits] {result['noise_kernels']}")
   result["load_average_after_timing"] = _load()
   if "memory" not in _SKIP.value:
     result["memory"] = run_memory(settings)

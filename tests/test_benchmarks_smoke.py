@@ -103,6 +103,8 @@ def test_report_renders_tables_and_writes_json(tmp_path):
       "time": {"mlp": {"batch_size": 4, "seq_len": None, "modes": {
           "keras": {"status": "ok", "ms": 1.0, "cpu_ms": 1.0},
           "pxg": ok,
+          "noise": {"status": "ok", "ms": 0.5, "cpu_ms": 0.5,
+                    "weights": 1000},
           "tf_keras": {"status": "ok", "ms": 1.0, "cpu_ms": 1.0},
           "tfp_dpmodel": dict(ok, ratio=3.0, cpu_ratio=3.0, ms=4.0,
                               cpu_ms=4.0, path="registry fast path"),
@@ -119,6 +121,9 @@ def test_report_renders_tables_and_writes_json(tmp_path):
   assert "| 0.50× (0.50×) | 0.25× (0.20×) |" in md
   assert "registry fast path" in md and "TypeError: x" in md
   assert "| mlp | batch 32 | 1.50× (1.40×) |" in md
+  # Noise floor: 1 + 0.5 ms / 1.0 ms, above the MLP's 1.15x target.
+  assert ("| mlp | 1,000 | 0.50 ms | 1.00 ms | 1.50× | 1.40× | "
+          "1.15× (below the floor) |") in md
   paths = report.write(result, tmp_path, "t")
   saved = json.loads((tmp_path / "t.json").read_text())
   assert saved["summary"]["mlp"]["overhead_ratio"] == pytest.approx(0.25)
