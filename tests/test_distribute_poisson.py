@@ -205,3 +205,25 @@ def test_multi_worker_poisson_logical_step_exact_and_noise_once():
     _check(r)
   # Both workers hold the same (all-reduced) weights.
   assert results[0]["noise_ratio"] == results[1]["noise_ratio"]
+
+
+def test_multiworker_example_trains_and_workers_agree():
+  import os  # noqa: PLC0415
+  import re  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "examples",
+                                    "dp_digits_multiworker.py"),
+       "--epochs=2", "--target_epsilon=2.0"],
+      env=_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.strip().splitlines()
+  final = [line for line in lines if line.startswith("final:")]
+  match = re.fullmatch(
+      r"final: test_accuracy=(\S+) epsilon=(\S+) delta=1e-05", final[0])
+  assert match, lines
+  assert 0.3 < float(match.group(1)) <= 1.0  # 10 classes: chance is 0.1
+  assert float(match.group(2)) <= 2.0
+  sums = [line.split("weights_checksum=")[1] for line in lines
+          if "weights_checksum=" in line]
+  assert len(sums) == 2 and sums[0] == sums[1], sums  # same all-reduced model
