@@ -1,8 +1,8 @@
 """tf_pxg: per-example gradients and DP-SGD for TensorFlow 2 and Keras 3.
 
 Public API: `GradientTape`, `register`, `registered_op_types`, and the
-submodules `tf_pxg.keras`, `tf_pxg.accounting`, `tf_pxg.testing`,
-`tf_pxg.rules`. TensorFlow is imported on first use of a name that needs it,
+submodules `tf_pxg.keras`, `tf_pxg.data` (Poisson sampling), `tf_pxg.dp`,
+`tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`. TensorFlow is imported on first use of a name that needs it,
 so `tf_pxg.accounting` and the `tf-pxg` command start without it.
 """
 
@@ -21,6 +21,6 @@ def __getattr__(name):
   if name in _LAZY:
     module, attr = _LAZY[name]
     return getattr(importlib.import_module(module), attr)
-  if name in ("keras", "accounting", "testing", "rules", "dp"):
+  if name in ("keras", "accounting", "testing", "rules", "dp", "data"):
     return importlib.import_module(f"tf_pxg.{name}")
   raise AttributeError(f"module 'tf_pxg' has no attribute '{name}'")
