@@ -2,8 +2,9 @@
 
 Public API: `GradientTape`, `register`, `registered_op_types`, and the
 submodules `tf_pxg.keras`, `tf_pxg.data` (Poisson sampling), `tf_pxg.dp`,
-`tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`. TensorFlow is imported on first use of a name that needs it,
-so `tf_pxg.accounting` and the `tf-pxg` command start without it.
+`tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`. TensorFlow is
+imported on first use of a name that needs it, so `tf_pxg.accounting` and
+the `tf-pxg` command start without it.
 """
 
 import importlib
