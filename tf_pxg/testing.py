@@ -42,7 +42,8 @@ Warning:
   The contract is that of DP-SGD: the batch is axis 0 of every input and
   label, the loss is a `[B]` vector of per-example losses, and example b's
   loss depends on example b alone (no batch normalisation in training, no
-  dropout or other randomness, which would also break the comparison).
+  dropout or other randomness, which would also break the comparison with
+  the reference loop; `check_gradient_invariants` allows randomness).
 
 References:
   Opacus, `opacus.utils.tensor_utils` / `check_per_sample_gradients_are_correct`
