@@ -1,6 +1,10 @@
-"""Shared pytest setup: quiet TF logs and the `slow` marker."""
+"""Shared pytest setup: quiet TF logs, the `slow` marker, and a Keras dtype
+policy that a failing test cannot leak into the next ones."""
 
 import os
+import sys
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -8,3 +12,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "slow: takes more than ~60 s; deselect with -m 'not slow'")
+
+
+@pytest.fixture(autouse=True)
+def _restore_keras_dtype_policy():
+  """Tests that build mixed-precision models set the global policy while
+  building: a test that leaves it changed is reported (as an error in its
+  teardown) and the policy restored, so the next tests are not affected.
+  Keras is not imported here: tests that never use it do not pay for it."""
+  keras = sys.modules.get("keras")
+  name = keras.config.dtype_policy().name if keras is not None else None
+  yield
+  if name is not None and keras.config.dtype_policy().name != name:
+    leaked = keras.config.dtype_policy().name
+    keras.config.set_dtype_policy(name)
+    pytest.fail(f"the test left the Keras dtype policy at {leaked!r} "
+                f"(was {name!r}); restored")
