@@ -82,11 +82,11 @@ class LogicalStepAccumulator:
            step_end: tf.Tensor) -> Tuple[List[tf.Tensor], tf.Tensor]:
     """Adds one physical batch; returns the logical step's running totals.
 
-    The accumulators keep the totals, or are zeroed when `step_end` (then
-    the caller adds the noise to the returned totals and applies them).
-    No conditional is used: a replica-context `tf.cond` around the
-    optimizer's all-reduce is not allowed under MirroredStrategy, and XLA
-    fuses the selects.
+    The sums are added in place (one pass over the parameters per physical
+    batch); when `step_end`, the accumulators are then zeroed (the caller
+    adds the noise to the returned totals and applies them). The
+    conditional holds no synchronisation point, so it is allowed in replica
+    context under MirroredStrategy.
 
     Args:
       sums: this replica's clipped-gradient sums for this physical batch,
@@ -100,13 +100,21 @@ class LogicalStepAccumulator:
     Returns:
       `(totals, non_finite_total)` of the logical step so far.
     """
-    totals = [a.read_value() + tf.cast(s, a.dtype)
-              for a, s in zip(self.sums, sums)]
-    bad = self.non_finite.read_value() + tf.cast(non_finite, tf.int32)
-    for a, t in zip(self.sums, totals):
-      a.assign(tf.where(step_end, tf.zeros_like(t), t))
-    self.non_finite.assign(tf.where(step_end, 0, bad))
+    for a, s in zip(self.sums, sums):
+      a.assign_add(tf.cast(s, a.dtype))
+    self.non_finite.assign_add(tf.cast(non_finite, tf.int32))
     self.position.assign_add(1)
+    totals = [a.read_value() for a in self.sums]
+    bad = self.non_finite.read_value()
+
+    def zero():
+      for a in self.sums:
+        a.assign(tf.zeros_like(a))
+      self.non_finite.assign(0)
+      return tf.constant(True)
+
+    # Replica-local (no synchronisation inside), ordered after the reads.
+    tf.cond(step_end, zero, lambda: tf.constant(False))
     return totals, bad
 
 

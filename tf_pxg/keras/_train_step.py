@@ -82,18 +82,23 @@ def _apply_then_undo(optimizer, grads, variables, keep, step_end):
 
 
 def _apply_or_skip(optimizer, grads, variables, finite, xla=False,
-                   step_end=None):
+                   step_end=None, transform=None):
   """At `step_end`: applies `grads` if `finite`, else only counts the step.
 
   `finite` and `step_end` (None: always) must be equal on all replicas.
-  Follows `keras.optimizers.LossScaleOptimizer`: under strategies that need
-  `merge_call` (MirroredStrategy) the conditionals are taken in
+  `transform` (list -> list, e.g. the normalisation) is applied to `grads`
+  just before `optimizer.apply`, inside the conditional where there is one
+  in replica context, so physical batches that do not end a logical step
+  skip it. Follows `keras.optimizers.LossScaleOptimizer`: under strategies
+  that need `merge_call` (MirroredStrategy) the conditionals are taken in
   cross-replica context, since a replica-context conditional must not hold
-  a synchronisation point. With `xla` (and no merge call) they are replaced
-  by an undo, see `_apply_then_undo`.
+  a synchronisation point (`transform` then runs before, in replica
+  context). With `xla` (and no merge call) they are replaced by an undo,
+  see `_apply_then_undo`.
   """
   if not optimizer.built:
     optimizer.build(variables)
+  transform = transform or (lambda g: g)
 
   def skip():
     optimizer.iterations.assign_add(1)
@@ -107,11 +112,13 @@ def _apply_or_skip(optimizer, grads, variables, finite, xla=False,
   if tf.__internal__.distribute.strategy_supports_no_merge_call():
     if xla:
       keep = finite if step_end is None else tf.logical_and(finite, step_end)
-      _apply_then_undo(optimizer, grads, variables, keep, step_end)
+      _apply_then_undo(optimizer, transform(grads), variables, keep,
+                       step_end)
     else:
       at_step_end(step_end, lambda: tf.cond(
-          finite, lambda: optimizer.apply(grads, variables), skip))
+          finite, lambda: optimizer.apply(transform(grads), variables), skip))
     return
+  grads = transform(grads)
 
   def cross_replica(distribution, grads, finite, step_end):
     finite = distribution.experimental_local_results(finite)[0]
@@ -264,12 +271,15 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
     # Plain batches: the global batch is the sum of the replicas' shares,
     # which differ for a partial last batch.
     normalizer = ctx.all_reduce(tf.distribute.ReduceOp.SUM, normalizer)
-  grads = [tf.cast(g / tf.cast(normalizer, g.dtype), v.dtype)
-           for g, v in zip(result.grads, variables)]
-  grads = [g if r is None else g + tf.cast(r, g.dtype)
-           for g, r in zip(grads, result.reg_grads)]
-  _apply_or_skip(optimizer, grads, variables, finite, xla=xla,
-                 step_end=step_end)
+
+  def normalise(sums):
+    grads = [tf.cast(g / tf.cast(normalizer, g.dtype), v.dtype)
+             for g, v in zip(sums, variables)]
+    return [g if r is None else g + tf.cast(r, g.dtype)
+            for g, r in zip(grads, result.reg_grads)]
+
+  _apply_or_skip(optimizer, result.grads, variables, finite, xla=xla,
+                 step_end=step_end, transform=normalise)
   skipped = tf.logical_not(finite)
   if step_end is not None:
     skipped = tf.logical_and(skipped, step_end)

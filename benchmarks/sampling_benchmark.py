@@ -1,0 +1,165 @@
+"""Costs of the Poisson data path: padding masks, accumulation, XLA.
+
+    python benchmarks/sampling_benchmark.py                 # MLP and CNN, B=256
+    python benchmarks/sampling_benchmark.py --models=mlp --rounds=9
+
+Each variant is a compiled `train_step` called on a prepared batch (no input
+pipeline), timed in interleaved rounds in one process (the median of the
+rounds; the CPU may be shared, so only ratios measured side by side mean
+anything). Ratios reported, per model at physical batch P:
+
+- `padded/unpadded`: a DP step on a Poisson physical batch (mask, P rows of
+  which ~P/(1 + 4/sqrt(B)) real, noise once, divided by qN) over a DP step
+  on a plain batch of the same P rows. Target <= 1.05.
+- `k8/sigma0`: the mean time per physical batch of a logical step of k = 8
+  physical batches with sigma > 0 (noise drawn once, at the 8th) over a
+  sigma = 0 DP step on a plain batch of P rows. Target <= 1.05.
+- `xla dp/xla plain`: the DP step (plain batch and Poisson batch) over a
+  non-private Keras step, both with `jit_compile=True`.
+
+Models (as in `benchmarks/common.py`): MLP 784-512-512-10 and the CNN
+Conv2D 16 5x5 s2 -> Conv2D 32 4x4 s2 -> Dense 32 -> Dense 10 on 28x28x1.
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf_pxg import data as dp_data  # noqa: E402
+import tf_pxg.keras as dpk  # noqa: E402
+
+_BATCH = flags.DEFINE_integer("batch_size", 256, "Physical batch size P.")
+_STEPS = flags.DEFINE_integer("steps", 16, "Steps per round (multiple of 8).")
+_ROUNDS = flags.DEFINE_integer("rounds", 7, "Interleaved rounds.")
+_MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models.")
+
+
+def _layers(name):
+  if name == "mlp":
+    return [keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(10)]
+  return [keras.Input((28, 28, 1)),
+          keras.layers.Conv2D(16, 5, strides=2, activation="relu"),
+          keras.layers.Conv2D(32, 4, strides=2, activation="relu"),
+          keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"),
+          keras.layers.Dense(10)]
+
+
+def _data(name, p):
+  rng = np.random.default_rng(0)
+  shape = (784,) if name == "mlp" else (28, 28, 1)
+  x = tf.constant(rng.normal(size=(p, *shape)).astype("float32"))
+  y = tf.constant(rng.integers(0, 10, size=(p,)).astype("int32"))
+  return x, y
+
+
+def _compiled_step(model, jit):
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss,
+                jit_compile=jit)
+  if isinstance(model, dpk.DPSequential):
+    model.optimizer.build(model.trainable_variables)
+    model.build_accumulator()
+  return tf.function(model.train_step, jit_compile=jit)
+
+
+def _sync(out):
+  for t in tf.nest.flatten(out):
+    t.numpy()
+
+
+def _poisson_infos(p, b, k):
+  """Masks of k physical batches of one Poisson draw (expected size b*k)."""
+  rng = np.random.default_rng(1)
+  infos = []
+  for i in range(k):
+    mask = (rng.random(p) < b / p).astype("float32")
+    infos.append(dp_data.dp_batch_info(mask, step_end=(i == k - 1),
+                                       normalizer=float(b * k)))
+  return infos
+
+
+def measure(name, p, steps, rounds):
+  x, y = _data(name, p)
+  # Expected batch whose default physical size is about P.
+  b = int((np.sqrt(4 + p) - 2) ** 2)
+  variants = {}
+
+  def dp_model(noise):
+    keras.utils.set_random_seed(0)
+    return dpk.DPSequential(_layers(name), l2_norm_clip=1.0,
+                            noise_multiplier=noise, seed=0)
+
+  for jit in (False, True):
+    tag = "xla" if jit else "graph"
+    plain = _compiled_step(dp_model(1.0), jit)
+    variants[f"{tag} dp unpadded"] = lambda f=plain: f((x, y))
+    padded = _compiled_step(dp_model(1.0), jit)
+    info1 = _poisson_infos(p, b, 1)[0]
+    variants[f"{tag} dp padded"] = lambda f=padded: f((x, y, info1))
+    keras.utils.set_random_seed(0)
+    nonprivate = keras.Sequential(_layers(name))
+    nonprivate.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit)
+    np_step = tf.function(nonprivate.train_step, jit_compile=jit)
+    variants[f"{tag} non-private"] = lambda f=np_step: f((x, y))
+  sigma0 = _compiled_step(dp_model(0.0), False)
+  variants["graph dp sigma0"] = lambda f=sigma0: f((x, y))
+  acc = _compiled_step(dp_model(1.0), False)
+  infos8 = _poisson_infos(p, b // 8 or 1, 8)
+  cursor = [0]
+
+  def k8():
+    out = acc((x, y, infos8[cursor[0] % 8]))
+    cursor[0] += 1
+    return out
+
+  variants["graph dp k8 (per physical)"] = k8
+
+  for fn in variants.values():  # warm up (trace, compile)
+    for _ in range(8):
+      _sync(fn())
+  times = {k: [] for k in variants}
+  for _ in range(rounds):
+    for k, fn in variants.items():
+      start = time.perf_counter()
+      for _ in range(steps):
+        out = fn()
+      _sync(out)
+      times[k].append((time.perf_counter() - start) / steps)
+  return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def main(argv):
+  del argv
+  p, steps, rounds = _BATCH.value, _STEPS.value, _ROUNDS.value
+  for name in _MODELS.value:
+    t = measure(name, p, steps, rounds)
+    for k, v in t.items():
+      print(f"{name} P={p} {k}: {v * 1e3:.2f} ms", flush=True)
+    print(f"{name} P={p} ratios: "
+          f"padded/unpadded graph={t['graph dp padded'] / t['graph dp unpadded']:.3f} "
+          f"xla={t['xla dp padded'] / t['xla dp unpadded']:.3f}; "
+          f"k8/sigma0={t['graph dp k8 (per physical)'] / t['graph dp sigma0']:.3f}; "
+          f"xla dp/xla plain unpadded="
+          f"{t['xla dp unpadded'] / t['xla non-private']:.3f} "
+          f"padded={t['xla dp padded'] / t['xla non-private']:.3f}; "
+          f"graph dp/plain={t['graph dp unpadded'] / t['graph non-private']:.3f}",
+          flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
