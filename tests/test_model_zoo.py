@@ -81,7 +81,7 @@ def subclassed(cls, **kwargs):
   return build
 
 
-# Data (numpy, as keras.io feeds it) --------------------------------------------
+# Data (numpy, as keras.io feeds it) -----------------------------------------
 
 
 def images(shape, classes=3):
@@ -111,7 +111,7 @@ def sequences(shape, units):
   return data
 
 
-# Custom layers and models as keras.io writes them ------------------------------
+# Custom layers and models as keras.io writes them ---------------------------
 
 
 class Linear(L.Layer):
@@ -201,7 +201,7 @@ class MLP(keras.Model):
     return self.dense2(self.dense1(inputs))
 
 
-# Functional graphs -------------------------------------------------------------
+# Functional graphs ----------------------------------------------------------
 
 
 def _transformer(rate):
