@@ -98,7 +98,27 @@ def _float_tokens_one_hot():
   return Fn(fn, [w]), ids
 
 
+def _column_major_layer():
+  w, v = _var((3, 5), 11), _var((3, 1), 12)
+
+  def fn(x):  # column-major: [u, B] with a [u, 1] bias on the batch axis
+    h = tf.tanh(tf.matmul(w, x, transpose_b=True) + v)
+    return tf.reduce_sum(tf.square(h * v), axis=0)
+  return Fn(fn, [w, v]), _x((B, 5))
+
+
+def _time_major_einsum():
+  w = _var((2, 3), 13)
+
+  def fn(x):  # time-major einsum, batch letter second in data and output
+    h = tf.einsum("tbi,io->tbo", tf.transpose(x, [1, 0, 2]), w)
+    return tf.reduce_sum(tf.square(tf.tanh(h)), axis=[0, 2])
+  return Fn(fn, [w]), _x((B, 4, 2))
+
+
 CASES = {
+    "time_major_einsum": _time_major_einsum,
+    "column_major_bias_broadcast_on_batch_axis": _column_major_layer,
     "time_major_dense": _time_major_dense,
     "param_first_matmul_batch_on_axis_1": _param_first_matmul,
     "time_major_reshaped_matmul": _time_major_reshaped_matmul,

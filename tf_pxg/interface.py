@@ -85,8 +85,16 @@ class Interface:
   batch_minor: bool = False
   rule: Any = None  # Set once the interface is found (registry or fallback).
 
+  # Set when the engine reshaped the parameter operand (a size-1 axis moved
+  # with the batch axis): the original tensor's id and shape, to which the
+  # rule's results are reshaped back.
+  original_param_id: Optional[int] = None
+  original_param_shape: Any = None
+
   @property
   def param_id(self) -> int:
+    if self.original_param_id is not None:
+      return self.original_param_id
     return self.entry.input_ids[self.param_index]
 
   @property
@@ -287,8 +295,9 @@ def _mixes_along_batch(entry: Entry, classifier: Classifier):
 # Ops for which moving the batch axis of the data operand and of the output
 # to 0 gives the same op on permuted tensors (the parameter is broadcast
 # along every axis that moves), and the checks that make it so.
-_PERMUTABLE = ("AddV2", "Add", "Sub", "Mul", "BiasAdd", "BatchMatMulV2",
-               "BatchMatMulV3", "GatherV2", "ResourceGather")
+_ELEMENTWISE = ("AddV2", "Add", "Sub", "Mul")
+_PERMUTABLE = _ELEMENTWISE + ("BiasAdd", "BatchMatMulV2", "BatchMatMulV3",
+                              "GatherV2", "ResourceGather")
 
 
 def expected_axes(itf: Interface):
@@ -300,6 +309,8 @@ def expected_axes(itf: Interface):
     if itf.param_index == 1:
       return (1 if ta else 0), 0
     return (0 if tb else 1), 1
+  if entry.op_type == "Einsum":
+    return 0, None  # The rule finds the output's batch letter itself.
   return 0, 0
 
 
@@ -321,8 +332,10 @@ def _permutable(itf: Interface, axis: int) -> bool:
     return fmt in (b"NHWC", "NHWC") and axis < out_rank - 1
   if entry.op_type.startswith("BatchMatMul"):
     return p_rank == 2 and axis < out_rank - 2
-  # Elementwise: the parameter must not reach the moved axes 0..axis.
-  return p_rank <= out_rank - (axis + 1) and all(
+  # Elementwise: the parameter is broadcast (size 1 or absent) on the batch
+  # axis; size-1 axes move with it (a reshape of the parameter).
+  padded = [1] * (out_rank - p_rank) + itf.param.shape.as_list()
+  return p_rank <= out_rank and padded[axis] == 1 and all(
       entry.inputs[i].shape.rank == out_rank for i in itf.data_indices)
 
 
@@ -346,10 +359,12 @@ def normalise_batch_axis(itf: Interface, classifier: Classifier) -> Interface:
   minor = any(l[1] for l in known)
   want_data, want_out = expected_axes(itf)
   if (all(l[0] == want_data for l in known) and
-      all(l is None or l[0] == want_out for l in outs)):
+      all(l is None or want_out is None or l[0] == want_out for l in outs)):
     itf.batch_minor = itf.batch_minor or minor
     return itf
   axis = known[0][0] if known else None
+  if entry.op_type == "Einsum" and len(known) == 1:
+    return _batch_letter_first(itf, axis, minor)
   if (len({l[0] for l in known}) != 1 or want_data != 0 or
       not _permutable(itf, axis)):
     raise ValueError(
@@ -365,7 +380,44 @@ def normalise_batch_axis(itf: Interface, classifier: Classifier) -> Interface:
   outputs = [_move_to_front(o, a) for o, a in zip(entry.outputs, out_axes)]
   grads = [g if g is None else _move_to_front(g, a)
            for g, a in zip(itf.output_grads, out_axes)]
+  original_id = original_shape = None
+  p = itf.param
+  out_rank = entry.outputs[0].shape.rank
+  if (entry.op_type in _ELEMENTWISE and p.shape.rank == out_rank and
+      p.shape.rank and p.shape[axis] == 1 and axis):
+    original_id, original_shape = itf.param_id, p.shape
+    moved_shape = [p.shape[axis]] + [n for a, n in enumerate(p.shape)
+                                     if a != axis]
+    inputs[itf.param_index] = tf.reshape(p, moved_shape)
   moved = Entry(entry.op_type, tuple(inputs), tuple(outputs), entry.attrs,
                 entry.op, entry.scope, entry.index)
   return Interface(moved, itf.param_index, grads, itf.data_indices, minor,
-                   itf.rule)
+                   itf.rule, original_param_id=original_id,
+                   original_param_shape=original_shape)
+
+
+def _batch_letter_first(itf: Interface, axis: int, minor: bool) -> Interface:
+  """An Einsum whose data operand has the examples on `axis`: the operand is
+  transposed to put them first and the equation rewritten to match."""
+  entry = itf.entry
+  eq = gradient_functions.get_attr(entry, "equation")
+  eq = eq.decode() if isinstance(eq, bytes) else eq
+  parsed = batch_axis.einsum_subscripts(
+      eq, [t.shape.rank for t in entry.inputs])
+  if parsed is None or len(entry.inputs) != 2:
+    raise ValueError(
+        f"{entry.describe()}: the examples are on axis {axis} of its data "
+        "operand and the equation could not be rewritten; put the batch "
+        "letter first.")
+  subs, out = parsed
+  d = itf.data_indices[0]
+  sub = subs[d]
+  subs = list(subs)
+  subs[d] = sub[axis] + sub[:axis] + sub[axis + 1:]
+  inputs = list(entry.inputs)
+  inputs[d] = _move_to_front(inputs[d], axis)
+  rewritten = Entry(entry.op_type, tuple(inputs), entry.outputs, entry.attrs,
+                    entry.op, entry.scope, entry.index,
+                    attr_overrides={"equation": f"{','.join(subs)}->{out}"})
+  return Interface(rewritten, itf.param_index, itf.output_grads,
+                   itf.data_indices, minor, itf.rule)

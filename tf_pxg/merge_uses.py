@@ -25,6 +25,7 @@ values, are the same value (common-subexpression keys).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Callable, Dict, List
 
 import numpy as np
@@ -47,6 +48,9 @@ _MAX_CONST_KEY = 256  # Elements; larger constants are keyed by identity.
 
 def attrs_key(entry: Entry):
   """A hashable description of an entry's attributes."""
+  if entry.attr_overrides:
+    return (repr(sorted(entry.attr_overrides.items())),
+            attrs_key(dataclasses.replace(entry, attr_overrides=None)))
   if entry.op is not None:
     return tuple(sorted(
         (k, v.SerializeToString()) for k, v in entry.op.node_def.attr.items()
@@ -166,7 +170,9 @@ def merge(interfaces: List[Interface], keys: ValueKeys,
              for j in range(len(first.output_grads))]
     e = first.entry
     entry = Entry(e.op_type, tuple(inputs), tuple(outputs), e.attrs, e.op,
-                  e.scope, e.index)
+                  e.scope, e.index, attr_overrides=e.attr_overrides)
     out.append(Interface(entry, first.param_index, grads,
-                         first.data_indices, False, first.rule))
+                         first.data_indices, False, first.rule,
+                         original_param_id=first.original_param_id,
+                         original_param_shape=first.original_param_shape))
   return out

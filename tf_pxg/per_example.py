@@ -164,7 +164,7 @@ class PerExampleBackprop:
     ctx = self._context(itf)
     base.trace_call(itf.entry.op_type, rule, form)
     try:
-      return getattr(rule, form)(ctx, *args)
+      return _reshape_back(itf, form, getattr(rule, form)(ctx, *args))
     except (ValueError, TypeError, NotImplementedError, LookupError,
             tf.errors.InvalidArgumentError) as e:
       if rule is not _FALLBACK:
@@ -269,6 +269,19 @@ class PerExampleBackprop:
     for itf in self.interfaces:
       initial[itf.param_id].append(self._apply(itf, "weighted_sum", c))
     return self._gather(self._param_backprop(initial, batched=False))
+
+
+def _reshape_back(itf: Interface, form: str, result):
+  """A rule's result for a reshaped parameter operand, in the original shape
+  (`tf_pxg.interface.normalise_batch_axis` moves size-1 axes)."""
+  shape = itf.original_param_shape
+  if shape is None or form == "sq_norm":
+    return result
+  result = base.to_dense(result)
+  if form == "per_example":
+    return tf.reshape(result, tf.concat([tf.shape(result)[:1],
+                                         shape.as_list()], 0))
+  return tf.reshape(result, shape.as_list())
 
 
 def _batched_backward(entry: Entry, out_grads: list, skip: list) -> list:

@@ -31,11 +31,18 @@ GRAD_FN_ACCEPTS_NONE_FOR_INDICES = {
 class _GraphOpView:
   """A `tf.Operation` with replaceable inputs/outputs and `skip_input_indices`."""
 
-  def __init__(self, op, skip_input_indices, inputs=None, outputs=None):
+  def __init__(self, op, skip_input_indices, inputs=None, outputs=None,
+               attr_overrides=None):
     self._op = op
     self.skip_input_indices = skip_input_indices
     self.inputs = list(op.inputs) if inputs is None else list(inputs)
     self.outputs = list(op.outputs) if outputs is None else list(outputs)
+    self._attr_overrides = attr_overrides or {}
+
+  def get_attr(self, name):
+    if name in self._attr_overrides:
+      return self._attr_overrides[name]
+    return self._op.get_attr(name)
 
   def __getattr__(self, name):
     return getattr(self._op, name)
@@ -48,8 +55,15 @@ def op_view(entry: Entry,
   """An op-like object for `entry` as TF's gradient functions expect it."""
   skip = tuple(skip_input_indices) if skip_input_indices else None
   if entry.op is None:
+    attrs = entry.attrs
+    if entry.attr_overrides:
+      attrs = list(attrs)
+      for i in range(0, len(attrs), 2):
+        if attrs[i] in entry.attr_overrides:
+          attrs[i + 1] = entry.attr_overrides[attrs[i]]
+      attrs = tuple(attrs)
     return tf_backprop._MockOp(  # pylint: disable=protected-access
-        entry.attrs,
+        attrs,
         list(entry.inputs if inputs is None else inputs),
         list(entry.outputs if outputs is None else outputs),
         entry.op_type, skip)
@@ -57,7 +71,8 @@ def op_view(entry: Entry,
   # (`tf_pxg.merge_uses`) carries other tensors for the same op.
   return _GraphOpView(entry.op, skip,
                       entry.inputs if inputs is None else inputs,
-                      entry.outputs if outputs is None else outputs)
+                      entry.outputs if outputs is None else outputs,
+                      entry.attr_overrides)
 
 
 def get_attr(entry: Entry, name: str):

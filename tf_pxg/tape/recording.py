@@ -64,6 +64,8 @@ class Entry:
   index: int = 0
   input_ids: tuple = ()
   output_ids: tuple = ()
+  # Attribute values that replace the op's (an entry the engine rewrote).
+  attr_overrides: Optional[dict] = None
 
   def __post_init__(self):
     self.input_ids = tuple(tensor_id(t) for t in self.inputs)
