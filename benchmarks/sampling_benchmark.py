@@ -150,14 +150,17 @@ def main(argv):
     t = measure(name, p, steps, rounds)
     for k, v in t.items():
       print(f"{name} P={p} {k}: {v * 1e3:.2f} ms", flush=True)
-    print(f"{name} P={p} ratios: "
-          f"padded/unpadded graph={t['graph dp padded'] / t['graph dp unpadded']:.3f} "
-          f"xla={t['xla dp padded'] / t['xla dp unpadded']:.3f}; "
-          f"k8/sigma0={t['graph dp k8 (per physical)'] / t['graph dp sigma0']:.3f}; "
+    ratio = lambda a, b: t[a] / t[b]  # noqa: E731
+    print(f"{name} P={p} ratios: padded/unpadded "
+          f"graph={ratio('graph dp padded', 'graph dp unpadded'):.3f} "
+          f"xla={ratio('xla dp padded', 'xla dp unpadded'):.3f}; "
+          f"k8/sigma0="
+          f"{ratio('graph dp k8 (per physical)', 'graph dp sigma0'):.3f}; "
           f"xla dp/xla plain unpadded="
-          f"{t['xla dp unpadded'] / t['xla non-private']:.3f} "
-          f"padded={t['xla dp padded'] / t['xla non-private']:.3f}; "
-          f"graph dp/plain={t['graph dp unpadded'] / t['graph non-private']:.3f}",
+          f"{ratio('xla dp unpadded', 'xla non-private'):.3f} "
+          f"padded={ratio('xla dp padded', 'xla non-private'):.3f}; "
+          f"graph dp/plain="
+          f"{ratio('graph dp unpadded', 'graph non-private'):.3f}",
           flush=True)
 
 

@@ -3,9 +3,9 @@
 Each element is `(x, y, info)`: `x` and `y` are the dataset's arrays
 gathered at a `PhysicalBatch`'s indices (leading dimension P), and `info` is
 a dict of `[P]` float32 tensors: `dp_mask` (1 sampled, 0 padding),
-`dp_step_end` (1 on the last physical batch of a logical step, else 0), `dp_normalizer` (the
-expected batch size `qN` the step's sum is divided by) and, only when the
-user gave sample weights, `dp_weight` (their rows). A DP model's `fit` feeds
+`dp_step_end` (1 on the last physical batch of a logical step, else 0),
+`dp_normalizer` (the expected batch size `qN` the step's sum is divided by)
+and, only when the user gave sample weights, `dp_weight` (their rows). A DP model's `fit` feeds
 this structure in the `sample_weight` slot; custom loops read it directly.
 """
 
