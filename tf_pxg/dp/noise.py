@@ -113,12 +113,10 @@ def _generator_noise(tensors: List[tf.Tensor], stddev: _Stddev,
     if t.shape.is_fully_defined():
       groups.setdefault(t.dtype, []).append(i)
     else:
-      out[i] = box_muller_normal(generator, tf.shape(t), t.dtype) * tf.cast(
-          stddev, t.dtype)
+      out[i] = box_muller_normal(generator, tf.shape(t), t.dtype, stddev)
   for dtype, members in groups.items():
     sizes = [tensors[i].shape.num_elements() for i in members]
-    flat = box_muller_normal(generator, [sum(sizes)], dtype) * tf.cast(
-        stddev, dtype)
+    flat = box_muller_normal(generator, [sum(sizes)], dtype, stddev)
     for i, part in zip(members, tf.split(flat, sizes) if len(sizes) > 1
                        else [flat]):
       out[i] = tf.reshape(part, tensors[i].shape)
@@ -126,7 +124,7 @@ def _generator_noise(tensors: List[tf.Tensor], stddev: _Stddev,
 
 
 def box_muller_normal(generator: tf.random.Generator, shape,
-                      dtype=tf.float32) -> tf.Tensor:
+                      dtype=tf.float32, stddev: _Stddev = 1.0) -> tf.Tensor:
   """Standard normal samples by the Box–Muller transform of uniforms.
 
   For independent `u1, u2 ~ U[0, 1)`, `r = sqrt(-2 log(1 - u1))` and
@@ -135,19 +133,33 @@ def box_muller_normal(generator: tf.random.Generator, shape,
   the transform TF's own CPU normal kernel applies (`BoxMullerFloat`), but
   using both outputs of each pair it draws half as many Philox uniforms and
   runs about 1.6x faster on CPU, where the noise of a large model costs as
-  much as a non-private step.
+  much as a non-private step. The angle is drawn as a uniform on
+  `[0, 2 pi)` and `stddev` is folded into the radius
+  (`sqrt(-2 stddev**2 log(1 - u1))`), which saves two passes over the
+  samples.
+
+  Args:
+    generator: The `tf.random.Generator` to draw from (advanced).
+    shape: The output shape (Python ints, a `TensorShape` or a 1-D tensor).
+    dtype: A floating dtype.
+    stddev: The standard deviation, >= 0 (Python number or scalar tensor).
+
+  Returns:
+    A `shape` tensor of independent `N(0, stddev**2)` samples.
   """
   static = _static_shape(shape)
   if static is not None:  # Python sizes: no shape arithmetic in the graph.
     n = int(np.prod(static, dtype=np.int64))
     half = (n + 1) // 2
-    u = generator.uniform([2, half], dtype=dtype)
+    pairs = [half]
   else:
     n = tf.reduce_prod(shape)
     half = (n + 1) // 2
-    u = generator.uniform(tf.stack([2, half]), dtype=dtype)
-  radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))
-  angle = tf.constant(2.0 * math.pi, dtype) * u[1]
+    pairs = tf.reshape(half, [1])
+  u = generator.uniform(pairs, dtype=dtype)
+  angle = generator.uniform(pairs, maxval=2.0 * math.pi, dtype=dtype)
+  scale = tf.cast(-2.0 * tf.square(tf.cast(stddev, tf.float64)), dtype)
+  radius = tf.sqrt(tf.math.log1p(-u) * scale)
   z = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)
   if static is not None and n == 2 * half:
     return tf.reshape(z, static)
