@@ -405,6 +405,9 @@ ZOO = [
     Zoo("conv_lstm2d", sequential(lambda: [
         keras.Input((3, 5, 5, 1)), L.ConvLSTM2D(2, 3), L.Flatten(),
         L.Dense(3, activation="softmax")]), images((3, 5, 5, 1))),
+    Zoo("conv_lstm1d", sequential(lambda: [
+        keras.Input((3, 5, 1)), L.ConvLSTM1D(2, 3), L.Flatten(),
+        L.Dense(3, activation="softmax")]), images((3, 5, 1))),
     Zoo("small_resnet_groupnorm_add", functional(_resnet), images((6, 6, 3))),
     Zoo("separable_conv", sequential(lambda: [
         keras.Input((6, 6, 2)), L.SeparableConv2D(4, 3, activation="relu"),
