@@ -61,12 +61,16 @@ class LogicalStepAccumulator:
     self.non_finite = tf.Variable(0, dtype=tf.int32, trainable=False,
                                   synchronization=on_read, aggregation=agg,
                                   name="dp_accumulated_non_finite")
-    # Physical batches consumed since the last `reset` (equal on every
-    # replica; read the first one's).
+    first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+    # Physical batches consumed since the last `reset`, and those of the
+    # current logical step so far (equal on every replica). The sums hold
+    # the step's running totals only while `in_step > 0`.
     self.position = tf.Variable(
         0, dtype=tf.int64, trainable=False, synchronization=on_read,
-        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        name="dp_physical_position")
+        aggregation=first, name="dp_physical_position")
+    self.in_step = tf.Variable(
+        0, dtype=tf.int64, trainable=False, synchronization=on_read,
+        aggregation=first, name="dp_physical_in_step")
 
   def matches(self, variables: Sequence[tf.Variable]) -> bool:
     return self._keys == [id(v) for v in variables]
@@ -77,16 +81,18 @@ class LogicalStepAccumulator:
       a.assign(tf.zeros_like(a))
     self.non_finite.assign(0)
     self.position.assign(0)
+    self.in_step.assign(0)
 
   def step(self, sums: Sequence[tf.Tensor], non_finite: tf.Tensor,
            step_end: tf.Tensor) -> Tuple[List[tf.Tensor], tf.Tensor]:
     """Adds one physical batch; returns the logical step's running totals.
 
-    The sums are added in place (one pass over the parameters per physical
-    batch); when `step_end`, the accumulators are then zeroed (the caller
-    adds the noise to the returned totals and applies them). The
-    conditional holds no synchronisation point, so it is allowed in replica
-    context under MirroredStrategy.
+    The first physical batch of a step passes its sums through; later ones
+    add the stored totals; all but the last store the new totals. So a
+    logical step of one physical batch touches no accumulator, and one of k
+    costs about one pass over the parameters per physical batch. The
+    conditionals hold no synchronisation point, so they are allowed in
+    replica context under MirroredStrategy.
 
     Args:
       sums: this replica's clipped-gradient sums for this physical batch,
@@ -100,21 +106,27 @@ class LogicalStepAccumulator:
     Returns:
       `(totals, non_finite_total)` of the logical step so far.
     """
-    for a, s in zip(self.sums, sums):
-      a.assign_add(tf.cast(s, a.dtype))
-    self.non_finite.assign_add(tf.cast(non_finite, tf.int32))
-    self.position.assign_add(1)
-    totals = [a.read_value() for a in self.sums]
-    bad = self.non_finite.read_value()
+    sums = [tf.cast(x, a.dtype) for a, x in zip(self.sums, sums)]
+    non_finite = tf.cast(non_finite, tf.int32)
+    first = tf.equal(self.in_step, 0)
+    totals, bad = tf.cond(
+        first, lambda: (sums, non_finite),
+        lambda: ([a.read_value() + x for a, x in zip(self.sums, sums)],
+                 self.non_finite.read_value() + non_finite))
 
-    def zero():
-      for a in self.sums:
-        a.assign(tf.zeros_like(a))
-      self.non_finite.assign(0)
+    def end():
+      self.in_step.assign(0)
       return tf.constant(True)
 
-    # Replica-local (no synchronisation inside), ordered after the reads.
-    tf.cond(step_end, zero, lambda: tf.constant(False))
+    def carry():
+      for a, t in zip(self.sums, totals):
+        a.assign(t)
+      self.non_finite.assign(bad)
+      self.in_step.assign_add(1)
+      return tf.constant(False)
+
+    self.position.assign_add(1)
+    tf.cond(step_end, end, carry)
     return totals, bad
 
 
