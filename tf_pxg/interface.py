@@ -70,7 +70,6 @@ _SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "VariableShape")
 _FILLS = ("Fill", "BroadcastTo")
 
 
-
 def _is_float(dtype) -> bool:
   return dtype.is_floating or dtype.is_complex
 

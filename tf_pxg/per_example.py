@@ -4,7 +4,11 @@
 
 1. phase 1 backpropagates the target down to the interface entries
    (`tf_pxg.interface`), computing data gradients with TF's gradient
-   functions and skipping the parameter inputs;
+   functions and skipping the parameter inputs. Each interface is then put in the form its rule expects: examples first
+   (`tf_pxg.interface.normalise_batch_axis`, for data whose batch axis
+   `tf_pxg.batch_axis` tracked elsewhere), and the uses of one parameter
+   value by one kind of op (the T steps of an unrolled loop, a layer called
+   twice) merged into one interface (`tf_pxg.merge_uses`);
 2. each interface's rule (`tf_pxg.registry`) gives per-example gradients,
    squared norms or clip-weighted sums for its PARAM input;
 3. phase 2 carries those through the PARAM-only region (casts, reshapes,
@@ -12,7 +16,8 @@
    functions, per-example gradients with batched ones.
 
 Norms take a rule's `sq_norm` shortcut (ghost norms, Goodfellow's trick)
-when a source reaches exactly one interface through norm-preserving ops;
+when a source reaches exactly one (possibly merged) interface through
+norm-preserving ops;
 otherwise the source's per-example gradient is materialised and summed over
 its uses first (a tied weight's norm is the norm of the sum, not the sum of
 norms).
