@@ -123,6 +123,7 @@ def markdown(result: dict) -> str:
       lines += ["", "Not run: " + "; ".join(errors) + "."]
     lines.append("")
   lines += _floor_lines(result)
+  lines += _target_lines(result)
   growth = result.get("growth", [])
   if growth:
     modes = [k for k in ("pxg", "tfp_dpmodel")
@@ -199,6 +200,41 @@ def _floor_lines(result: dict) -> List[str]:
             "(CPU) | floor | tf_pxg DP (CPU) | target |",
             "|---|---|---|---|---|---|---|"] + rows + [""]
   return lines
+
+
+MEMORY_TARGET = 1.3
+OVERHEAD_TARGET = 0.33
+
+
+def _met(value: Optional[float], target: float) -> str:
+  if value is None:
+    return "–"
+  return f"{value:.2f} {'✓' if value <= target else '✗'}"
+
+
+def _target_lines(result: dict) -> List[str]:
+  """Issue 8's targets against this run (✓ met, ✗ missed)."""
+  summ = summary(result)
+  rows = []
+  for model, row in summ.items():
+    if model not in TARGETS:
+      continue
+    t = TARGETS[model]
+    rows.append(
+        f"| {model} | ≤ {t} | {_met(row.get('pxg_ratio'), t)} | "
+        f"{_met(row.get('pxg_cpu_ratio'), t)} | "
+        f"{_met(row.get('pxg_alloc_ratio'), MEMORY_TARGET)} | "
+        f"{_met(row.get('overhead_ratio'), OVERHEAD_TARGET)} | "
+        f"{_met(row.get('cpu_overhead_ratio'), OVERHEAD_TARGET)} |")
+  if not rows:
+    return []
+  return [
+      "**Targets** (✓ met, ✗ missed): tf_pxg DP / non-private step, wall "
+      f"and CPU; peak memory (allocator) ≤ {MEMORY_TARGET}×; our overhead / "
+      f"TF Privacy DPModel's ≤ {OVERHEAD_TARGET}, wall and CPU:", "",
+      "| model | time target | wall | CPU | memory | overhead ratio (wall) "
+      "| overhead ratio (CPU) |",
+      "|---|---|---|---|---|---|---|"] + rows + [""]
 
 
 def plot(result: dict, path: pathlib.Path) -> Optional[pathlib.Path]:

@@ -124,6 +124,8 @@ def test_report_renders_tables_and_writes_json(tmp_path):
   # Noise floor: 1 + 0.5 ms / 1.0 ms, above the MLP's 1.15x target.
   assert ("| mlp | 1,000 | 0.50 ms | 1.00 ms | 1.50× | 1.40× | "
           "1.15× (below the floor) |") in md
+  assert ("| mlp | ≤ 1.15 | 1.50 ✗ | 1.40 ✗ | 1.20 ✓ | 0.25 ✓ | 0.20 ✓ |"
+          in md)
   paths = report.write(result, tmp_path, "t")
   saved = json.loads((tmp_path / "t.json").read_text())
   assert saved["summary"]["mlp"]["overhead_ratio"] == pytest.approx(0.25)
