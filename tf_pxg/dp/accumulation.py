@@ -84,7 +84,8 @@ class LogicalStepAccumulator:
     self.in_step.assign(0)
 
   def step(self, sums: Sequence[tf.Tensor], non_finite: tf.Tensor,
-           step_end: tf.Tensor) -> Tuple[List[tf.Tensor], tf.Tensor]:
+           step_end: tf.Tensor,
+           branchless: bool = False) -> Tuple[List[tf.Tensor], tf.Tensor]:
     """Adds one physical batch; returns the logical step's running totals.
 
     The first physical batch of a step passes its sums through; later ones
@@ -92,7 +93,10 @@ class LogicalStepAccumulator:
     logical step of one physical batch touches no accumulator, and one of k
     costs about one pass over the parameters per physical batch. The
     conditionals hold no synchronisation point, so they are allowed in
-    replica context under MirroredStrategy.
+    replica context under MirroredStrategy. With `branchless` (for XLA on
+    CPU, where a conditional copies the tensors it passes) the totals are
+    always `stored + sums` and the store is a select; the stored sums are
+    then zero between steps.
 
     Args:
       sums: this replica's clipped-gradient sums for this physical batch,
@@ -108,6 +112,16 @@ class LogicalStepAccumulator:
     """
     sums = [tf.cast(x, a.dtype) for a, x in zip(self.sums, sums)]
     non_finite = tf.cast(non_finite, tf.int32)
+    self.position.assign_add(1)
+    if branchless:
+      totals = [a.read_value() + x for a, x in zip(self.sums, sums)]
+      bad = self.non_finite.read_value() + non_finite
+      for a, t in zip(self.sums, totals):
+        a.assign(tf.where(step_end, tf.zeros_like(t), t))
+      self.non_finite.assign(tf.where(step_end, 0, bad))
+      self.in_step.assign(tf.where(step_end, tf.constant(0, tf.int64),
+                                   self.in_step + 1))
+      return totals, bad
     first = tf.equal(self.in_step, 0)
     totals, bad = tf.cond(
         first, lambda: (sums, non_finite),
@@ -125,7 +139,6 @@ class LogicalStepAccumulator:
       self.in_step.assign_add(1)
       return tf.constant(False)
 
-    self.position.assign_add(1)
     tf.cond(step_end, end, carry)
     return totals, bad
 

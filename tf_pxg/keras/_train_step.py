@@ -202,6 +202,10 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   from tf_pxg import data as dp_data  # noqa: PLC0415
   from tf_pxg.dp import accumulation  # noqa: PLC0415
 
+  # Under the model's XLA compilation, selects replace the conditionals and
+  # the noise is drawn at every physical batch (used only at a step's end):
+  # on CPU an XLA conditional copies every tensor it passes.
+  xla = bool(getattr(model, "jit_compile", False))
   x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
   info = sample_weight if dp_data.is_dp_batch_info(sample_weight) else None
   if info is not None:
@@ -237,10 +241,12 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   else:
     step_end = info[dp_data.STEP_END][0] > 0.5
     normalizer = info[dp_data.NORMALIZER][0]
-    sums, bad = accumulator_for(variables).step(sums, bad, step_end)
+    sums, bad = accumulator_for(variables).step(sums, bad, step_end,
+                                                branchless=xla)
     mask = info[dp_data.MASK]
   noisy = accumulation.step_noise(sums, l2_norm_clip, noise_multiplier,
-                                  generator, replicas, draw=step_end)
+                                  generator, replicas,
+                                  draw=None if xla else step_end)
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
   return ReplicaGradients(noisy, normalizer, reg_grads, bad, step_end, x, y,
                           y_pred, sample_weight, losses, mask, reg_loss)
