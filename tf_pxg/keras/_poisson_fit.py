@@ -34,16 +34,18 @@ class _Feed:
 
   def __init__(self, sampler):
     self.sampler = sampler
-    self._history = collections.deque(maxlen=_HISTORY_STEPS)
-    self._position = 0
+    self._history = collections.deque()
 
   def stream(self):
-    self._history.clear()
-    self._position = 0
+    # Each iteration records into its own history (an abandoned iterator's
+    # prefetching thread may still run); the newest one is the training's.
+    history = collections.deque(maxlen=_HISTORY_STEPS)
+    self._history = history
+    position = 0
     while True:
       step = self.sampler.logical_step()
-      self._history.append((self._position, step))
-      self._position += len(step)
+      history.append((position, step))
+      position += len(step)
       yield from step
 
   def remaining(self, consumed: int) -> list:
