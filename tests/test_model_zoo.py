@@ -675,8 +675,9 @@ def test_one_fit_step_equals_clipped_reference(name, mode):
 @pytest.mark.parametrize("name", DETERMINISTIC)
 def test_gradient_invariants(name):
   zoo = _ZOO[name]
-  if zoo.tolerance > 1e-3:
-    pytest.skip("bfloat16 compute: covered by the one-step test")
+  # bfloat16 compute: tf_pxg's backward pass and TF's round differently.
+  tolerance = {} if zoo.tolerance <= 1e-4 else dict(rtol=zoo.tolerance,
+                                                    atol=1e-4)
   twin, _, _ = _reference(zoo)
   x, y, sw = _data(zoo)
 
@@ -686,7 +687,8 @@ def test_gradient_invariants(name):
 
   pxg_testing.check_gradient_invariants(
       losses, twin, twin.trainable_variables, x,
-      (y, sw) if zoo.sample_weight else y, mode="function", training=True)
+      (y, sw) if zoo.sample_weight else y, mode="function", training=True,
+      **tolerance)
 
 
 @pytest.mark.parametrize("mode", MODES)
