@@ -204,3 +204,29 @@ def test_keras_lstm_with_dynamic_length_raises_instead_of_none():
 
   with pytest.raises(ValueError, match=r"(?s)While.*lstm.*static"):
     run(tf.ones([B, 4, 2]))
+
+
+def test_weight_shared_across_steps_is_one_merged_contraction():
+  """The T uses of each LSTM weight merge into one interface: one sq_norm
+  call per weight, the recurrent kernel by the Gram (ghost) form over steps,
+  and no vectorized fallback."""
+  keras.utils.set_random_seed(0)
+  layer = L.LSTM(32)
+  x = tf.constant(np.random.default_rng(5).standard_normal((B, 6, 4)),
+                  tf.float32)
+  layer(x)
+
+  @tf.function
+  def norms(x):
+    with tf_pxg.GradientTape() as tape:
+      losses = tf.reduce_sum(layer(x) ** 2, axis=1)
+    return tape.per_example_norms(losses, layer.trainable_variables)
+
+  with pxg_testing.trace_rules() as records:
+    norms(x)
+  calls = [r for r in records if r["form"] == "sq_norm"]
+  assert len(calls) == 3, records  # kernel, recurrent kernel, bias
+  assert not any(r["rule"] == "_VectorizedFallback" for r in records)
+  # Recurrent kernel [32, 128] over T=6 rows: 6*(32+128) < 32*128.
+  assert sum(r.get("sq_norm") == "ghost" for r in calls
+             if r["op_type"] == "MatMul") >= 1, calls

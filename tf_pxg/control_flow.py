@@ -79,7 +79,7 @@ def enter(recorder) -> None:
   _recorders().append(recorder)
 
 
-def exit(recorder) -> None:  # pylint: disable=redefined-builtin
+def leave(recorder) -> None:
   """Called by a recorder when it stops recording."""
   stack = _recorders()
   for i in range(len(stack) - 1, -1, -1):

@@ -113,7 +113,7 @@ class Recorder:
     if not self._active:
       return
     op_callbacks.remove_op_callback(self._callback)
-    control_flow.exit(self)
+    control_flow.leave(self)
     self._end_watcher()
     self._active = False
 
