@@ -13,10 +13,9 @@ each step includes every training example independently with probability
 q = batch_size / num_train, padded to a fixed physical batch with masked rows;
 the noisy sum is divided by the expected batch size q * num_train. So the ε
 printed (`tf_pxg.accounting`: Poisson-subsampled Gaussian, RDP) describes the
-batches actually trained on. An epoch is ceil(num_train / batch_size) steps.
+batches actually trained on. `fit` runs ceil(epochs * num_train / batch_size)
+logical steps, the count the accountant assigns to the epochs.
 """
-
-import math
 
 import os
 
@@ -95,8 +94,8 @@ def main(argv):
     noise = _NOISE_MULTIPLIER.value
     if noise is None:
       noise = accounting.noise_multiplier_for_epsilon(
-          _TARGET_EPSILON.value, n, batch,
-          steps=_EPOCHS.value * math.ceil(n / batch), delta=_DELTA.value)
+          _TARGET_EPSILON.value, n, batch, epochs=_EPOCHS.value,
+          delta=_DELTA.value)
     model = dpk.DPSequential(cnn_layers(), l2_norm_clip=_L2_NORM_CLIP.value,
                              noise_multiplier=noise)
     callbacks.append(dpk.PrivacyCallback(

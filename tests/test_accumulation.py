@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_pxg import accounting
 from tf_pxg import data as dpd
 import tf_pxg.keras as dpk
 
@@ -169,6 +170,21 @@ def test_fit_counts_logical_steps_and_reports_poisson_epsilon():
   assert int(model.optimizer.iterations) == 10
   assert history.history["epsilon"][-1] == pytest.approx(cb.epsilon(10))
   assert all(np.isfinite(history.history["loss"]))
+
+
+def test_fit_runs_the_accounted_number_of_steps():
+  # N = 20, B = 8: 3 epochs are ceil(3 * 20 / 8) = 8 steps for the
+  # accountant, not 3 * ceil(20 / 8) = 9.
+  x, y = _data(20)
+  model = _model(noise=1.0)
+  history = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                      accumulation_steps=2)
+  assert accounting.steps_for(20, 8, 3) == 8
+  assert int(model.optimizer.iterations) == 8
+  assert len(history.history["loss"]) == 3
+  # An explicit steps_per_epoch is taken as given.
+  model.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=3, verbose=0)
+  assert int(model.optimizer.iterations) == 8 + 9
 
 
 def test_privacy_callback_refuses_or_labels_shuffled_batches():

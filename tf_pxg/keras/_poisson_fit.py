@@ -154,3 +154,41 @@ def finish(model, feed, data):
       except StopIteration:
         break
   accumulator.reset()
+
+
+class _StepLimit(keras.callbacks.Callback):
+  """Stops training once `optimizer.iterations` reaches `limit`."""
+
+  def __init__(self, limit: int):
+    super().__init__()
+    self.limit = limit
+
+  def on_train_batch_end(self, batch, logs=None):
+    if int(self.model.optimizer.iterations.numpy()) >= self.limit:
+      self.model.stop_training = True
+
+
+def with_step_limit(model, callbacks, sampler, epochs):
+  """`callbacks` plus a stop after `accounting.steps_for(N, B, epochs)` steps.
+
+  `ceil(N / B)` logical steps per epoch would run `epochs * ceil(N / B)`
+  steps, more than the `ceil(epochs * N / B)` that
+  `tf_pxg.accounting` (and `noise_multiplier_for_epsilon(epochs=...)`, the
+  `tf-pxg` command) count for `epochs` epochs when `B` does not divide `N`;
+  the limit makes `fit` run exactly the accounted number (with
+  `steps_per_execution > 1`, Keras may run up to that many physical batches
+  more, and a logical step they leave unfinished is discarded).
+  """
+  from tf_pxg import accounting  # noqa: PLC0415
+  limit = int(model.optimizer.iterations.numpy()) + (
+      accounting.steps_for(sampler.num_examples,
+                           int(round(sampler.expected_batch_size)), epochs)
+      if float(sampler.expected_batch_size).is_integer() else
+      epochs * sampler.steps_per_epoch)
+  stop = _StepLimit(limit)
+  if callbacks is None:
+    return [stop]
+  if isinstance(callbacks, keras.callbacks.CallbackList):
+    callbacks.append(stop)
+    return callbacks
+  return list(callbacks) + [stop]

@@ -218,7 +218,11 @@ class _DPTrainingMixin:
     `tf.data.Dataset` of `(x, y[, sample_weight])`, which is read into
     memory). Every logical step includes each of the N examples
     independently with probability `q = batch_size / N`; an epoch is
-    `steps_per_epoch` (default `ceil(N / batch_size)`) logical steps. A
+    `steps_per_epoch` (default `ceil(N / batch_size)`) logical steps, and
+    by default the run stops after `tf_pxg.accounting.steps_for(N, B,
+    epochs)` = `ceil(epochs * N / B)` logical steps, the count the
+    accountant assigns to `epochs` epochs (so the last epoch may be
+    shorter). A
     logical step is fed as `accumulation_steps` physical batches of
     `physical_batch_size` rows (default
     `tf_pxg.data.default_physical_batch_size`), padded with masked rows, and
@@ -287,6 +291,9 @@ class _DPTrainingMixin:
         "expected_batch_size": sampler.expected_batch_size,
         "accumulation_steps": sampler.accumulation_steps,
         "physical_batch_size": sampler.physical_batch_size}
+    if steps_per_epoch is None:
+      keras_kwargs["callbacks"] = _poisson_fit.with_step_limit(
+          self, callbacks, sampler, epochs - initial_epoch)
     history = super().fit(
         dataset, validation_data=validation_data, shuffle=False,
         steps_per_epoch=sampler.steps_per_epoch * accumulation_steps,
