@@ -6,10 +6,16 @@ with the plain `tf.GradientTape` loop over single examples
 gradients, global norms and clipped sums. While the tape records,
 `tf_pxg.control_flow` unrolls loops with a static number of steps; a loop it
 cannot see into raises. A DP `fit` step with an LSTM equals
-`w - mean_b clip(g_b)`.
+`w - mean_b clip(g_b)`, also under MirroredStrategy (replica threads record
+and unroll on their own).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
@@ -230,3 +236,61 @@ def test_weight_shared_across_steps_is_one_merged_contraction():
   # Recurrent kernel [32, 128] over T=6 rows: 6*(32+128) < 32*128.
   assert sum(r.get("sq_norm") == "ghost" for r in calls
              if r["op_type"] == "MatMul") >= 1, calls
+
+
+_MIRRORED_LSTM = textwrap.dedent("""
+    import os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np, tensorflow as tf, keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_pxg.keras as dpk
+    from tf_pxg import testing as pxg_testing
+    L = keras.layers
+
+    def layers():
+      return [keras.Input((6,), dtype="int32"),
+              L.Embedding(50, 4, mask_zero=True),
+              L.Bidirectional(L.LSTM(3)), L.Dense(2)]
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 50, (8, 6)).astype("int32")
+    x[2, 3:] = 0
+    x[5, 1:] = 0
+    y = rng.integers(0, 2, 8)
+    keras.utils.set_random_seed(0)
+    ref = keras.Sequential(layers())
+    before = [w.copy() for w in ref.get_weights()]
+    g = pxg_testing.reference_per_example_gradients(
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                   reduction=None),
+        ref, ref.trainable_variables, tf.constant(x), labels=tf.constant(y))
+    norms = np.sqrt(sum(np.sum(np.reshape(r.numpy() ** 2, [8, -1]), 1)
+                        for r in g))
+    clip = float(np.median(norms))  # Some examples clipped, some not.
+    factors = np.minimum(1.0, clip / norms)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+      model = dpk.DPSequential(layers(), l2_norm_clip=clip,
+                               noise_multiplier=0.0)
+      model.set_weights(before)
+      model.compile(optimizer=keras.optimizers.SGD(1.0),
+                    loss=keras.losses.SparseCategoricalCrossentropy(
+                        from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    before = [v.numpy() for v in ref.trainable_variables]
+    for v, w0, r in zip(model.trainable_variables, before, g):
+      step = np.tensordot(factors, r.numpy(), axes=1) / 8
+      err = np.max(np.abs(v.numpy() - (w0 - step)))
+      assert err <= 1e-4 * np.max(np.abs(step)) + 1e-7, (v.path, err)
+    print("OK")
+""")
+
+
+def test_dp_fit_with_bidirectional_lstm_under_mirrored_strategy():
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+  proc = subprocess.run([sys.executable, "-c", _MIRRORED_LSTM], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
+      proc.stdout[-2000:] + proc.stderr[-4000:])
