@@ -13,7 +13,9 @@ give `w - mean_b (C / ||g_b||) g_b`, the `g_b` coming from a plain
 `compute_loss` on a batch of one), to 1e-4 of the update size, in eager
 (`run_eagerly=True`), `tf.function` and `jit_compile=True`. They also pass
 `tf_pxg.testing.check_gradient_invariants` (no clip: the clipped sum equals
-the plain gradient; no non-zero gradient gets a zero per-example one).
+the plain gradient; no non-zero gradient gets a zero per-example one), and
+no op takes the vectorized fallback unless the model declares it (today only
+Conv3DTranspose's `Conv3DBackpropInputV2`, which has no rule).
 
 Stochastic models (Dropout, augmentation) must train with noise and stay
 finite, in the three modes.
@@ -370,6 +372,8 @@ class Zoo:
     deterministic: False for models with random layers in training.
     sample_weight: pass per-example sample weights to `fit`.
     tolerance: error bound in units of the update size.
+    fallback: op types expected to take the vectorized fallback (no rule);
+      any other op that does fails the invariants test.
   """
   name: str
   build: Callable
@@ -378,6 +382,7 @@ class Zoo:
   deterministic: bool = True
   sample_weight: bool = False
   tolerance: float = 1e-4
+  fallback: tuple = ()
 
 
 SCE = "sparse_categorical_crossentropy"
@@ -498,7 +503,7 @@ ZOO = [
     Zoo("conv3d_transpose", sequential(lambda: [
         keras.Input((2, 2, 2, 1)), L.Conv3DTranspose(2, 2, strides=2),
         L.Flatten(), L.Dense(3, activation="softmax")]),
-        images((2, 2, 2, 1))),
+        images((2, 2, 2, 1)), fallback=("Conv3DBackpropInputV2",)),
     Zoo("separable_depthwise_conv1d", sequential(lambda: [
         keras.Input((8, 2)), L.SeparableConv1D(4, 3, activation="relu"),
         L.DepthwiseConv1D(3), L.GlobalAveragePooling1D(),
@@ -685,10 +690,17 @@ def test_gradient_invariants(name):
     y, sw = labels if zoo.sample_weight else (labels, None)
     return dpk.per_example_losses(twin, y, y_pred, sw)
 
-  pxg_testing.check_gradient_invariants(
-      losses, twin, twin.trainable_variables, x,
-      (y, sw) if zoo.sample_weight else y, mode="function", training=True,
-      **tolerance)
+  with pxg_testing.trace_rules() as records:
+    pxg_testing.check_gradient_invariants(
+        losses, twin, twin.trainable_variables, x,
+        (y, sw) if zoo.sample_weight else y, mode="function", training=True,
+        **tolerance)
+  fallback = {r["op_type"] for r in records
+              if r["rule"] == "_VectorizedFallback" or
+              r.get("per_example") == "vectorized"}
+  assert fallback == set(zoo.fallback), (
+      f"{name}: ops on the vectorized fallback {sorted(fallback)}, "
+      f"expected {sorted(zoo.fallback)}")
 
 
 @pytest.mark.parametrize("mode", MODES)
