@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from test_distribute import _env
 from test_distribute import _free_ports
 from test_distribute import _result
@@ -207,6 +208,7 @@ def test_multi_worker_poisson_logical_step_exact_and_noise_once():
   assert results[0]["noise_ratio"] == results[1]["noise_ratio"]
 
 
+@pytest.mark.slow  # ~45 s alone, ~90 s on a loaded 2-core machine
 def test_multiworker_example_trains_and_workers_agree():
   import os  # noqa: PLC0415
   import re  # noqa: PLC0415

@@ -271,7 +271,9 @@ class _DPTrainingMixin:
       self._dp_data = {"sampling": "shuffled"}
       return super().fit(
           x, y, batch_size=batch_size, validation_split=validation_split,
-          validation_data=validation_data, shuffle=shuffle,
+          validation_data=validation_data,
+          # Keras ignores (and warns about) `shuffle` for datasets.
+          shuffle=shuffle and not isinstance(x, tf.data.Dataset),
           class_weight=class_weight, sample_weight=sample_weight,
           steps_per_epoch=steps_per_epoch,
           validation_batch_size=validation_batch_size, **keras_kwargs)
