@@ -99,10 +99,15 @@ def test_bad_input_one_line_exit_2(capsys, args, names):
 
 
 def test_importing_cli_defines_no_global_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  for name in ("num_examples", "batch_size", "noise_multiplier",
-               "target_epsilon", "epochs", "steps", "accountant"):
-    assert name not in flags.FLAGS
+  """In a fresh interpreter: other test modules may define absl flags."""
+  names = ("num_examples", "batch_size", "noise_multiplier", "target_epsilon",
+           "epochs", "steps", "accountant")
+  code = ("import tf_pxg.cli; from absl import flags; "
+          f"print([n for n in {names!r} if n in flags.FLAGS])")
+  env = dict(os.environ, PYTHONPATH=REPO)
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True).stdout
+  assert out.strip() == "[]"
 
 
 def test_python_dash_m_subprocess():
