@@ -28,11 +28,19 @@ from absl import flags
 
 from benchmarks import venv
 
-_MODE = flags.DEFINE_string("mode", "keras", "A mode of benchmarks.modes.")
-_MODEL = flags.DEFINE_string("model", "mlp", "A model of benchmarks.models.")
-_BATCH = flags.DEFINE_integer("batch_size", 0, "0: the model's default.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "0: the model's default.")
-_STEPS = flags.DEFINE_integer("steps", 3, "Steps measured after warm-up.")
+
+
+def _define_flags():
+  """The command line's flags (defined only when run as a program, so that
+  importing this module next to other benchmarks' flags does not clash)."""
+  return dict(
+      mode=flags.DEFINE_string("mode", "keras", "A mode of benchmarks.modes."),
+      model=flags.DEFINE_string("model", "mlp",
+                                "A model of benchmarks.models."),
+      batch_size=flags.DEFINE_integer("batch_size", 0,
+                                      "0: the model's default."),
+      seq_len=flags.DEFINE_integer("seq_len", 0, "0: the model's default."),
+      steps=flags.DEFINE_integer("steps", 3, "Steps measured after warm-up."))
 
 
 def _status_kb(field: str) -> Optional[int]:
@@ -113,15 +121,18 @@ def measure(mode: str, model: str, batch_size: int, seq_len: int,
   return result
 
 
+_FLAGS = {}
+
+
 def main(argv):
   del argv
   venv.setup_process_env()
-  result = measure(_MODE.value, _MODEL.value, _BATCH.value, _SEQ_LEN.value,
-                   _STEPS.value)
+  result = measure(**{k: v.value for k, v in _FLAGS.items()})
   sys.stdout.write(json.dumps(result) + "\n")
   sys.stdout.flush()
   os._exit(0)  # skip TF's slow teardown
 
 
 if __name__ == "__main__":
+  _FLAGS.update(_define_flags())
   app.run(main)
