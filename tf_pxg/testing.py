@@ -338,6 +338,21 @@ def _names(variables) -> List[str]:
           for i, v in enumerate(variables)]
 
 
+def _run_in_mode(compute: Callable, inputs, labels, mode: str):
+  """`compute(inputs, labels)` eagerly, in a `tf.function` or under XLA.
+
+  Raises:
+    ValueError: if `mode` is not one of `MODES`.
+  """
+  if mode == "eager":
+    return compute(inputs, labels)
+  if mode == "function":
+    return tf.function(compute)(inputs, labels)
+  if mode == "jit":
+    return tf.function(compute, jit_compile=True)(inputs, labels)
+  raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
+
+
 def _run_tf_pxg(loss_fn, model_or_fn, variables, inputs, labels, training,
                 l2_norm_clip, mode: str) -> Dict[str, Any]:
   """tf_pxg's three quantities, each from a fresh (non-persistent) tape."""
@@ -369,13 +384,7 @@ def _run_tf_pxg(loss_fn, model_or_fn, variables, inputs, labels, training,
     out["clipped_gradient_sum norms"] = norms
     return out
 
-  if mode == "eager":
-    return compute(inputs, labels)
-  if mode == "function":
-    return tf.function(compute)(inputs, labels)
-  if mode == "jit":
-    return tf.function(compute, jit_compile=True)(inputs, labels)
-  raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
+  return _run_in_mode(compute, inputs, labels, mode)
 
 
 def check_per_example_gradients(
@@ -566,13 +575,7 @@ def _run_invariants(loss_fn, model_or_fn, variables, inputs, labels,
     return {"gradient": dense(grads), "clipped_gradient_sum": dense(sums),
             "per_example_gradient": dense(per_example)}
 
-  if mode == "eager":
-    return compute(inputs, labels)
-  if mode == "function":
-    return tf.function(compute)(inputs, labels)
-  if mode == "jit":
-    return tf.function(compute, jit_compile=True)(inputs, labels)
-  raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
+  return _run_in_mode(compute, inputs, labels, mode)
 
 
 def check_gradient_invariants(
