@@ -184,9 +184,7 @@ def test_int_tokens_behind_float_input_spec_train_exactly():
   ref = pxg_testing.reference_per_example_gradients(
       loss, plain, plain.trainable_variables,
       tf.constant(ids, tf.float32), labels=tf.constant(y))
-  norms = np.sqrt(sum(np.sum(np.reshape(r.numpy() ** 2, [4, -1]), 1)
-                      for r in ref))
-  clip = float(np.median(norms))
+  clip = float(np.median(pxg_testing.per_example_global_norms(ref)))
   model = dpk.DPSequential(layers(), l2_norm_clip=clip, noise_multiplier=0.0)
   model.build((None, 12))
   model.set_weights(plain.get_weights())
@@ -195,9 +193,7 @@ def test_int_tokens_behind_float_input_spec_train_exactly():
                     from_logits=True))
   before = [v.numpy() for v in model.trainable_variables]
   model.fit(ids, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
-  factors = np.minimum(1.0, clip / norms)
-  for v, w0, r in zip(model.trainable_variables, before, ref):
-    expected = w0 - np.tensordot(factors, r.numpy(), axes=1) / 4
-    step = float(np.max(np.abs(expected - w0)))
-    np.testing.assert_allclose(v.numpy(), expected, rtol=0,
-                               atol=1e-4 * step + 1e-7)
+  pxg_testing.assert_dp_step_matches_reference(
+      model.trainable_variables, before,
+      pxg_testing.expected_dp_sgd_weights(before, ref, clip),
+      names=[v.path for v in model.trainable_variables])

@@ -162,9 +162,8 @@ def test_dp_fit_step_with_lstm_equals_clipped_reference_update():
   ref = pxg_testing.reference_per_example_gradients(
       loss, plain, plain.trainable_variables, tf.constant(ids),
       labels=tf.constant(y))
-  norms = np.sqrt(sum(np.sum(np.reshape(r.numpy() ** 2, [4, -1]), 1)
-                      for r in ref))
-  clip = float(np.median(norms))  # Some examples clipped, some not.
+  # Some examples clipped, some not.
+  clip = float(np.median(pxg_testing.per_example_global_norms(ref)))
   model = dpk.DPSequential(layers(), l2_norm_clip=clip, noise_multiplier=0.0)
   model.set_weights(plain.get_weights())
   model.compile(optimizer=keras.optimizers.SGD(1.0),
@@ -172,12 +171,10 @@ def test_dp_fit_step_with_lstm_equals_clipped_reference_update():
                     from_logits=True))
   before = [v.numpy() for v in model.trainable_variables]
   model.fit(ids, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
-  factors = np.minimum(1.0, clip / norms)
-  for v, w0, r in zip(model.trainable_variables, before, ref):
-    expected = w0 - np.tensordot(factors, r.numpy(), axes=1) / 4
-    step = float(np.max(np.abs(expected - w0)))
-    np.testing.assert_allclose(v.numpy(), expected, rtol=0,
-                               atol=1e-4 * step + 1e-7)
+  pxg_testing.assert_dp_step_matches_reference(
+      model.trainable_variables, before,
+      pxg_testing.expected_dp_sgd_weights(before, ref, clip),
+      names=[v.path for v in model.trainable_variables])
 
 
 def test_raw_while_loop_on_a_parameter_raises_naming_loop_and_variable():
@@ -266,10 +263,8 @@ _MIRRORED_LSTM = textwrap.dedent("""
         keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                    reduction=None),
         ref, ref.trainable_variables, tf.constant(x), labels=tf.constant(y))
-    norms = np.sqrt(sum(np.sum(np.reshape(r.numpy() ** 2, [8, -1]), 1)
-                        for r in g))
-    clip = float(np.median(norms))  # Some examples clipped, some not.
-    factors = np.minimum(1.0, clip / norms)
+    # Some examples clipped, some not.
+    clip = float(np.median(pxg_testing.per_example_global_norms(g)))
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
       model = dpk.DPSequential(layers(), l2_norm_clip=clip,
@@ -280,10 +275,10 @@ _MIRRORED_LSTM = textwrap.dedent("""
                         from_logits=True))
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     before = [v.numpy() for v in ref.trainable_variables]
-    for v, w0, r in zip(model.trainable_variables, before, g):
-      step = np.tensordot(factors, r.numpy(), axes=1) / 8
-      err = np.max(np.abs(v.numpy() - (w0 - step)))
-      assert err <= 1e-4 * np.max(np.abs(step)) + 1e-7, (v.path, err)
+    pxg_testing.assert_dp_step_matches_reference(
+        model.trainable_variables, before,
+        pxg_testing.expected_dp_sgd_weights(before, g, clip),
+        names=[v.path for v in model.trainable_variables])
     print("OK")
 """)
 
