@@ -35,6 +35,8 @@ import tensorflow as tf
 import tf_pxg.keras as dpk
 from tf_pxg import testing as pxg_testing
 
+from _keras_models import MinimalRNNCell
+
 L = keras.layers
 B = 4  # examples per batch
 MODES = ("eager", "function", "jit")
@@ -131,28 +133,6 @@ class Linear(L.Layer):
 
   def call(self, inputs):
     return keras.ops.matmul(inputs, self.w) + self.b
-
-
-class MinimalRNNCell(L.Layer):
-  """keras.io "Working with RNNs": a cell for `keras.layers.RNN`."""
-
-  def __init__(self, units, **kwargs):
-    super().__init__(**kwargs)
-    self.units = units
-    self.state_size = units
-
-  def build(self, input_shape):
-    self.kernel = self.add_weight(shape=(input_shape[-1], self.units),
-                                  initializer="uniform", name="kernel")
-    self.recurrent_kernel = self.add_weight(
-        shape=(self.units, self.units), initializer="uniform",
-        name="recurrent_kernel")
-
-  def call(self, inputs, states):
-    prev_output = states[0]
-    h = keras.ops.matmul(inputs, self.kernel)
-    output = h + keras.ops.matmul(prev_output, self.recurrent_kernel)
-    return output, [output]
 
 
 class TokenAndPositionEmbedding(L.Layer):

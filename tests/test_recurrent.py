@@ -26,6 +26,8 @@ import tf_pxg
 import tf_pxg.keras as dpk
 from tf_pxg import testing as pxg_testing
 
+from _keras_models import MinimalRNNCell
+
 L = keras.layers
 MODES = pxg_testing.MODES
 B = 3
@@ -35,27 +37,6 @@ def _sq_loss(outputs):
   outputs = tf.convert_to_tensor(outputs)
   return tf.reduce_sum(tf.reshape(tf.square(outputs),
                                   [tf.shape(outputs)[0], -1]), axis=1)
-
-
-class MinimalCell(L.Layer):
-  """A custom RNN cell written as keras.io writes one (add_weight)."""
-
-  def __init__(self, units, **kwargs):
-    super().__init__(**kwargs)
-    self.units = units
-    self.state_size = units
-
-  def build(self, input_shape):
-    self.kernel = self.add_weight(shape=(input_shape[-1], self.units),
-                                  initializer="glorot_uniform", name="kernel")
-    self.recurrent_kernel = self.add_weight(
-        shape=(self.units, self.units), initializer="orthogonal",
-        name="recurrent_kernel")
-
-  def call(self, inputs, states):
-    h = keras.ops.tanh(keras.ops.matmul(inputs, self.kernel) +
-                       keras.ops.matmul(states[0], self.recurrent_kernel))
-    return h, [h]
 
 
 # name -> (layer factory, per-example input shape)
@@ -70,7 +51,9 @@ LAYERS = {
         3, reset_after=False, go_backwards=True), (4, 2)),
     "Bidirectional_LSTM": (lambda: L.Bidirectional(L.LSTM(
         2, return_sequences=True)), (4, 2)),
-    "RNN_custom_cell": (lambda: L.RNN(MinimalCell(3)), (4, 2)),
+    "RNN_custom_cell": (lambda: L.RNN(MinimalRNNCell(
+        3, activation="tanh", kernel_initializer="glorot_uniform",
+        recurrent_initializer="orthogonal")), (4, 2)),
     "ConvLSTM1D": (lambda: L.ConvLSTM1D(2, 3, padding="same"), (3, 5, 2)),
     "ConvLSTM2D": (lambda: L.ConvLSTM2D(2, 2), (2, 4, 4, 1)),
 }
