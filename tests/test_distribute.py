@@ -8,13 +8,9 @@ update is `-lr * noise / B`; its std over 5050 coordinates is compared with
 that, and correlated replica noise.
 """
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
+import _multi_worker as multi_worker
 import pytest
 
 _SIGMA, _CLIP, _BATCH, _LR = 1.3, 0.7, 16, 0.1
@@ -91,22 +87,6 @@ _MULTI_WORKER = _COMMON + textwrap.dedent("""
     """)
 
 
-def _env(**extra):
-  env = dict(os.environ)
-  env.update(extra)
-  env["PYTHONPATH"] = os.pathsep.join(
-      [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] +
-      env.get("PYTHONPATH", "").split(os.pathsep))
-  return env
-
-
-def _result(stdout: str) -> dict:
-  for line in stdout.splitlines():
-    if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
-  raise AssertionError(f"no RESULT line in output:\n{stdout}")
-
-
 def _check(result, replicas):
   assert result["replicas"] == replicas
   assert result["iterations"] == 1
@@ -118,49 +98,15 @@ def _check(result, replicas):
 
 
 def test_mirrored_two_replicas_total_noise_and_non_finite_skip():
-  proc = subprocess.run([sys.executable, "-c", _MIRRORED], env=_env(),
-                        capture_output=True, text=True, timeout=240)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = _result(proc.stdout)
+  result = multi_worker.run_script(_MIRRORED, timeout=240)
   _check(result, replicas=2)
   assert result["skip_weights_unchanged"]
   assert result["skip_iterations"] == 2
   assert result["skipped"] == 1.0
 
 
-def _free_ports(n):
-  socks = [socket.socket() for _ in range(n)]
-  for s in socks:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
-
-
 def test_multi_worker_two_processes_total_noise_is_sigma_clip_over_batch():
-  ports = _free_ports(2)
-  cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-  procs = []
-  for index in range(2):
-    tf_config = json.dumps({"cluster": cluster,
-                            "task": {"type": "worker", "index": index}})
-    procs.append(subprocess.Popen(
-        [sys.executable, "-c", _MULTI_WORKER],
-        env=_env(TF_CONFIG=tf_config, CUDA_VISIBLE_DEVICES="-1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-  outputs = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=240)
-      outputs.append((p.returncode, out, err))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for code, out, err in outputs:
-    assert code == 0, err[-4000:]
-  results = [_result(out) for _, out, _ in outputs]
+  results = multi_worker.run_workers(_MULTI_WORKER, timeout=240)
   for r in results:
     _check(r, replicas=2)
   # Both workers hold the same (all-reduced) weights.
@@ -237,10 +183,7 @@ _MIRRORED_EXACT = textwrap.dedent("""
 def _run_mirrored_exact(num, with_reg):
   code = _MIRRORED_EXACT.replace("NUM", str(num)).replace(
       "WITH_REG", str(with_reg))
-  proc = subprocess.run([sys.executable, "-c", code], env=_env(),
-                        capture_output=True, text=True, timeout=240)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = _result(proc.stdout)
+  result = multi_worker.run_script(code, timeout=240)
   assert result["replicas"] == 2
   assert result["iterations"] == -(-num // 4)
   assert result["size"] > 1e-3

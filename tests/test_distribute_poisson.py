@@ -1,8 +1,7 @@
 """Poisson logical steps under real strategies: exact, and noise once.
 
 Each case runs in fresh subprocesses (2 logical CPUs for MirroredStrategy;
-2 worker processes on 127.0.0.1 for MultiWorkerMirroredStrategy, reusing
-`test_distribute`'s harness). In each:
+2 worker processes on 127.0.0.1 for MultiWorkerMirroredStrategy, `tests/_multi_worker.py`). In each:
 - exactness: with sigma = 0, q = 1 and SGD(1), one logical step over k = 4
   physical batches (each split over 2 replicas, padded and masked) moves
   the weights by `-mean_b clip(g_b)` from a plain `tf.GradientTape` loop
@@ -16,15 +15,12 @@ fetched; under MWMS (where Keras' fit fails upstream) as the custom loop
 of `examples/dp_digits_multiworker.py`'s kind.
 """
 
-import json
 import subprocess
 import sys
 import textwrap
 
+import _multi_worker as multi_worker
 import pytest
-from test_distribute import _env
-from test_distribute import _free_ports
-from test_distribute import _result
 
 _SIGMA, _CLIP, _N, _B = 1.3, 0.7, 64, 16
 
@@ -163,10 +159,7 @@ def _check(result):
 
 
 def _mirrored(mode):
-  proc = subprocess.run([sys.executable, "-c", _MIRRORED, mode], env=_env(),
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return _result(proc.stdout)
+  return multi_worker.run_script(_MIRRORED, mode, timeout=300)
 
 
 def test_mirrored_fit_poisson_logical_step_exact_and_noise_once():
@@ -180,28 +173,7 @@ def test_mirrored_custom_loop_with_xla_replica_step_exact_and_hlo():
 
 
 def test_multi_worker_poisson_logical_step_exact_and_noise_once():
-  ports = _free_ports(2)
-  cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-  procs = []
-  for index in range(2):
-    tf_config = json.dumps({"cluster": cluster,
-                            "task": {"type": "worker", "index": index}})
-    procs.append(subprocess.Popen(
-        [sys.executable, "-c", _MULTI_WORKER],
-        env=_env(TF_CONFIG=tf_config, CUDA_VISIBLE_DEVICES="-1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-  outputs = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=300)
-      outputs.append((p.returncode, out, err))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for code, _, err in outputs:
-    assert code == 0, err[-4000:]
-  results = [_result(out) for _, out, _ in outputs]
+  results = multi_worker.run_workers(_MULTI_WORKER, timeout=300)
   for r in results:
     _check(r)
   # Both workers hold the same (all-reduced) weights.
@@ -217,7 +189,7 @@ def test_multiworker_example_trains_and_workers_agree():
       [sys.executable, os.path.join(root, "examples",
                                     "dp_digits_multiworker.py"),
        "--epochs=2", "--target_epsilon=2.0"],
-      env=_env(), capture_output=True, text=True, timeout=300)
+      env=multi_worker.env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.strip().splitlines()
   final = [line for line in lines if line.startswith("final:")]
