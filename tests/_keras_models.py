@@ -1,8 +1,13 @@
-"""Keras layers shared by several test files (not a test file itself)."""
+"""Keras layers and checks shared by several test files (not a test file)."""
 
 from __future__ import annotations
 
 import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_pxg.keras as dpk
+from tf_pxg import testing as pxg_testing
 
 
 class MinimalRNNCell(keras.layers.Layer):
@@ -43,3 +48,52 @@ class MinimalRNNCell(keras.layers.Layer):
          keras.ops.matmul(states[0], self.recurrent_kernel))
     h = self.activation(h)
     return h, [h]
+
+
+def check_one_dp_fit_step(make_layers, x, y, *, reference_x=None,
+                          build_shape=None):
+  """One DP `fit` step equals the noiseless DP-SGD step of the reference.
+
+  A plain `keras.Sequential(make_layers())` (seed 0) gives the per-example
+  gradients of the sparse categorical cross-entropy (from logits) by
+  `tf_pxg.testing.reference_per_example_gradients`; the clip is their
+  median global norm, so some examples are clipped and some not. A
+  `DPSequential(make_layers())` with the same weights, `noise_multiplier=0`
+  and `SGD(1)` then takes one `fit` step over the whole batch, which must
+  give `tf_pxg.testing.expected_dp_sgd_weights` to 1e-4 of each variable's
+  update (`assert_dp_step_matches_reference`).
+
+  Args:
+    make_layers: returns a fresh list of layers (an `Input` first, or give
+      `build_shape`).
+    x: the `[B, ...]` numpy inputs given to `fit`.
+    y: the `[B]` integer labels.
+    reference_x: the inputs of the reference loop; `tf.constant(x)` by
+      default.
+    build_shape: if given, both models are built with it first.
+  """
+  keras.utils.set_random_seed(0)
+  plain = keras.Sequential(make_layers())
+  if build_shape is not None:
+    plain.build(build_shape)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                    reduction=None)
+  ref = pxg_testing.reference_per_example_gradients(
+      loss, plain, plain.trainable_variables,
+      tf.constant(x) if reference_x is None else reference_x,
+      labels=tf.constant(y))
+  clip = float(np.median(pxg_testing.per_example_global_norms(ref)))
+  model = dpk.DPSequential(make_layers(), l2_norm_clip=clip,
+                           noise_multiplier=0.0)
+  if build_shape is not None:
+    model.build(build_shape)
+  model.set_weights(plain.get_weights())
+  model.compile(optimizer=keras.optimizers.SGD(1.0),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  before = [v.numpy() for v in model.trainable_variables]
+  model.fit(x, y, batch_size=len(y), epochs=1, verbose=0, shuffle=False)
+  pxg_testing.assert_dp_step_matches_reference(
+      model.trainable_variables, before,
+      pxg_testing.expected_dp_sgd_weights(before, ref, clip),
+      names=[v.path for v in model.trainable_variables])

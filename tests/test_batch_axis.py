@@ -20,6 +20,8 @@ import tf_pxg
 import tf_pxg.keras as dpk
 from tf_pxg import testing as pxg_testing
 
+from _keras_models import check_one_dp_fit_step
+
 MODES = pxg_testing.MODES
 B = 3
 L = keras.layers
@@ -176,24 +178,6 @@ def test_int_tokens_behind_float_input_spec_train_exactly():
     return [L.Embedding(50, 4), L.Conv1D(3, 5), L.GlobalMaxPooling1D(),
             L.Dense(2)]
 
-  keras.utils.set_random_seed(0)
-  plain = keras.Sequential(layers())
-  plain.build((None, 12))
-  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                    reduction=None)
-  ref = pxg_testing.reference_per_example_gradients(
-      loss, plain, plain.trainable_variables,
-      tf.constant(ids, tf.float32), labels=tf.constant(y))
-  clip = float(np.median(pxg_testing.per_example_global_norms(ref)))
-  model = dpk.DPSequential(layers(), l2_norm_clip=clip, noise_multiplier=0.0)
-  model.build((None, 12))
-  model.set_weights(plain.get_weights())
-  model.compile(optimizer=keras.optimizers.SGD(1.0),
-                loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True))
-  before = [v.numpy() for v in model.trainable_variables]
-  model.fit(ids, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
-  pxg_testing.assert_dp_step_matches_reference(
-      model.trainable_variables, before,
-      pxg_testing.expected_dp_sgd_weights(before, ref, clip),
-      names=[v.path for v in model.trainable_variables])
+  check_one_dp_fit_step(layers, ids, y,
+                        reference_x=tf.constant(ids, tf.float32),
+                        build_shape=(None, 12))
