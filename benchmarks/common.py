@@ -8,6 +8,7 @@ absolute time alone.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Dict, Optional
 
@@ -15,6 +16,8 @@ from absl import flags
 import keras
 import numpy as np
 import tensorflow as tf
+
+from benchmarks import models
 
 
 BATCH = flags.DEFINE_integer("batch_size", 256, "Examples per step.")
@@ -24,37 +27,15 @@ MODELS_FLAG = flags.DEFINE_list("models", ["mlp", "cnn"], "Models to run.")
 JIT = flags.DEFINE_bool("jit_compile", False, "Compile both with XLA.")
 
 
-def mlp() -> keras.Model:
-  """MLP 784-512-512-10 (DESIGN.md's MLP)."""
-  return keras.Sequential([
-      keras.Input((784,)),
-      keras.layers.Dense(512, activation="relu"),
-      keras.layers.Dense(512, activation="relu"),
-      keras.layers.Dense(10),
-  ])
-
-
-def cnn() -> keras.Model:
-  """Conv2D 16 5x5 s2 -> Conv2D 32 4x4 s2 -> Dense 32 -> Dense 10 on 28x28x1."""
-  return keras.Sequential([
-      keras.Input((28, 28, 1)),
-      keras.layers.Conv2D(16, 5, strides=2, activation="relu"),
-      keras.layers.Conv2D(32, 4, strides=2, activation="relu"),
-      keras.layers.Flatten(),
-      keras.layers.Dense(32, activation="relu"),
-      keras.layers.Dense(10),
-  ])
-
-
-MODELS = {"mlp": (mlp, (784,)), "cnn": (cnn, (28, 28, 1))}
+# The architectures are `benchmarks.models`' (one definition for every
+# benchmark), built here with Keras 3.
+MODELS = {name: functools.partial(models.build, keras, name)
+          for name in ("mlp", "cnn")}
 
 
 def batch(name: str, batch_size: int, seed: int = 0):
-  shape = MODELS[name][1]
-  rng = np.random.default_rng(seed)
-  x = rng.normal(size=(batch_size, *shape)).astype("float32")
-  y = rng.integers(0, 10, size=(batch_size,)).astype("int32")
-  return x, y
+  """A fixed random batch `(x, y)` of NumPy arrays for model `name`."""
+  return models.batch(name, batch_size, seed=seed)
 
 
 def _sync(result):

@@ -51,8 +51,8 @@ def build(name: str, batch_size: int, jit_compile: bool) -> dict:
   "noise" only draws the DP step's noise: its time over "plain" is the
   share of the DP overhead that no clipping engine can remove.
   """
-  plain = common.MODELS[name][0]()
-  private = pxk.make_private(common.MODELS[name][0](), l2_norm_clip=1.0,
+  plain = common.MODELS[name]()
+  private = pxk.make_private(common.MODELS[name](), l2_norm_clip=1.0,
                              noise_multiplier=_NOISE.value)
   private.set_weights(plain.get_weights())
   x, y = common.batch(name, batch_size)

@@ -17,7 +17,7 @@ ratios measured side by side mean anything). Ratios reported, per model at physi
 - `xla dp/xla plain`: the DP step (plain batch and Poisson batch) over a
   non-private Keras step, both with `jit_compile=True`.
 
-Models (as in `benchmarks/common.py`): MLP 784-512-512-10 and the CNN
+Models (`benchmarks/models.py`): MLP 784-512-512-10 and the CNN
 Conv2D 16 5x5 s2 -> Conv2D 32 4x4 s2 -> Dense 32 -> Dense 10 on 28x28x1.
 """
 
@@ -35,6 +35,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import models  # noqa: E402
 from tf_pxg import data as dp_data  # noqa: E402
 import tf_pxg.keras as dpk  # noqa: E402
 
@@ -47,24 +48,8 @@ _STAT = flags.DEFINE_enum(
     "Per-variant statistic over rounds (min resists a shared CPU's noise).")
 
 
-def _layers(name):
-  if name == "mlp":
-    return [keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(10)]
-  return [keras.Input((28, 28, 1)),
-          keras.layers.Conv2D(16, 5, strides=2, activation="relu"),
-          keras.layers.Conv2D(32, 4, strides=2, activation="relu"),
-          keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"),
-          keras.layers.Dense(10)]
-
-
 def _data(name, p):
-  rng = np.random.default_rng(0)
-  shape = (784,) if name == "mlp" else (28, 28, 1)
-  x = tf.constant(rng.normal(size=(p, *shape)).astype("float32"))
-  y = tf.constant(rng.integers(0, 10, size=(p,)).astype("int32"))
-  return x, y
+  return tuple(tf.constant(a) for a in models.batch(name, p))
 
 
 def _compiled_step(model, jit):
@@ -101,7 +86,7 @@ def measure(name, p, steps, rounds):
 
   def dp_model(noise):
     keras.utils.set_random_seed(0)
-    return dpk.DPSequential(_layers(name), l2_norm_clip=1.0,
+    return dpk.make_private(models.build(keras, name), l2_norm_clip=1.0,
                             noise_multiplier=noise, seed=0)
 
   for jit in (False, True):
@@ -112,7 +97,7 @@ def measure(name, p, steps, rounds):
     info1 = _poisson_infos(p, b, 1)[0]
     variants[f"{tag} dp padded"] = lambda f=padded: f((x, y, info1))
     keras.utils.set_random_seed(0)
-    nonprivate = keras.Sequential(_layers(name))
+    nonprivate = models.build(keras, name)
     nonprivate.compile(
         optimizer=keras.optimizers.SGD(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

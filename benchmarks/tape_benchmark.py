@@ -17,7 +17,7 @@ import tf_pxg
 
 def build(name: str, batch_size: int, jit_compile: bool) -> dict:
   """The non-private and DP gradient functions of one model and batch."""
-  model = common.MODELS[name][0]()
+  model = common.MODELS[name]()
   x, y = (tf.constant(a) for a in common.batch(name, batch_size))
   loss_fn = keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=None)
