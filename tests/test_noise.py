@@ -271,3 +271,93 @@ def test_exports():
   assert callable(dp.clip_factors)
   np.testing.assert_allclose(
       dp.clip_factors(tf.constant([0.5, 2.0, 4.0]), 1.0), [1.0, 0.5, 0.25])
+
+
+# ---------------------------------------------------------------------------
+# The fused Threefry kernel (tf_pxg.dp.threefry).
+# ---------------------------------------------------------------------------
+
+from tf_pxg.dp import threefry  # noqa: E402
+
+
+@pytest.mark.parametrize("key, counter, expected", [
+    # Known-answer vectors of the Random123 reference (kat_vectors,
+    # threefry2x32_20).
+    ((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF),
+     (0x1CB996FC, 0xBB002BE7)),
+    ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3),
+     (0xC4923A9C, 0x483DF7A0)),
+])
+def test_threefry_known_answers(key, counter, expected):
+  u32 = lambda v: tf.constant([v], tf.uint32)  # noqa: E731
+  y0, y1 = threefry.threefry2x32(u32(key[0])[0], u32(key[1])[0],
+                                 u32(counter[0]), u32(counter[1]))
+  assert (int(y0[0]), int(y1[0])) == expected
+
+
+def test_cos_pi_polynomial_accuracy():
+  # Every quarter turn, its boundaries, and u -> 1 (where u2 saturates).
+  u = np.concatenate([np.linspace(0.0, 1.0, 200_001, dtype=np.float32),
+                      np.float32([0.25, 0.5, 0.75, np.nextafter(1, 0)])])
+  got = threefry._cos_pi(tf.constant(u)).numpy().astype(np.float64)
+  want = np.cos(np.pi * u.astype(np.float64))
+  assert np.max(np.abs(got - want)) < 2e-7
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_threefry_normal_is_standard_normal(jit):
+  key = tf.constant([3, 1, 4], tf.uint32)
+  z = tf.function(lambda: threefry.normal([N], key), jit_compile=jit)()
+  assert z.dtype == tf.float32
+  assert _ks_statistic(z, 1.0) < KS_CRITICAL
+  # The radius uses 32-bit uniforms: |z| <= sqrt(2 * 33 ln 2).
+  assert float(tf.reduce_max(tf.abs(z))) <= math.sqrt(66 * math.log(2))
+  other = threefry.normal([N], tf.constant([3, 1, 5], tf.uint32))
+  assert abs(np.corrcoef(z.numpy(), other.numpy())[0, 1]) < 5 / math.sqrt(N)
+
+
+def test_threefry_tensors_take_disjoint_counter_ranges():
+  # Tensor j's noise is elements sum(sizes[:j]).. of one draw: the same
+  # key gives the same numbers as one flat draw, split.
+  key = tf.constant([7, 8, 9], tf.uint32)
+  a, b = threefry.add_normal_noise([tf.zeros([3, 5]), tf.zeros([7])], key,
+                                   2.0)
+  flat = threefry.normal([22], key)
+  np.testing.assert_allclose(tf.reshape(a, [-1]), 2.0 * flat[:15],
+                             rtol=1e-6)
+  np.testing.assert_allclose(b, 2.0 * flat[15:], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_threefry_low_precision_gets_float32_samples_cast(dtype):
+  key = tf.constant([1, 2, 3], tf.uint32)
+  (low,) = threefry.add_normal_noise([tf.zeros([N], dtype)], key, 0.5)
+  assert low.dtype == dtype
+  want = tf.cast(0.5 * threefry.normal([N], key), dtype)
+  np.testing.assert_array_equal(low.numpy(), want.numpy())
+
+
+def test_threefry_errors():
+  key = tf.constant([1, 2, 3], tf.uint32)
+  with pytest.raises(ValueError, match="float32"):
+    threefry.add_normal_noise([tf.zeros([4], tf.float64)], key, 1.0)
+
+  @tf.function(input_signature=[tf.TensorSpec([None])])
+  def dynamic(t):
+    return threefry.add_normal_noise([t], key, 1.0)
+
+  with pytest.raises(ValueError, match="static shapes"):
+    dynamic(tf.zeros([4]))
+  with pytest.raises(ValueError, match="at most 4294967295"):
+    threefry._normal_flat(key, threefry.MAX_ELEMENTS - 10, 20)
+
+
+def test_float64_and_dynamic_shapes_use_tf_kernels_in_add_gaussian_noise():
+  # float64 tensors keep float64 samples (the fused kernel is float32).
+  (noisy,) = dp.add_gaussian_noise([tf.zeros([N], tf.float64)], 1.0,
+                                   seed=tf.constant([1, 2]))
+  assert noisy.dtype == tf.float64
+  assert _ks_statistic(noisy, 1.0) < KS_CRITICAL
+  # Some samples are not float32 numbers: they were drawn in float64.
+  assert np.any(noisy.numpy() != noisy.numpy().astype(np.float32))
