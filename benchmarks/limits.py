@@ -1,16 +1,20 @@
-r"""What the noise costs on this CPU: the floor under every DP step.
+r"""What the noise costs on this CPU: the floors under every DP step.
 
 DP-SGD adds one Gaussian per weight per step, and no clipping engine can
-skip that. This measures, in CPU time per element over 4M elements (so
-per-op overhead is negligible):
+skip that: the update becomes dense. This measures, in CPU time per
+element over 4M elements (so per-op overhead is negligible):
 
+* `threefry_ns_per_gaussian`: what a DP step pays per weight,
+  `tf_pxg.dp.threefry.add_normal_noise` (generate, scale and add, fused);
 * `philox_ns_per_word`: TF's Philox generator, raw 32-bit words
-  (`Generator.uniform_full_int`); Box-Muller needs one word per Gaussian;
-* `box_muller_ns_per_gaussian`: `tf_pxg.dp.box_muller_normal`, what a DP
-  step draws;
-* `tf_normal_ns_per_gaussian`: TF's own `Generator.normal`, for reference;
-* `copy_ns_per_float`: writing one float32 (`x + 1`, a read and a write),
-  the memory-bandwidth bound an ideal generator would approach.
+  (`Generator.uniform_full_int`), for reference;
+* `box_muller_ns_per_gaussian`: `tf_pxg.dp.box_muller_normal`, TF's kernels
+  (the fallback for float64 and dynamic shapes);
+* `tf_normal_ns_per_gaussian`: TF's own `Generator.normal`;
+* `copy_ns_per_float`: `x + 1` with TF's kernel (a read and a write);
+* `dense_update_ns_per_float`: one XLA-fused read-modify-write pass over a
+  variable (`v.assign(v * a + b)`), the least a dense update can cost per
+  weight even with a free generator: the memory-bandwidth floor.
 
   python -m benchmarks.limits
 """
@@ -42,9 +46,20 @@ def noise_kernels() -> dict:
   """CPU ns per element of the noise's building blocks (see module doc)."""
   import tensorflow as tf  # noqa: PLC0415
   from tf_pxg import dp  # noqa: PLC0415
+  from tf_pxg.dp import threefry  # noqa: PLC0415
   gen = tf.random.Generator.from_seed(0)
   x = tf.Variable(tf.zeros([N]))
+  key = tf.Variable(tf.constant([1, 2, 3], tf.uint32))
+
+  @tf.function(jit_compile=True)
+  def dense_update():
+    x.assign(x * 0.5 + 1.0)
+    return x.read_value()[:1]
+
   fns = {
+      "threefry_ns_per_gaussian": tf.function(
+          lambda: threefry.add_normal_noise([x.read_value()], key, 1.0)),
+      "dense_update_ns_per_float": dense_update,
       "philox_ns_per_word": tf.function(
           lambda: gen.uniform_full_int([N], tf.uint32)),
       "box_muller_ns_per_gaussian": tf.function(

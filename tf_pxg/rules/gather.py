@@ -57,9 +57,10 @@ class _GatherRule(base.Rule):
   def sq_norm(self, ctx):
     ids, dz = self._rows(ctx)
     dz = tf.cast(dz, tf.float32)
-    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32)
     gram = tf.einsum("bld,bmd->blm", dz, dz)
-    return tf.reduce_sum(same * gram, axis=[1, 2])
+    same = tf.equal(ids[:, :, None], ids[:, None, :])
+    return tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)),
+                         axis=[1, 2])
 
 
 register("GatherV2")(_GatherRule)
