@@ -361,3 +361,37 @@ def test_float64_and_dynamic_shapes_use_tf_kernels_in_add_gaussian_noise():
   assert _ks_statistic(noisy, 1.0) < KS_CRITICAL
   # Some samples are not float32 numbers: they were drawn in float64.
   assert np.any(noisy.numpy() != noisy.numpy().astype(np.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_densify_indexed_slices_adds_repeated_rows(jit):
+  values = tf.reshape(tf.range(12, dtype=tf.float32), [4, 3])
+  indices = tf.constant([2, 0, 2, 4])
+  slices = tf.IndexedSlices(values, indices, tf.constant([6, 3]))
+  dense = tf.function(lambda: dp.densify(slices), jit_compile=jit)()
+  np.testing.assert_array_equal(dense, tf.convert_to_tensor(slices))
+  assert float(dense[2, 0]) == 0.0 + 6.0  # rows 0 and 2 of values add up
+  np.testing.assert_array_equal(dp.densify(tf.ones([2])), [1.0, 1.0])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_indexed_slices_rows_are_added_inside_the_fused_noise(jit):
+  # The same key gives the same noise whether the rows arrive dense or as
+  # IndexedSlices, and the rows (with a repeated index) are added exactly.
+  values = tf.reshape(tf.range(12, dtype=tf.float32), [4, 3])
+
+  def rows():
+    return tf.IndexedSlices(values, tf.constant([2, 0, 2, 4]),
+                            tf.constant([6, 3]))
+
+  key = tf.constant([4, 5, 6], tf.uint32)
+  sparse, dense = tf.function(
+      lambda: threefry.add_normal_noise([rows(), tf.ones([5])], key, 0.5),
+      jit_compile=jit)()
+  dense_rows = tf.convert_to_tensor(rows())
+  want = threefry.add_normal_noise([tf.ones([5]), dense_rows], key, 0.5)
+  np.testing.assert_allclose(dense, want[0], rtol=1e-6)
+  # Tensor order decides the counter ranges: put the dense one first.
+  np.testing.assert_allclose(sparse, want[1], rtol=1e-6, atol=1e-6)
+  noise_only = sparse - dense_rows
+  assert _ks_statistic(tf.reshape(noise_only, [-1]), 0.5) < 0.6  # 18 values

@@ -14,6 +14,7 @@ from tf_pxg.dp.accumulation import step_noise
 from tf_pxg.dp.clipping import clip_factors
 from tf_pxg.dp.noise import add_gaussian_noise
 from tf_pxg.dp.noise import box_muller_normal
+from tf_pxg.dp.noise import densify
 from tf_pxg.dp.noise import make_generator
 from tf_pxg.dp.noise import replica_noise_stddev
 from tf_pxg.dp.noise import replica_seed
@@ -22,6 +23,7 @@ __all__ = [
     "LogicalStepAccumulator",
     "add_gaussian_noise",
     "box_muller_normal",
+    "densify",
     "clip_factors",
     "make_generator",
     "noisy_mean",

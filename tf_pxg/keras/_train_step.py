@@ -44,6 +44,7 @@ import keras
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tf_pxg.dp import noise as dp_noise
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
 from tf_pxg.tape.gradient_tape import GradientTape
@@ -54,9 +55,7 @@ def _num_replicas() -> int:
 
 
 def _dense(g):
-  if isinstance(g, tf.IndexedSlices):
-    return tf.convert_to_tensor(g)
-  return g
+  return dp_noise.densify(g)
 
 
 def _apply_then_undo(optimizer, grads, variables, keep, step_end):
@@ -226,7 +225,9 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   variables = list(model.trainable_variables)
   _validation.check_no_data_dependent_losses(model)
   sums, norms = tape.clipped_gradient_sum(losses, variables, l2_norm_clip)
-  sums = [tf.zeros_like(v) if s is None else _dense(s)
+  # An embedding's sum stays `IndexedSlices` up to the noise, which adds
+  # its rows inside the fused noise loop (tf_pxg.dp.threefry).
+  sums = [tf.zeros_like(v) if s is None else s
           for s, v in zip(sums, variables)]
   replicas = _num_replicas()
   bad = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(norms)),
@@ -241,12 +242,13 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   else:
     step_end = info[dp_data.STEP_END][0] > 0.5
     normalizer = info[dp_data.NORMALIZER][0]
-    sums, bad = accumulator_for(variables).step(sums, bad, step_end,
-                                                branchless=xla)
+    sums, bad = accumulator_for(variables).step(
+        [_dense(s) for s in sums], bad, step_end, branchless=xla)
     mask = info[dp_data.MASK]
   noisy = accumulation.step_noise(sums, l2_norm_clip, noise_multiplier,
                                   generator, replicas,
                                   draw=None if xla else step_end)
+  noisy = [_dense(g) for g in noisy]  # sigma = 0 leaves IndexedSlices
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
   return ReplicaGradients(noisy, normalizer, reg_grads, bad, step_end, x, y,
                           y_pred, sample_weight, losses, mask, reg_loss)
