@@ -4,9 +4,10 @@
     python benchmarks/sampling_benchmark.py --models=mlp --rounds=9
 
 Each variant is a compiled `train_step` called on a prepared batch (no input
-pipeline), timed in interleaved rounds in one process (the median, or with
-`--stat=min` the fastest, of the rounds; the CPU may be shared, so only
-ratios measured side by side mean anything). Ratios reported, per model at physical batch P:
+pipeline), timed in interleaved rounds in one process by the suite's
+`benchmarks.timing` (each ratio is the median of per-round ratios; the CPU
+may be shared, so only ratios measured side by side mean anything). Ratios
+reported, per model at physical batch P:
 
 - `padded/unpadded`: a DP step on a Poisson physical batch (mask, P rows of
   which ~P/(1 + 4/sqrt(B)) real, noise once, divided by qN) over a DP step
@@ -23,7 +24,6 @@ Conv2D 16 5x5 s2 -> Conv2D 32 4x4 s2 -> Dense 32 -> Dense 10 on 28x28x1.
 
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
@@ -36,16 +36,14 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from benchmarks import models  # noqa: E402
+from benchmarks import modes  # noqa: E402
+from benchmarks import timing  # noqa: E402
 from tf_pxg import data as dp_data  # noqa: E402
 import tf_pxg.keras as dpk  # noqa: E402
 
 _BATCH = flags.DEFINE_integer("batch_size", 256, "Physical batch size P.")
-_STEPS = flags.DEFINE_integer("steps", 16, "Steps per round (multiple of 8).")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Interleaved rounds.")
 _MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models.")
-_STAT = flags.DEFINE_enum(
-    "stat", "median", ["median", "min"],
-    "Per-variant statistic over rounds (min resists a shared CPU's noise).")
 
 
 def _data(name, p):
@@ -62,11 +60,6 @@ def _compiled_step(model, jit):
   return tf.function(model.train_step, jit_compile=jit)
 
 
-def _sync(out):
-  for t in tf.nest.flatten(out):
-    t.numpy()
-
-
 def _poisson_infos(p, b, k):
   """Masks of k physical batches of one Poisson draw (expected size b*k)."""
   rng = np.random.default_rng(1)
@@ -78,7 +71,8 @@ def _poisson_infos(p, b, k):
   return infos
 
 
-def measure(name, p, steps, rounds):
+def measure(name, p, rounds):
+  """Ratios of the variants (module doc) of model `name` at batch `p`."""
   x, y = _data(name, p)
   # Expected batch whose default physical size is about P.
   b = int((np.sqrt(4 + p) - 2) ** 2)
@@ -95,7 +89,7 @@ def measure(name, p, steps, rounds):
     variants[f"{tag} dp unpadded"] = lambda f=plain: f((x, y))
     padded = _compiled_step(dp_model(1.0), jit)
     info1 = _poisson_infos(p, b, 1)[0]
-    variants[f"{tag} dp padded"] = lambda f=padded: f((x, y, info1))
+    variants[f"{tag} dp padded"] = lambda f=padded, i=info1: f((x, y, i))
     keras.utils.set_random_seed(0)
     nonprivate = models.build(keras, name)
     nonprivate.compile(
@@ -108,49 +102,42 @@ def measure(name, p, steps, rounds):
   variants["graph dp sigma0"] = lambda f=sigma0: f((x, y))
   acc = _compiled_step(dp_model(1.0), False)
   infos8 = _poisson_infos(p, b // 8 or 1, 8)
-  cursor = [0]
+  # One call runs a whole logical step of 8 physical batches; its time is
+  # divided by 8 below.
+  variants["graph dp k8 (logical)"] = lambda: [acc((x, y, i))
+                                               for i in infos8][-1]
 
-  def k8():
-    out = acc((x, y, infos8[cursor[0] % 8]))
-    cursor[0] += 1
-    return out
-
-  variants["graph dp k8 (per physical)"] = k8
-
-  for fn in variants.values():  # warm up (trace, compile)
-    for _ in range(8):
-      _sync(fn())
-  times = {k: [] for k in variants}
-  for _ in range(rounds):
-    for k, fn in variants.items():
-      start = time.perf_counter()
-      for _ in range(steps):
-        out = fn()
-      _sync(out)
-      times[k].append((time.perf_counter() - start) / steps)
-  pick = np.min if _STAT.value == "min" else np.median
-  return {k: float(pick(v)) for k, v in times.items()}
+  built = timing.build_group(
+      list(variants), lambda k: modes.Step(variants[k]), log=lambda _: None)
+  results = timing.run_rounds(built, rounds, round_seconds=0.5)
+  pairs = {"graph dp padded": "graph dp unpadded",
+           "xla dp padded": "xla dp unpadded",
+           "xla dp unpadded": "xla non-private",
+           "graph dp unpadded": "graph non-private"}
+  timing.add_ratios(results, pairs)
+  ratios = {k: results[k]["ratio"] for k in pairs}
+  per_round = (np.array(results["graph dp k8 (logical)"]["round_ms"]) / 8 /
+               np.array(results["graph dp sigma0"]["round_ms"]))
+  ratios["k8/sigma0"] = float(np.median(per_round))
+  xla_padded = (np.array(results["xla dp padded"]["round_ms"]) /
+                np.array(results["xla non-private"]["round_ms"]))
+  ratios["xla dp padded / xla non-private"] = float(np.median(xla_padded))
+  return {k: r["ms"] for k, r in results.items()}, ratios
 
 
 def main(argv):
   del argv
-  p, steps, rounds = _BATCH.value, _STEPS.value, _ROUNDS.value
+  p = _BATCH.value
   for name in _MODELS.value:
-    t = measure(name, p, steps, rounds)
-    for k, v in t.items():
-      print(f"{name} P={p} {k}: {v * 1e3:.2f} ms", flush=True)
-    ratio = lambda a, b: t[a] / t[b]  # noqa: E731
+    ms, r = measure(name, p, _ROUNDS.value)
+    for k, v in ms.items():
+      print(f"{name} P={p} {k}: {v:.2f} ms", flush=True)
     print(f"{name} P={p} ratios: padded/unpadded "
-          f"graph={ratio('graph dp padded', 'graph dp unpadded'):.3f} "
-          f"xla={ratio('xla dp padded', 'xla dp unpadded'):.3f}; "
-          f"k8/sigma0="
-          f"{ratio('graph dp k8 (per physical)', 'graph dp sigma0'):.3f}; "
-          f"xla dp/xla plain unpadded="
-          f"{ratio('xla dp unpadded', 'xla non-private'):.3f} "
-          f"padded={ratio('xla dp padded', 'xla non-private'):.3f}; "
-          f"graph dp/plain="
-          f"{ratio('graph dp unpadded', 'graph non-private'):.3f}",
-          flush=True)
+          f"graph={r['graph dp padded']:.3f} xla={r['xla dp padded']:.3f}; "
+          f"k8/sigma0={r['k8/sigma0']:.3f}; xla dp/xla plain "
+          f"unpadded={r['xla dp unpadded']:.3f} "
+          f"padded={r['xla dp padded / xla non-private']:.3f}; "
+          f"graph dp/plain={r['graph dp unpadded']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,37 @@
 r"""Tape benchmark: `clipped_gradient_sum` vs `tf.GradientTape.gradient`.
 
-Both run inside `tf.function` on the same model and batch; the report is the
-ratio DP / non-private of the median step time and of the TF CPU allocator
-peak, measured in one run:
+Both run inside `tf.function` on the same model and batch, timed in
+interleaved rounds in one process (`benchmarks.timing`, the suite's
+timing); reports DP / non-private wall and CPU time, and the TF CPU
+allocator peak where the allocator keeps statistics:
 
-  python -m benchmarks.tape_benchmark --batch_size=256
+  python -m benchmarks.tape_benchmark --models=mlp,cnn --batch_size=256
 """
 
+from __future__ import annotations
+
 from absl import app
+from absl import flags
 import keras
 import tensorflow as tf
 
-from benchmarks import common
+from benchmarks import memory
+from benchmarks import models
+from benchmarks import modes
+from benchmarks import timing
 import tf_pxg
 
+_MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models to run.")
+_BATCH = flags.DEFINE_integer("batch_size", 256, "Examples per step.")
+_ROUNDS = flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds.")
+_JIT = flags.DEFINE_bool("jit_compile", False, "Compile both with XLA.")
 
-def build(name: str, batch_size: int, jit_compile: bool) -> dict:
-  """The non-private and DP gradient functions of one model and batch."""
-  model = common.MODELS[name]()
-  x, y = (tf.constant(a) for a in common.batch(name, batch_size))
+
+def steps(name: str, batch_size: int, jit_compile: bool = False):
+  """`{"plain": Step, "dp": Step}`: the two gradient functions of a model."""
+  keras.utils.set_random_seed(0)
+  model = models.build(keras, name)
+  x, y = (tf.constant(a) for a in models.batch(name, batch_size))
   loss_fn = keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=None)
   variables = model.trainable_variables
@@ -35,13 +48,33 @@ def build(name: str, batch_size: int, jit_compile: bool) -> dict:
       losses = loss_fn(y, model(x, training=True))
     return tape.clipped_gradient_sum(losses, variables, 1.0)
 
-  return {"plain": lambda: plain(x, y), "dp": lambda: dp(x, y)}
+  return {"plain": modes.Step(lambda: plain(x, y)),
+          "dp": modes.Step(lambda: dp(x, y))}
+
+
+def _peak(step: modes.Step):
+  if not memory.reset_allocator_stats():
+    return None
+  modes.sync(step.fn())
+  return memory.allocator_peak_bytes()
 
 
 def main(argv):
   del argv
-  common.report("tape", "clipped_gradient_sum / tf.GradientTape.gradient",
-                build)
+  for name in _MODELS.value:
+    built = timing.build_group(["plain", "dp"], steps(
+        name, _BATCH.value, _JIT.value).__getitem__, log=lambda _: None)
+    results = timing.run_rounds(built, _ROUNDS.value, round_seconds=0.5)
+    timing.add_ratios(results, {"dp": "plain"})
+    peaks = {k: _peak(built[k]) for k in built}
+    mem = (f"{peaks['dp'] / peaks['plain']:.2f}x" if all(peaks.values())
+           else "n/a (no allocator statistics)")
+    dp = results["dp"]
+    print(f"tape {name} B={_BATCH.value} jit={_JIT.value}: "
+          "clipped_gradient_sum / tf.GradientTape.gradient "
+          f"wall {dp['ratio']:.2f}x (CPU {dp['cpu_ratio']:.2f}x; "
+          f"{dp['ms']:.2f} / {results['plain']['ms']:.2f} ms), "
+          f"peak memory {mem}", flush=True)
 
 
 if __name__ == "__main__":
