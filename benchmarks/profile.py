@@ -68,31 +68,47 @@ def profile(model: str, mode: str, steps: int, batch: int = 0):
     return op_times(trace_dir)
 
 
-_MODEL = flags.DEFINE_string("model", "mlp", "Benchmark model.")
-_MODE = flags.DEFINE_string("mode", "pxg", "Benchmark mode.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Profiled steps.")
-_TOP = flags.DEFINE_integer("top", 25, "Ops to print.")
-_BY_TYPE = flags.DEFINE_bool("by_type", False, "Group ops by type.")
+def _define_flags():
+  """Flags, defined only when run as a program (importing this module next
+  to other benchmarks' flags must not clash)."""
+  return dict(
+      model=flags.DEFINE_string("model", "mlp", "Benchmark model."),
+      mode=flags.DEFINE_string("mode", "pxg", "Benchmark mode."),
+      steps=flags.DEFINE_integer("steps", 20, "Profiled steps."),
+      top=flags.DEFINE_integer("top", 25, "Ops to print."),
+      by_type=flags.DEFINE_bool("by_type", False, "Group ops by type."))
+
+
+_FLAGS = {}
+
+
+def report(times, steps: int, top: int, by_type: bool = False) -> list:
+  """Lines `ms/step share% xcalls name`, largest first."""
+  if by_type:
+    grouped = collections.defaultdict(lambda: [0.0, 0])
+    for name, (us, n) in times.items():
+      kind = name.rsplit(":", 1)[1]
+      grouped[kind][0] += us
+      grouped[kind][1] += n
+    times = grouped
+  total = sum(us for us, _ in times.values()) or 1.0
+  return [f"{us / steps / 1e3:8.3f} ms {100 * us / total:5.1f}% "
+          f"x{n / steps:5.1f}  {name}"
+          for name, (us, n) in sorted(times.items(),
+                                      key=lambda kv: -kv[1][0])[:top]]
 
 
 def main(argv):
   del argv
   venv.setup_process_env()
-  times = profile(_MODEL.value, _MODE.value, _STEPS.value)
-  if _BY_TYPE.value:
-    grouped = collections.defaultdict(lambda: [0.0, 0])
-    for name, (us, n) in times.items():
-      grouped[name.rsplit(":", 1)[1]][0] += us
-      grouped[name.rsplit(":", 1)[1]][1] += n
-    times = grouped
+  f = {k: v.value for k, v in _FLAGS.items()}
+  times = profile(f["model"], f["mode"], f["steps"])
   total = sum(us for us, _ in times.values())
-  print(f"{_MODEL.value} / {_MODE.value}: {total / _STEPS.value / 1e3:.2f} "
-        f"ms of op time per step")
-  for name, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[
-      :_TOP.value]:
-    print(f"{us / _STEPS.value / 1e3:8.3f} ms {100 * us / total:5.1f}% "
-          f"x{n / _STEPS.value:5.1f}  {name}")
+  print(f"{f['model']} / {f['mode']}: {total / f['steps'] / 1e3:.2f} ms of "
+        "op time per step")
+  print("\n".join(report(times, f["steps"], f["top"], f["by_type"])))
 
 
 if __name__ == "__main__":
+  _FLAGS.update(_define_flags())
   app.run(main)

@@ -21,10 +21,19 @@ from benchmarks import modes
 from benchmarks import timing
 import tf_pxg
 
-_MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models to run.")
-_BATCH = flags.DEFINE_integer("batch_size", 256, "Examples per step.")
-_ROUNDS = flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds.")
-_JIT = flags.DEFINE_bool("jit_compile", False, "Compile both with XLA.")
+
+def _define_flags():
+  """Flags, defined only when run as a program (see benchmarks.memory)."""
+  return dict(
+      models=flags.DEFINE_list("models", ["mlp", "cnn"], "Models to run."),
+      batch_size=flags.DEFINE_integer("batch_size", 256,
+                                      "Examples per step."),
+      rounds=flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds."),
+      jit_compile=flags.DEFINE_bool("jit_compile", False,
+                                    "Compile both with XLA."))
+
+
+_FLAGS = {}
 
 
 def steps(name: str, batch_size: int, jit_compile: bool = False):
@@ -59,23 +68,32 @@ def _peak(step: modes.Step):
   return memory.allocator_peak_bytes()
 
 
-def main(argv):
-  del argv
-  for name in _MODELS.value:
-    built = timing.build_group(["plain", "dp"], steps(
-        name, _BATCH.value, _JIT.value).__getitem__, log=lambda _: None)
-    results = timing.run_rounds(built, _ROUNDS.value, round_seconds=0.5)
-    timing.add_ratios(results, {"dp": "plain"})
-    peaks = {k: _peak(built[k]) for k in built}
-    mem = (f"{peaks['dp'] / peaks['plain']:.2f}x" if all(peaks.values())
-           else "n/a (no allocator statistics)")
-    dp = results["dp"]
-    print(f"tape {name} B={_BATCH.value} jit={_JIT.value}: "
+def compare(name: str, batch_size: int, rounds: int,
+            jit_compile: bool = False) -> str:
+  """Times both gradient functions of `name`; one report line."""
+  built = timing.build_group(["plain", "dp"], steps(
+      name, batch_size, jit_compile).__getitem__, log=lambda _: None)
+  results = timing.run_rounds(built, rounds, round_seconds=0.5)
+  timing.add_ratios(results, {"dp": "plain"})
+  peaks = {k: _peak(built[k]) for k in built}
+  mem = (f"{peaks['dp'] / peaks['plain']:.2f}x" if all(peaks.values())
+         else "n/a (no allocator statistics)")
+  dp = results["dp"]
+  return (f"tape {name} B={batch_size} jit={jit_compile}: "
           "clipped_gradient_sum / tf.GradientTape.gradient "
           f"wall {dp['ratio']:.2f}x (CPU {dp['cpu_ratio']:.2f}x; "
           f"{dp['ms']:.2f} / {results['plain']['ms']:.2f} ms), "
-          f"peak memory {mem}", flush=True)
+          f"peak memory {mem}")
+
+
+def main(argv):
+  del argv
+  f = {k: v.value for k, v in _FLAGS.items()}
+  for name in f["models"]:
+    print(compare(name, f["batch_size"], f["rounds"], f["jit_compile"]),
+          flush=True)
 
 
 if __name__ == "__main__":
+  _FLAGS.update(_define_flags())
   app.run(main)

@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from benchmarks import memory
 from benchmarks import models
@@ -121,12 +122,45 @@ def test_report_renders_tables_and_writes_json(tmp_path):
   assert "| 0.50× (0.50×) | 0.25× (0.20×) |" in md
   assert "registry fast path" in md and "TypeError: x" in md
   assert "| mlp | batch 32 | 1.50× (1.40×) |" in md
-  # Noise floor: 1 + 0.5 ms / 1.0 ms, above the MLP's 1.15x target.
-  assert ("| mlp | 1,000 | 0.50 ms | 1.00 ms | 1.50× | 1.40× | "
-          "1.15× (below the floor) |") in md
+  # Generator floor: 1 + 0.5 ms / 1.0 ms, above the MLP's 1.15x target;
+  # no kernel measurements, so no memory floor.
+  assert ("| mlp | 1,000 | 0.50 ms | 1.00 ms | 1.50× | – | 1.40× | "
+          "1.15× (below the generator floor) |") in md
+  # Memory floor: 1 + 1000 weights x 200 ns (the cheaper pass) / 1.0 ms.
+  result["noise_kernels"] = {
+      "threefry_ns_per_gaussian": 4.0, "philox_ns_per_word": 5.0,
+      "box_muller_ns_per_gaussian": 7.0, "tf_normal_ns_per_gaussian": 12.0,
+      "copy_ns_per_float": 200.0, "dense_update_ns_per_float": 300.0,
+      "elements": 10}
+  assert ("| mlp | 1,000 | 0.50 ms | 1.00 ms | 1.50× | 1.20× | 1.40× | "
+          "1.15× (below the memory floor: out of reach) |"
+          in report.markdown(result))
+  del result["noise_kernels"]
   assert ("| mlp | ≤ 1.15 | 1.50 ✗ | 1.40 ✗ | 1.20 ✓ | 0.25 ✓ | 0.20 ✓ |"
           in md)
   paths = report.write(result, tmp_path, "t")
   saved = json.loads((tmp_path / "t.json").read_text())
   assert saved["summary"]["mlp"]["overhead_ratio"] == pytest.approx(0.25)
   assert (tmp_path / "t.md").exists() and len(paths) >= 2
+
+
+def test_profile_attributes_op_time_to_the_fused_noise_kernel():
+  from benchmarks import profile  # pylint: disable=g-import-not-at-top
+  times = profile.profile("mlp", "noise", steps=2, batch=4)
+  assert "(XLA cluster):XlaLaunch" in times  # the fused Threefry loop
+  us, calls = times["(XLA cluster):XlaLaunch"]
+  assert us > 0 and calls >= 2
+  lines = profile.report(times, steps=2, top=3)
+  assert len(lines) <= 3 and "XlaLaunch" in "".join(lines)
+
+
+def test_tape_benchmark_steps_and_comparison():
+  from benchmarks import tape_benchmark  # pylint: disable=g-import-not-at-top
+  fns = tape_benchmark.steps("mlp", 8)
+  plain, (dp, norms) = fns["plain"].fn(), fns["dp"].fn()
+  assert [p.shape for p in plain] == [d.shape for d in dp]
+  assert norms.shape == (8,)
+  # The clipped sum of 8 examples at C = 1 has norm <= 8.
+  assert float(tf.linalg.global_norm(dp)) <= 8.0 + 1e-4
+  line = tape_benchmark.compare("mlp", 8, rounds=1)
+  assert line.startswith("tape mlp B=8") and "wall" in line
