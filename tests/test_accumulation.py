@@ -25,11 +25,17 @@ def _sce():
 
 
 def _model(clip=None, noise=0.0, seed=0, optimizer=None, jit_compile=False,
-           metrics=None):
+           metrics=None, kind="dense"):
+  """A small DPModel; `kind="embedding"` reads 5 token ids (its table's
+  clipped sum is `IndexedSlices` of the used rows)."""
   clip = CLIP if clip is None else clip
   keras.utils.set_random_seed(seed)
-  inp = keras.Input((5,))
-  h = keras.layers.Dense(7, activation="tanh")(inp)
+  if kind == "embedding":
+    inp = keras.Input((5,), dtype="int32")
+    h = keras.layers.Flatten()(keras.layers.Embedding(VOCAB, 4)(inp))
+  else:
+    inp = keras.Input((5,))
+    h = keras.layers.Dense(7, activation="tanh")(inp)
   out = keras.layers.Dense(3)(h)
   model = dpk.DPModel(inp, out, l2_norm_clip=clip, noise_multiplier=noise,
                       seed=seed)
@@ -38,10 +44,14 @@ def _model(clip=None, noise=0.0, seed=0, optimizer=None, jit_compile=False,
   return model
 
 
-def _data(n, seed=1):
+VOCAB = 13
+
+
+def _data(n, seed=1, kind="dense"):
   rng = np.random.RandomState(seed)
-  return (rng.randn(n, 5).astype("float32") * 2,
-          rng.randint(0, 3, n).astype("int32"))
+  x = (rng.randint(0, VOCAB, (n, 5)).astype("int32") if kind == "embedding"
+       else rng.randn(n, 5).astype("float32") * 2)
+  return x, rng.randint(0, 3, n).astype("int32")
 
 
 def _weights(model):
@@ -75,15 +85,19 @@ def test_padding_rows_change_nothing(jit_compile):
     assert logs_pad[key] == pytest.approx(logs_plain[key], rel=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["dense", "embedding"])
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_logical_step_over_four_physical_batches_equals_one_step(jit_compile):
-  x, y = _data(32)
-  one = _model(jit_compile=jit_compile)
+def test_logical_step_over_four_physical_batches_equals_one_step(
+    jit_compile, kind):
+  x, y = _data(32, kind=kind)
+  # Between the smallest and largest per-example norm (checked below).
+  clip = {"dense": CLIP, "embedding": 1.4}[kind]
+  one = _model(clip=clip, jit_compile=jit_compile, kind=kind)
   one.train_on_batch(x, y, sample_weight=dpd.dp_batch_info(
       np.ones(32), step_end=True, normalizer=32.0))
   want = _weights(one)
 
-  acc = _model(jit_compile=jit_compile)
+  acc = _model(clip=clip, jit_compile=jit_compile, kind=kind)
   before = _weights(acc)
   for i in range(4):
     sl = slice(8 * i, 8 * i + 8)
@@ -95,8 +109,8 @@ def test_logical_step_over_four_physical_batches_equals_one_step(jit_compile):
   assert int(acc.optimizer.iterations) == int(one.optimizer.iterations) == 1
   _assert_close(_weights(acc), want, rel=1e-5)
   # The clip was active for some examples and not for others.
-  norms = _per_example_norms(_model(), x, y)
-  assert norms.min() < CLIP < norms.max()
+  norms = _per_example_norms(_model(kind=kind), x, y)
+  assert norms.min() < clip < norms.max()
 
 
 def _per_example_norms(model, x, y):
@@ -105,7 +119,8 @@ def _per_example_norms(model, x, y):
     with tf.GradientTape() as tape:
       loss = _sce()(y[b:b + 1], model(x[b:b + 1]))
     g = tape.gradient(loss, model.trainable_variables)
-    out.append(math.sqrt(sum(float(tf.reduce_sum(t * t)) for t in g)))
+    out.append(math.sqrt(sum(float(tf.reduce_sum(tf.square(tf.convert_to_tensor(t))))
+                             for t in g)))
   return np.array(out)
 
 
@@ -156,6 +171,31 @@ def test_noise_std_per_logical_step_is_sigma_clip_over_qn(jit_compile):
   assert int(model.optimizer.iterations) == 1
   update = np.concatenate([v.numpy().ravel()
                            for v in model.trainable_variables]) / -lr
+  expected = sigma * clip / b
+  assert abs(update.std() / expected - 1) < 0.03, (update.std(), expected)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_embedding_noise_covers_every_row_once_per_logical_step(jit_compile):
+  # The table's clipped sums are IndexedSlices of the used rows; over a
+  # logical step of 4 physical batches they go through the accumulator's
+  # later/carry branches and the skipped draws. Zero data gradient: the
+  # update is the noise alone, on every row (used or not), drawn once.
+  sigma, clip, n, b, lr, vocab = 1.3, 0.7, 64, 16, 0.5, 400
+  inp = keras.Input((3,), dtype="int32")
+  emb = keras.layers.Embedding(vocab, 50, embeddings_initializer="zeros")
+  out = keras.layers.GlobalAveragePooling1D()(emb(inp))
+  model = dpk.DPModel(inp, out, l2_norm_clip=clip, noise_multiplier=sigma,
+                      seed=5)
+  model.compile(optimizer=keras.optimizers.SGD(lr), loss="mse",
+                jit_compile=jit_compile)
+  x = np.random.RandomState(0).randint(0, 20, (n, 3)).astype("int32")
+  model.fit(x, np.zeros((n, 50), "float32"), batch_size=b, epochs=1,
+            steps_per_epoch=1, verbose=0, accumulation_steps=4,
+            sampling_seed=3)
+  assert int(model.optimizer.iterations) == 1
+  update = emb.embeddings.numpy() / -lr
+  assert np.all(np.abs(update).sum(axis=1) > 0)  # rows 20.. were unused
   expected = sigma * clip / b
   assert abs(update.std() / expected - 1) < 0.03, (update.std(), expected)
 
