@@ -98,16 +98,9 @@ class LogicalStepAccumulator:
     always `stored + sums` and the store is a select; the stored sums are
     then zero between steps.
 
-    An embedding's sum may be a `tf.IndexedSlices` (the rows its examples
-    used). It stays one through a logical step of one physical batch (the
-    common case), so the fused noise adds its rows without densifying them
-    (`tf_pxg.dp.threefry`). A step of several physical batches returns it
-    as `IndexedSlices` over every row (stored totals plus the new rows),
-    and stores it densely.
-
     Args:
       sums: this replica's clipped-gradient sums for this physical batch,
-        one dense tensor or `tf.IndexedSlices` per variable.
+        one dense tensor per variable.
       non_finite: scalar int32, the number of non-finite per-example norms
         in this replica's share of this physical batch (all-reduce the
         returned total before deciding to skip).
@@ -117,11 +110,11 @@ class LogicalStepAccumulator:
     Returns:
       `(totals, non_finite_total)` of the logical step so far.
     """
-    sums = [_cast(x, a.dtype) for a, x in zip(self.sums, sums)]
+    sums = [tf.cast(x, a.dtype) for a, x in zip(self.sums, sums)]
     non_finite = tf.cast(non_finite, tf.int32)
     self.position.assign_add(1)
     if branchless:
-      totals = [_add(a.read_value(), x) for a, x in zip(self.sums, sums)]
+      totals = [a.read_value() + x for a, x in zip(self.sums, sums)]
       bad = self.non_finite.read_value() + non_finite
       for a, t in zip(self.sums, totals):
         a.assign(tf.where(step_end, tf.zeros_like(t), t))
@@ -130,19 +123,10 @@ class LogicalStepAccumulator:
                                    self.in_step + 1))
       return totals, bad
     first = tf.equal(self.in_step, 0)
-
-    def later():
-      totals = []
-      for a, x in zip(self.sums, sums):
-        t = _add(a.read_value(), x)
-        if isinstance(x, tf.IndexedSlices):  # same structure as `first`
-          t = tf.IndexedSlices(
-              t, tf.range(tf.shape(t, out_type=x.indices.dtype)[0]),
-              x.dense_shape)
-        totals.append(t)
-      return totals, self.non_finite.read_value() + non_finite
-
-    totals, bad = tf.cond(first, lambda: (sums, non_finite), later)
+    totals, bad = tf.cond(
+        first, lambda: (sums, non_finite),
+        lambda: ([a.read_value() + x for a, x in zip(self.sums, sums)],
+                 self.non_finite.read_value() + non_finite))
 
     def end():
       self.in_step.assign(0)
@@ -150,28 +134,13 @@ class LogicalStepAccumulator:
 
     def carry():
       for a, t in zip(self.sums, totals):
-        a.assign(dp_noise.densify(t))
+        a.assign(t)
       self.non_finite.assign(bad)
       self.in_step.assign_add(1)
       return tf.constant(False)
 
     tf.cond(step_end, end, carry)
     return totals, bad
-
-
-def _cast(x, dtype):
-  if isinstance(x, tf.IndexedSlices):
-    return tf.IndexedSlices(tf.cast(x.values, dtype), x.indices,
-                            x.dense_shape)
-  return tf.cast(x, dtype)
-
-
-def _add(dense: tf.Tensor, x) -> tf.Tensor:
-  """`dense + x` for a dense tensor or `IndexedSlices` x (rows added)."""
-  if isinstance(x, tf.IndexedSlices):
-    return tf.tensor_scatter_nd_add(dense, tf.expand_dims(x.indices, -1),
-                                    x.values)
-  return dense + x
 
 
 def step_noise(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
@@ -207,7 +176,7 @@ def step_noise(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
       draw,
       lambda: dp_noise.add_gaussian_noise(
           [sums[i] for i in present], stddev, generator=generator),
-      lambda: [dp_noise.densify(sums[i]) for i in present])
+      lambda: [tf.identity(sums[i]) for i in present])
   for i, g in zip(present, noisy):
     sums[i] = g
   return sums

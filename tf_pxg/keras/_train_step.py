@@ -242,8 +242,8 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   else:
     step_end = info[dp_data.STEP_END][0] > 0.5
     normalizer = info[dp_data.NORMALIZER][0]
-    sums, bad = accumulator_for(variables).step(sums, bad, step_end,
-                                                branchless=xla)
+    sums, bad = accumulator_for(variables).step(
+        [_dense(s) for s in sums], bad, step_end, branchless=xla)
     mask = info[dp_data.MASK]
   noisy = accumulation.step_noise(sums, l2_norm_clip, noise_multiplier,
                                   generator, replicas,
