@@ -90,7 +90,9 @@ def add_gaussian_noise(
   present = [i for i, g in enumerate(grads) if g is not None]
   tensors = {i: grads[i] if isinstance(grads[i], tf.IndexedSlices) else
              tf.convert_to_tensor(grads[i]) for i in present}
-  fused = [i for i in present if _fusable(tensors[i])]
+  # float32/16/bf16 tensors of static shape take the fused kernel;
+  # float64 (float64 samples) and dynamic shapes TF's kernels.
+  fused = [i for i in present if threefry.supports(tensors[i])]
   rest = [i for i in present if i not in fused]
   for i in rest:
     tensors[i] = densify(tensors[i])
@@ -128,30 +130,15 @@ def densify(g) -> tf.Tensor:
   """
   if not isinstance(g, tf.IndexedSlices):
     return tf.convert_to_tensor(g)
-  shape = (tf.get_static_value(g.dense_shape)
-           if g.dense_shape is not None else None)
-  if shape is None or g.values.shape.rank is None:
+  shape = threefry.static_shape(g)
+  if not shape.is_fully_defined():
     return tf.convert_to_tensor(g)
-  return _scatter_rows(g.values, g.indices,
-                       tf.TensorShape([int(d) for d in shape]))
+  return _scatter_rows(g.values, g.indices, shape)
 
 
 @tf.function(jit_compile=True, autograph=False)
 def _scatter_rows(values, indices, shape):
   return tf.scatter_nd(tf.expand_dims(indices, -1), values, shape)
-
-
-def _fusable(t: tf.Tensor) -> bool:
-  """Whether `t` takes the fused Threefry kernel (`tf_pxg.dp.threefry`).
-
-  float32, float16 and bfloat16 tensors of static shape do; float64
-  tensors (which need float64 samples) and tensors of dynamic shape use
-  TF's kernels. `IndexedSlices` of a static dense shape are added to the
-  noise inside the fused loop.
-  """
-  shape = threefry.static_shape(t)
-  return (shape.is_fully_defined() and
-          t.dtype in (tf.float32, tf.float16, tf.bfloat16))
 
 
 def box_muller_normal(generator: tf.random.Generator, shape,

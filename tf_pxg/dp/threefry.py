@@ -54,10 +54,11 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["MAX_ELEMENTS", "add_normal_noise", "normal", "static_shape",
-           "threefry2x32"]
+__all__ = ["DTYPES", "MAX_ELEMENTS", "add_normal_noise", "normal",
+           "static_shape", "supports", "threefry2x32"]
 
 MAX_ELEMENTS = 2**32 - 1
+DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 
 _U32 = tf.uint32
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -131,16 +132,23 @@ def _normal_flat(key: tf.Tensor, start: int, n: int) -> tf.Tensor:
   return tf.sqrt(-2.0 * tf.math.log(u1)) * _cos_pi(tf.minimum(u2, 1.0))
 
 
+def supports(t) -> bool:
+  """Whether `add_normal_noise` takes `t`: a tensor (or `IndexedSlices`)
+  of a static (dense) shape and a dtype in `DTYPES`."""
+  return static_shape(t).is_fully_defined() and t.dtype in DTYPES
+
+
 def _check(tensors: Sequence[tf.Tensor]) -> None:
   for t in tensors:
+    if supports(t):
+      continue
     if not static_shape(t).is_fully_defined():
       raise ValueError(
           f"threefry noise needs static shapes; got {t.shape}. Use "
           "tf_pxg.dp.box_muller_normal for tensors of dynamic shape.")
-    if t.dtype == tf.float64 or not t.dtype.is_floating:
-      raise ValueError(
-          f"threefry noise is float32 (cast down to float16/bfloat16); got "
-          f"{t.dtype.name}.")
+    raise ValueError(
+        f"threefry noise is float32 (cast down to float16/bfloat16); got "
+        f"{t.dtype.name}.")
 
 
 @tf.function(jit_compile=True, autograph=False)

@@ -54,10 +54,6 @@ def _num_replicas() -> int:
   return tf.distribute.get_strategy().num_replicas_in_sync
 
 
-def _dense(g):
-  return dp_noise.densify(g)
-
-
 def _apply_then_undo(optimizer, grads, variables, keep, step_end):
   """`_apply_or_skip` without a conditional, for XLA.
 
@@ -243,12 +239,14 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     step_end = info[dp_data.STEP_END][0] > 0.5
     normalizer = info[dp_data.NORMALIZER][0]
     sums, bad = accumulator_for(variables).step(
-        [_dense(s) for s in sums], bad, step_end, branchless=xla)
+        [dp_noise.densify(s) for s in sums], bad, step_end,
+        branchless=xla)
     mask = info[dp_data.MASK]
   noisy = accumulation.step_noise(sums, l2_norm_clip, noise_multiplier,
                                   generator, replicas,
                                   draw=None if xla else step_end)
-  noisy = [_dense(g) for g in noisy]  # sigma = 0 leaves IndexedSlices
+  # sigma = 0 leaves IndexedSlices.
+  noisy = [dp_noise.densify(g) for g in noisy]
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
   return ReplicaGradients(noisy, normalizer, reg_grads, bad, step_end, x, y,
                           y_pred, sample_weight, losses, mask, reg_loss)
