@@ -19,6 +19,15 @@ from typing import List
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Script lines (after `import tensorflow as tf`, before TF initialises):
+# two logical CPUs and a MirroredStrategy over them, bound to `strategy`.
+MIRRORED_TWO_CPUS = """\
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+"""
+
 
 def env(**extra) -> dict:
   """`os.environ` plus `extra`, with the repository first on PYTHONPATH."""

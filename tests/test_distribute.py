@@ -73,11 +73,7 @@ _COMMON = textwrap.dedent(f"""
       return result
     """)
 
-_MIRRORED = _COMMON + textwrap.dedent("""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+_MIRRORED = _COMMON + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
     print("RESULT", json.dumps(run(strategy)))
     """)
 

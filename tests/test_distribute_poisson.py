@@ -135,12 +135,8 @@ _COMMON = textwrap.dedent(f"""
       return out
     """)
 
-_MIRRORED = _COMMON + textwrap.dedent("""
+_MIRRORED = _COMMON + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
     import sys
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     print("RESULT", json.dumps(run(strategy, sys.argv[1])))
     """)
 

@@ -60,15 +60,22 @@ LAYERS = {
 }
 
 
+def _built(make, shape, data_seed, dtype=tf.float32):
+  """`(layer, x)`: `make()` under Keras seed 0, built by calling it on a
+  standard-normal batch `x` of `shape` (NumPy seed `data_seed`)."""
+  keras.utils.set_random_seed(0)
+  layer = make()
+  x = tf.constant(np.random.default_rng(data_seed).standard_normal(shape),
+                  dtype)
+  layer(x)
+  return layer, x
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_recurrent_layer_matches_reference(name, mode):
-  keras.utils.set_random_seed(0)
   make, shape = LAYERS[name]
-  layer = make()
-  x = tf.constant(np.random.default_rng(1).standard_normal((B,) + shape),
-                  tf.float32)
-  layer(x)
+  layer, x = _built(make, (B,) + shape, data_seed=1)
   pxg_testing.check_per_example_gradients(
       _sq_loss, layer, layer.trainable_variables, x, mode=mode)
 
@@ -98,22 +105,16 @@ def test_masked_stacked_recurrent_text_model_matches_reference(mode):
 
 
 def test_lstm_float64_and_batch_of_one():
-  keras.utils.set_random_seed(0)
-  layer = L.LSTM(3, return_sequences=True, dtype="float64")
-  x = tf.constant(np.random.default_rng(2).standard_normal((1, 4, 2)),
-                  tf.float64)
-  layer(x)
+  layer, x = _built(lambda: L.LSTM(3, return_sequences=True,
+                                   dtype="float64"),
+                    (1, 4, 2), data_seed=2, dtype=tf.float64)
   for mode in ("eager", "function"):
     pxg_testing.check_per_example_gradients(
         _sq_loss, layer, layer.trainable_variables, x, mode=mode)
 
 
 def test_gradient_equals_tf_gradient_tape_for_lstm_in_function():
-  keras.utils.set_random_seed(0)
-  layer = L.LSTM(3)
-  x = tf.constant(np.random.default_rng(3).standard_normal((B, 4, 2)),
-                  tf.float32)
-  layer(x)
+  layer, x = _built(lambda: L.LSTM(3), (B, 4, 2), data_seed=3)
 
   @tf.function
   def both(x):
@@ -178,11 +179,7 @@ def test_weight_shared_across_steps_is_one_merged_contraction():
   """The T uses of each LSTM weight merge into one interface: one sq_norm
   call per weight, the recurrent kernel by the Gram (ghost) form over steps,
   and no vectorized fallback."""
-  keras.utils.set_random_seed(0)
-  layer = L.LSTM(32)
-  x = tf.constant(np.random.default_rng(5).standard_normal((B, 6, 4)),
-                  tf.float32)
-  layer(x)
+  layer, x = _built(lambda: L.LSTM(32), (B, 6, 4), data_seed=5)
 
   @tf.function
   def norms(x):
