@@ -5,7 +5,10 @@ skip that: the update becomes dense. This measures, in CPU time per
 element over 4M elements (so per-op overhead is negligible):
 
 * `threefry_ns_per_gaussian`: what a DP step pays per weight,
-  `tf_pxg.dp.threefry.add_normal_noise` (generate, scale and add, fused);
+  `tf_pxg.dp.threefry.add_normal_noise` (generate, scale and add, fused)
+  in a graph: the native op of `tf_pxg.dp.native` where it builds;
+* `threefry_xla_ns_per_gaussian`: the same draw as an XLA loop, what
+  XLA-compiled steps (`jit_compile=True`) pay;
 * `philox_ns_per_word`: TF's Philox generator, raw 32-bit words
   (`Generator.uniform_full_int`), for reference;
 * `box_muller_ns_per_gaussian`: `tf_pxg.dp.box_muller_normal`, TF's kernels
@@ -59,6 +62,9 @@ def noise_kernels() -> dict:
   fns = {
       "threefry_ns_per_gaussian": tf.function(
           lambda: threefry.add_normal_noise([x.read_value()], key, 1.0)),
+      "threefry_xla_ns_per_gaussian": tf.function(
+          lambda: threefry.add_normal_noise([x.read_value()], key, 1.0),
+          jit_compile=True),
       "dense_update_ns_per_float": dense_update,
       "philox_ns_per_word": tf.function(
           lambda: gen.uniform_full_int([N], tf.uint32)),

@@ -1,13 +1,17 @@
-"""Gaussian noise from a counter-based generator, fused into one XLA loop.
+"""Gaussian noise from a counter-based generator, fused into one pass.
 
 DP-SGD adds one Gaussian per weight per step. With TF's kernels that costs
 about 8 ns of CPU per Gaussian (Philox words, then a Box-Muller transform
 that makes one pass over memory per op), which on CPU is as much as half of
 a non-private MLP step. Here each Gaussian is a pure function of its index,
 so the generator, the transform, the scaling and the addition to the
-gradient fuse into a single XLA loop over the output (`jit_compile=True`,
-also when called from a graph that is not compiled): no intermediate array
-is written, and XLA vectorises the loop and splits it over the cores.
+gradient fuse into a single loop over the output: no intermediate array
+is written, and the loop is vectorised and split over the cores. Two
+kernels run that loop: the native op of `tf_pxg.dp.native` (a TF CPU op
+built on first use; about 1 ns of CPU per Gaussian here) wherever it can,
+and an XLA loop (`jit_compile=True`, also when called from a graph that is
+not compiled; about 3.8 ns) in XLA-compiled code, on accelerators, for
+float16/bfloat16 and without a compiler.
 
 **The generator.** Threefry-2x32 with 20 rounds (Salmon, Moraes, Dror and
 Shaw, "Parallel random numbers: as easy as 1, 2, 3", SC 2011), the
@@ -16,27 +20,29 @@ key is 64 bits, its counter 64 bits, and it needs only 32-bit adds, xors
 and rotations. The known-answer vectors of the Random123 reference are
 checked in `tests/test_noise.py`.
 
-**The transform.** Element `i` of a draw is
+**The transform.** Element `e` of a draw is
 
-    (a, b) = threefry2x32(key = (k0, k1), counter = (start + i, k2))
-    u1 = (a + 1/2) / 2**32                 in (0, 1)
-    u2 = b / 2**32                         in [0, 1)
-    z  = sqrt(-2 log u1) * cos(pi u2)
+    (a, b) = threefry2x32(key = (k0, k1), counter = (e >> 1, k2))
+    r      = sqrt(-2 log u1),  u1 = (a + 1/2) / 2**32  in (0, 1)
+    theta  = 2 pi b / 2**32                            in [0, 2 pi)
+    z      = r cos(theta) if e is even, r sin(theta) if e is odd
 
-This is the first coordinate of the Box-Muller transform (Box and Muller,
-1958), `R cos(Theta)` with `Theta ~ U[0, 2 pi)`. `cos(Theta)` has the same
-law as `cos(pi u2)`, because `theta -> 2 pi - theta` maps `[pi, 2 pi)` onto
-`(0, pi]` without changing the cosine, so `z ~ N(0, 1)`. Each Gaussian uses
-its own counter, so the elements are independent and no two outputs of
-the loop share work (XLA would recompute shared work once per output).
+the two outputs of one Box-Muller pair (Box and Muller, 1958), which are
+independent N(0, 1) variables. XLA computes each output element on its own
+(a fusion does not share work between elements), so this kernel computes
+the pair's Threefry block and logarithm once per element; the native op
+(`tf_pxg.dp.native`, used where it can run) computes them once per pair.
+Both evaluate the same formulas, so they agree to float rounding.
 
 `u1` uses all 32 bits, so the largest `|z|` is `sqrt(2 * 33 ln 2) = 6.76`.
-TF's float32 kernels stop at 5.65, since they use 23 bits. `cos(pi u2)` is
-a minimax polynomial on `[-pi/4, pi/4]` (Cephes `sinf`/`cosf`) after an
-exact reduction by quarter turns, accurate to 1.1e-7. The samples are
-float32, and float16/bfloat16 tensors get float32 samples cast down.
-float64 tensors are not handled here (`tf_pxg.dp.noise` uses TF's float64
-kernels for them).
+TF's float32 kernels stop at 5.65, since they use 23 bits. The angle is
+reduced exactly, in integers: `q = round(b / 2**30) mod 4` quarter turns
+and a remainder `x = (b - q 2**30) pi / 2**31` in `[-pi/4, pi/4)`, whose
+sine and cosine are minimax polynomials (Cephes `sinf`/`cosf`), accurate
+to 1.1e-7. `sin(theta) = cos(theta - pi/2)`: odd elements use
+`b - 2**30`, one quarter turn less. The samples are float32, and
+float16/bfloat16 tensors get float32 samples cast down. float64 tensors are
+not handled here (`tf_pxg.dp.noise` uses TF's float64 kernels for them).
 
 **Keys.** A draw takes a key of three uint32 words `(k0, k1, k2)`: the
 Threefry key and the counter's high word. `tf_pxg.dp.noise` draws a fresh
@@ -53,6 +59,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from tf_pxg.dp import native
 
 __all__ = ["DTYPES", "MAX_ELEMENTS", "add_normal_noise", "normal",
            "static_shape", "supports", "threefry2x32"]
@@ -96,40 +104,53 @@ def threefry2x32(k0, k1, x0, x1):
   return x0, x1
 
 
-def _cos_pi(u: tf.Tensor) -> tf.Tensor:
-  """`cos(pi u)` for float32 `u` in `[0, 1)`, within 1.1e-7.
+def _cos_2pi(b: tf.Tensor) -> tf.Tensor:
+  """`cos(2 pi b / 2**32)` for uint32 `b`, float32, within 1.1e-7.
 
-  `w = 2u = q + f` with `q = round(w)` in {0, 1, 2} and `|f| <= 1/2`
-  (exact in float32), `x = f pi / 2` in `[-pi/4, pi/4]`; then
-  `cos(pi u) = cos(q pi/2 + x)` is `cos x`, `-sin x` or `-cos x`.
+  `q = (b + 2**29) >> 30` is `b / 2**30` rounded, mod 4 (the add wraps),
+  and `f = b - q 2**30` (as int32) is in `[-2**29, 2**29)`, so
+  `theta = (pi / 2) (q + f / 2**30)` and `x = f pi / 2**31` is in
+  `[-pi/4, pi/4)`: `cos(theta)` is `cos x, -sin x, -cos x, sin x` for
+  `q = 0, 1, 2, 3`. The reduction is exact; only `f`'s conversion to
+  float32 rounds.
   """
-  w = 2.0 * u
-  q = tf.round(w)
-  x = (w - q) * (math.pi / 2)
+  q = tf.bitwise.right_shift(b + tf.constant(1 << 29, _U32),
+                             tf.constant(30, _U32))
+  f = tf.bitcast(b - tf.bitwise.left_shift(q, tf.constant(30, _U32)),
+                 tf.int32)
+  x = tf.cast(f, tf.float32) * (math.pi / 2**31)
   z = x * x
   sin = x + x * z * (-1.6666654611e-1 + z * (8.3321608736e-3 +
                                             z * -1.9515295891e-4))
   cos = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (
       -1.388731625493765e-3 + z * 2.443315711809948e-5))
-  return tf.where(q < 0.5, cos, tf.where(q < 1.5, -sin, -cos))
+  q = tf.cast(q, tf.int32)
+  value = tf.where(q % 2 == 0, cos, sin)
+  return tf.where((q == 1) | (q == 2), -value, value)
 
 
 def _normal_flat(key: tf.Tensor, start: int, n: int) -> tf.Tensor:
   """`n` float32 N(0, 1) samples, elements `start .. start + n - 1`."""
+  _check_range(start, n)
+  index = tf.range(n, dtype=tf.int64) if start + n > 2**31 - 1 else tf.range(
+      n, dtype=tf.int32)
+  e = tf.cast(index, _U32) + tf.constant(np.uint32(start), _U32)
+  one = tf.constant(1, _U32)
+  a, b = threefry2x32(key[0], key[1], tf.bitwise.right_shift(e, one),
+                      tf.fill([n], key[2]))
+  # Odd elements: sin(theta) = cos(theta - pi/2), a quarter turn is 2**30.
+  b = b - tf.bitwise.left_shift(tf.bitwise.bitwise_and(e, one),
+                                tf.constant(30, _U32))
+  u1 = (tf.cast(a, tf.float32) + 0.5) * _TWO_POW_M32
+  return tf.sqrt(-2.0 * tf.math.log(u1)) * _cos_2pi(b)
+
+
+def _check_range(start: int, n: int) -> None:
   if start + n > MAX_ELEMENTS:
     raise ValueError(
         f"One noise draw holds at most {MAX_ELEMENTS} elements (the Threefry "
         f"counter's low word); this one needs {start + n}. Split the "
-        "variables over several add_gaussian_noise calls.")
-  index = tf.range(n, dtype=tf.int64) if start + n > 2**31 - 1 else tf.range(
-      n, dtype=tf.int32)
-  x0 = tf.cast(index, _U32) + tf.constant(np.uint32(start), _U32)
-  a, b = threefry2x32(key[0], key[1], x0, tf.fill([n], key[2]))
-  u1 = (tf.cast(a, tf.float32) + 0.5) * _TWO_POW_M32
-  u2 = tf.cast(b, tf.float32) * _TWO_POW_M32
-  # b near 2**32 rounds to u2 = 1.0 in float32; cos(pi) = -1 is then the
-  # limit of the law, and `_cos_pi` is exact there (q = 2, x = 0).
-  return tf.sqrt(-2.0 * tf.math.log(u1)) * _cos_pi(tf.minimum(u2, 1.0))
+        "variables over several add_normal_noise calls.")
 
 
 def supports(t) -> bool:
@@ -152,19 +173,17 @@ def _check(tensors: Sequence[tf.Tensor]) -> None:
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _add_normal_noise(tensors, slices, key, stddev):
-  """Dense tensors get `t + s z`; `(values, indices, shape)` rows get
+def _add_normal_noise(tensors, starts, key, stddev):
+  """XLA: a tensor `t` gets `t + s z`, a `(values, indices, shape)` triple
   `scatter_add(s z, indices, values)`, so a sparse gradient is never
-  densified on its own (one buffer, one pass)."""
+  densified on its own (one buffer, one pass). `z` of the `j`-th takes the
+  draw's elements `starts[j] ..`."""
   out = []
-  start = 0
-  for t in list(tensors) + list(slices):
+  for t, start in zip(tensors, starts):
     shape = t[2] if isinstance(t, tuple) else t.shape
     dtype = t[0].dtype if isinstance(t, tuple) else t.dtype
-    n = shape.num_elements()
-    z = tf.cast(stddev * tf.reshape(_normal_flat(key, start, n), shape),
-                dtype)
-    start += n
+    z = tf.cast(stddev * tf.reshape(
+        _normal_flat(key, start, shape.num_elements()), shape), dtype)
     if isinstance(t, tuple):
       out.append(tf.tensor_scatter_nd_add(z, tf.expand_dims(t[1], -1), t[0]))
     else:
@@ -172,9 +191,22 @@ def _add_normal_noise(tensors, slices, key, stddev):
   return out
 
 
+def _add_native(lib, t, start: int, key, stddev) -> tf.Tensor:
+  """The native op's `t + stddev z` (`IndexedSlices`: rows scatter-added)."""
+  if isinstance(t, tf.IndexedSlices):
+    return lib.tf_pxg_normal_noise_scatter_add(
+        t.values, t.indices, key, stddev, dense_shape=static_shape(t),
+        start=start)
+  return lib.tf_pxg_add_normal_noise(t, key, stddev, start=start)
+
+
 def add_normal_noise(tensors: Sequence[tf.Tensor], key: tf.Tensor,
                      stddev) -> List[tf.Tensor]:
-  """`t + stddev * z_t` for each tensor, `z_t` iid N(0, 1), in one XLA call.
+  """`t + stddev * z_t` for each tensor, `z_t` iid N(0, 1), fused.
+
+  float32 tensors take the native op (`tf_pxg.dp.native`) where it serves:
+  outside XLA-compiled code, on CPU, when it builds. Everything else takes
+  one XLA call. Both give the same samples up to float rounding.
 
   Args:
     tensors: float32, float16 or bfloat16 tensors of static shape, or
@@ -201,15 +233,32 @@ def add_normal_noise(tensors: Sequence[tf.Tensor], key: tf.Tensor,
   _check(tensors)
   sparse = [i for i, t in enumerate(tensors)
             if isinstance(t, tf.IndexedSlices)]
-  dense = [i for i in range(len(tensors)) if i not in sparse]
-  out = _add_normal_noise(
-      [tf.convert_to_tensor(tensors[i]) for i in dense],
-      [(tensors[i].values, tensors[i].indices,
-        static_shape(tensors[i])) for i in sparse],
-      tf.cast(key, _U32), tf.cast(stddev, tf.float32))
+  order = [i for i in range(len(tensors)) if i not in sparse] + sparse
+  starts = {}
+  end = 0
+  for i in order:
+    starts[i] = end
+    end += static_shape(tensors[i]).num_elements()
+  _check_range(0, end)
+  key = tf.cast(key, _U32)
+  stddev = tf.cast(stddev, tf.float32)
   result = [None] * len(tensors)
-  for i, t in zip(dense + sparse, out):
-    result[i] = t
+  fused = []
+  for i in order:
+    t = tensors[i]
+    if not isinstance(t, tf.IndexedSlices):
+      t = tensors[i] = tf.convert_to_tensor(t)
+    if native.serves(t):
+      result[i] = _add_native(native.library(), t, starts[i], key, stddev)
+    else:
+      fused.append(i)
+  if fused:
+    out = _add_normal_noise(
+        [(tensors[i].values, tensors[i].indices, static_shape(tensors[i]))
+         if isinstance(tensors[i], tf.IndexedSlices) else tensors[i]
+         for i in fused], tuple(starts[i] for i in fused), key, stddev)
+    for i, t in zip(fused, out):
+      result[i] = t
   return result
 
 

@@ -1,0 +1,186 @@
+"""The native noise kernel: a TensorFlow CPU op, compiled on first use.
+
+`kernels/threefry_noise.cc` draws the same Gaussians as the XLA kernel of
+`tf_pxg.dp.threefry` (element for element, up to float rounding), but it
+computes both outputs of a Box-Muller pair at once, runs loops written for
+the compiler's vectoriser and shards them over TF's intra-op threads: about
+3x less CPU per Gaussian than the XLA loop on this project's 2-core AVX-512
+machine (`python -m benchmarks.limits`). The XLA kernel stays for
+everything this op cannot serve: code compiled with XLA (`jit_compile=True`,
+TPUs), accelerators, float16/bfloat16 and machines without a compiler.
+
+The op is built once per machine: the installed TensorFlow's headers and
+flags (`tf.sysconfig`), `-O3 -march=native`, into a cache directory keyed by
+the source, TensorFlow's version, the compiler and the CPU's features, then
+loaded with `tf.load_op_library`. Building takes about 7 s. A failed build
+logs one warning with the compiler's message, and the XLA kernel is used.
+
+Environment:
+  TF_PXG_NATIVE_NOISE=0: never build or use the op.
+  TF_PXG_CACHE_DIR: where the library goes (default
+    `$XDG_CACHE_HOME/tf_pxg`, else `~/.cache/tf_pxg`).
+  CXX: the C++ compiler (default the first of g++, c++, clang++ on PATH).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import threading
+from typing import List, Optional
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util  # XLA-context test
+
+__all__ = ["SOURCE", "build", "enabled", "library", "serves"]
+
+SOURCE = pathlib.Path(__file__).with_name("kernels") / "threefry_noise.cc"
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC",
+          "-w")
+_lock = threading.Lock()
+_loaded = {}
+
+
+def enabled() -> bool:
+  """False if `TF_PXG_NATIVE_NOISE=0` (or `false`/`no`/`off`) is set."""
+  value = os.environ.get("TF_PXG_NATIVE_NOISE", "1").strip().lower()
+  return value not in ("0", "false", "no", "off")
+
+
+@tf.autograph.experimental.do_not_convert
+def library():
+  """The loaded op library (its ops: `tf_pxg_add_normal_noise` and
+  `tf_pxg_normal_noise_scatter_add`), or None if it is disabled or could
+  not be built (a warning says why, once per process)."""
+  if not enabled():
+    return None
+  with _lock:
+    if "lib" not in _loaded:
+      _loaded["lib"] = None
+      try:
+        _loaded["lib"] = tf.load_op_library(build())
+      except (OSError, subprocess.SubprocessError,
+              tf.errors.OpError) as e:
+        logging.warning(
+            "tf_pxg: the native noise op is unavailable, so DP noise uses "
+            "the XLA kernel (about 3x more CPU per Gaussian). Why: %s", e)
+    return _loaded["lib"]
+
+
+@tf.autograph.experimental.do_not_convert
+def serves(t) -> bool:
+  """Whether the native op should draw the noise for `t` here: a float32
+  tensor (or `IndexedSlices`), code that is not being compiled with XLA, no
+  accelerator in use, and the library loads."""
+  if t.dtype != tf.float32 or _in_xla_context() or _accelerators():
+    return False
+  return library() is not None
+
+
+def _in_xla_context() -> bool:
+  """True while tracing a `jit_compile=True` function (or a TPU replicate
+  context), where only XLA-compilable ops may be used."""
+  if tf.executing_eagerly():
+    return False
+  return control_flow_util.GraphOrParentsInXlaContext(
+      tf.compat.v1.get_default_graph())
+
+
+def _accelerators() -> bool:
+  return bool(tf.config.list_logical_devices("GPU") or
+              tf.config.list_logical_devices("TPU"))
+
+
+def _compiler() -> str:
+  cxx = os.environ.get("CXX")
+  if cxx:
+    return cxx
+  for name in ("g++", "c++", "clang++"):
+    found = shutil.which(name)
+    if found:
+      return found
+  raise OSError("no C++ compiler on PATH (install g++ or set CXX)")
+
+
+def _cpu_features() -> str:
+  """The CPU's model and feature flags (what `-march=native` depends on)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      lines = [l for l in f if l.startswith(("model name", "flags"))]
+    return "".join(sorted(set(lines)))
+  except OSError:
+    return ""
+
+
+def _cache_dir() -> pathlib.Path:
+  if os.environ.get("TF_PXG_CACHE_DIR"):
+    return pathlib.Path(os.environ["TF_PXG_CACHE_DIR"])
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "tf_pxg"
+
+
+def _command(cxx: str, output: pathlib.Path) -> List[str]:
+  return ([cxx, str(SOURCE), "-o", str(output), *_FLAGS] +
+          tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
+
+
+def build(cache_dir: Optional[pathlib.Path] = None) -> str:
+  """Compiles the op unless the cache has it; returns the library's path.
+
+  Concurrent builds (several processes of a multi-worker job) are safe:
+  each compiles to a file of its own and renames it into place atomically.
+
+  Raises:
+    OSError: No compiler was found, or the cache is not writable.
+    subprocess.CalledProcessError: The compiler failed (its message is in
+      the exception's `stderr` and string).
+  """
+  cxx = _compiler()
+  cache_dir = pathlib.Path(cache_dir or _cache_dir())
+  digest = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), tf.__version__.encode(),
+               " ".join(_command(cxx, pathlib.Path("out"))).encode(),
+               _cpu_features().encode()):
+    digest.update(part)
+    digest.update(b"\0")
+  output = cache_dir / f"threefry_noise-{digest.hexdigest()[:20]}.so"
+  if output.exists():
+    return str(output)
+  cache_dir.mkdir(parents=True, exist_ok=True)
+  partial = output.with_name(f"{output.stem}.{os.getpid()}.partial.so")
+  try:
+    done = subprocess.run(_command(cxx, partial), capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+      raise _BuildError(done.returncode, done.args, done.stdout, done.stderr)
+    os.replace(partial, output)
+  finally:
+    if partial.exists():
+      partial.unlink()
+  return str(output)
+
+
+class _BuildError(subprocess.CalledProcessError):
+
+  def __str__(self):
+    tail = "\n".join((self.stderr or "").strip().splitlines()[-15:])
+    return (f"compiling {SOURCE.name} failed (exit {self.returncode}):\n"
+            f"{tail}")
+
+
+@tf.RegisterGradient("TfPxgAddNormalNoise")
+def _add_normal_noise_grad(op, grad):
+  """The noise does not depend on the tensor: d(t + s z)/dt = 1."""
+  del op
+  return [grad, None, None]
+
+
+@tf.RegisterGradient("TfPxgNormalNoiseScatterAdd")
+def _normal_noise_scatter_add_grad(op, grad):
+  """Each row of `values` is added to row `indices[i]` of the output."""
+  return [tf.gather(grad, op.inputs[1]), None, None, None]
