@@ -5,8 +5,11 @@ Example b's gradient is a scatter of its rows of dz into a `[V, ...]` table.
 asked for), but norms and weighted sums never build it:
 
 * squared norm: `sum_{t,s} [id_t == id_s] <dz_t, dz_s>` over the example's
-  tokens (repeated tokens add up before squaring), O(B L^2 D), static shapes
-  so it also compiles with XLA;
+  tokens (repeated tokens add up before squaring), O(B L^2 D), compiled
+  with XLA as one function (the comparison, the select and the sum fuse
+  into one loop over the Gram; TF's kernels make three passes, and its
+  broadcasting `Equal` alone cost as much as the Gram's matmul: 1.2 ms
+  against 0.87 ms for B, L, D = 256, 32, 64 on 2 cores);
 * weighted sum: TF's IndexedSlices gradient of the rows scaled by c_b.
 """
 
@@ -56,11 +59,20 @@ class _GatherRule(base.Rule):
 
   def sq_norm(self, ctx):
     ids, dz = self._rows(ctx)
-    dz = tf.cast(dz, tf.float32)
-    gram = tf.einsum("bld,bmd->blm", dz, dz)
-    same = tf.equal(ids[:, :, None], ids[:, None, :])
-    return tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)),
-                         axis=[1, 2])
+    return _masked_gram_sum(ids, tf.cast(dz, tf.float32))
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _masked_gram_sum(ids, dz):
+  """`[B]`: `sum_{t,s} [ids[b,t] == ids[b,s]] <dz[b,t], dz[b,s]>`.
+
+  Args:
+    ids: `[B, L]` integer token ids.
+    dz: `[B, L, D]` float32 gradients at the gathered rows.
+  """
+  gram = tf.einsum("bld,bmd->blm", dz, dz)
+  same = tf.equal(ids[:, :, None], ids[:, None, :])
+  return tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)), axis=[1, 2])
 
 
 register("GatherV2")(_GatherRule)
