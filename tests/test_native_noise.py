@@ -198,3 +198,25 @@ def test_switched_off_by_the_environment(monkeypatch):
   assert not native.enabled()
   assert native.library() is None
   assert not native.serves(tf.zeros([3]))
+
+
+def test_a_read_only_cache_falls_back_to_the_temporary_directory(
+    lib, tmp_path, monkeypatch):
+  del lib
+  if os.getuid() == 0:
+    # root writes through permission bits: use a path under a file.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    cache = blocked / "cache"
+  else:
+    blocked = tmp_path / "read-only"
+    blocked.mkdir(mode=0o500)
+    cache = blocked / "cache"
+  (tmp_path / "tmp").mkdir()
+  monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+  monkeypatch.setattr(native.tempfile, "tempdir", None)  # re-read TMPDIR
+  path = native.build(cache_dir=cache)
+  assert path.startswith(str(tmp_path / "tmp" / f"tf_pxg-{os.getuid()}"))
+  # A shared library (TF would not register its ops twice in a process).
+  with open(path, "rb") as f:
+    assert f.read(4) == b"\x7fELF"

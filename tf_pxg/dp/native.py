@@ -30,6 +30,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import tempfile
 import threading
 from typing import List, Optional
 
@@ -135,8 +136,11 @@ def build(cache_dir: Optional[pathlib.Path] = None) -> str:
   Concurrent builds (several processes of a multi-worker job) are safe:
   each compiles to a file of its own and renames it into place atomically.
 
+  The library goes to `cache_dir` (default: see the module doc), or, if
+  that cannot be created or written, to `$TMPDIR/tf_pxg-<uid>`.
+
   Raises:
-    OSError: No compiler was found, or the cache is not writable.
+    OSError: No compiler was found, or no cache directory is writable.
     subprocess.CalledProcessError: The compiler failed (its message is in
       the exception's `stderr` and string).
   """
@@ -148,11 +152,18 @@ def build(cache_dir: Optional[pathlib.Path] = None) -> str:
                _cpu_features().encode()):
     digest.update(part)
     digest.update(b"\0")
-  output = cache_dir / f"threefry_noise-{digest.hexdigest()[:20]}.so"
+  name = f"threefry_noise-{digest.hexdigest()[:20]}.so"
+  if (cache_dir / name).exists():
+    return str(cache_dir / name)
+  directory = next(_writable(cache_dir), None)
+  if directory is None:
+    raise OSError(f"cannot create the cache directory {cache_dir} (set "
+                  "TF_PXG_CACHE_DIR to a writable directory)")
+  output = directory / name
   if output.exists():
     return str(output)
-  cache_dir.mkdir(parents=True, exist_ok=True)
   partial = output.with_name(f"{output.stem}.{os.getpid()}.partial.so")
+  logging.info("tf_pxg: building the native noise op once, into %s", output)
   try:
     done = subprocess.run(_command(cxx, partial), capture_output=True,
                           text=True, timeout=600)
@@ -163,6 +174,20 @@ def build(cache_dir: Optional[pathlib.Path] = None) -> str:
     if partial.exists():
       partial.unlink()
   return str(output)
+
+
+def _writable(cache_dir: pathlib.Path):
+  """Of `cache_dir` and a per-user directory under the system's temporary
+  directory (for a read-only home), those that exist or can be made, and
+  can be written."""
+  fallback = pathlib.Path(tempfile.gettempdir()) / f"tf_pxg-{os.getuid()}"
+  for directory in (cache_dir, fallback):
+    try:
+      directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+      continue
+    if os.access(directory, os.W_OK):
+      yield directory
 
 
 class _BuildError(subprocess.CalledProcessError):
