@@ -156,11 +156,12 @@ void AddNoise(OpKernelContext* ctx, const float* in, float* out, int64_t n,
       const int64_t e0 = 2 * c0 - start;  // local index of z[0]
       const int64_t lo = std::max<int64_t>(e0, 0);
       const int64_t hi = std::min<int64_t>(e0 + 2 * kPairs, n);
-      const float* zl = z - e0;
+      const float* zb = z + (lo - e0);
+      const int64_t m = hi - lo;
       if (in != nullptr) {
-        for (int64_t l = lo; l < hi; ++l) out[l] = in[l] + zl[l];
+        for (int64_t l = 0; l < m; ++l) out[lo + l] = in[lo + l] + zb[l];
       } else {
-        for (int64_t l = lo; l < hi; ++l) out[l] = zl[l];
+        for (int64_t l = 0; l < m; ++l) out[lo + l] = zb[l];
       }
     }
   };
