@@ -30,6 +30,7 @@ import weakref
 
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
+from tensorflow.python.ops import control_flow_util
 
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.tape.recording import Entry
@@ -184,6 +185,107 @@ def scale_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
       t, tf.concat([tf.shape(t)[:axis], [-1, batch_size],
                     tf.shape(t)[axis + 1:]], 0))
   return tf.reshape(s * tf.reshape(c, shape), tf.shape(t))
+
+
+def in_xla_context() -> bool:
+  """True while tracing for XLA (a `jit_compile=True` function, possibly
+  through nested functions), where rules may prefer other forms: XLA
+  schedules its own buffers and compiles loops differently."""
+  if tf.executing_eagerly():
+    return False
+  return control_flow_util.GraphOrParentsInXlaContext(
+      tf.compat.v1.get_default_graph())
+
+
+def map_example_chunks(fn: Callable, tensors: Sequence[Any], batch_size,
+                       chunk: int, signature):
+  """`fn` over consecutive chunks of at most `chunk` examples, one at a time.
+
+  Bounds what `fn` holds alive to one chunk's worth (e.g. a convolution's
+  patch tensors for per-example norms): the chunks run in a `tf.map_fn`
+  with `parallel_iterations=1`, so inside a graph the executor never runs two
+  chunks at once. Works eagerly, in `tf.function` and under XLA, for a static
+  or dynamic batch.
+
+  The B examples are cut into n = ceil(B / chunk) chunks of one size
+  c = ceil(B / n) (static when B is); when n*c > B the last chunk is moved
+  back to end at example B, and its first n*c - B results (examples the
+  previous chunk already gave) are dropped. If B <= chunk (static), `fn`
+  runs once on the whole batch, with no loop.
+
+  Args:
+    fn: `fn(parts, n)` with `parts` the `tensors` cut to the same n
+      consecutive examples and `n` that count (int, or scalar int32 tensor
+      for a dynamic batch); returns a nest of tensors with one row per
+      example on axis 0 (`[n, ...]`).
+    tensors: tensors with the examples on axis 0, each example's rows
+      contiguous (`[B*k, ...]` with k rows per example, k >= 1 per tensor).
+      Not for batch-minor (interleaved) rows.
+    batch_size: B, an int or a scalar int32 tensor.
+    chunk: the most examples in one chunk, >= 1.
+    signature: `fn`'s output structure as `tf.map_fn`'s
+      `fn_output_signature` (dtypes or `tf.TensorSpec`s).
+
+  Returns:
+    `fn`'s outputs for the whole batch, each `[B, ...]`.
+
+  Raises:
+    ValueError: if `chunk` < 1.
+  """
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1 example, got {chunk}")
+  tensors = list(tensors)
+  if isinstance(batch_size, int):
+    if batch_size <= chunk:
+      return fn(tensors, batch_size)
+    n = -(-batch_size // chunk)
+    c = -(-batch_size // n)
+  else:
+    b = tf.cast(batch_size, tf.int32)
+    n = tf.maximum((b + chunk - 1) // chunk, 1)
+    c = (b + n - 1) // n
+  rows = [_rows_per_example(t, batch_size) for t in tensors]
+
+  def one(start):
+    parts = [_row_slice(t, start * k, c * k) for t, k in zip(tensors, rows)]
+    return fn(parts, c)
+
+  starts = tf.minimum(tf.range(n) * c, tf.cast(batch_size, tf.int32) - c)
+  out = tf.map_fn(one, starts, fn_output_signature=signature,
+                  parallel_iterations=1)
+  return tf.nest.map_structure(
+      lambda r: _drop_overlap(r, batch_size, n, c), out)
+
+
+def _rows_per_example(t, batch_size):
+  """k, the rows of `t` (axis 0) per example: an int if static."""
+  rows = t.shape[0]
+  if isinstance(rows, int) and isinstance(batch_size, int):
+    return rows // batch_size
+  return tf.shape(t)[0] // tf.maximum(tf.cast(batch_size, tf.int32), 1)
+
+
+def _row_slice(t, begin, size):
+  """Rows `[begin, begin + size)` of `t` (static size keeps static shape)."""
+  rest = [0] * (t.shape.rank - 1)
+  sizes = [size] + [-1] * len(rest)
+  out = tf.slice(t, tf.stack([begin] + rest),
+                 sizes if isinstance(size, int) else tf.stack(sizes))
+  out.set_shape([size if isinstance(size, int) else None, *t.shape[1:]])
+  return out
+
+
+def _drop_overlap(r, batch_size, n, c):
+  """`[n, c, ...]` chunk results -> `[B, ...]`, without the rows the
+  shifted last chunk repeats."""
+  if isinstance(n, int) and r.shape[2:].is_fully_defined():
+    flat = tf.reshape(r, [n * c, *r.shape[2:]])
+  else:
+    flat = tf.reshape(r, tf.concat([[n * c], tf.shape(r)[2:]], 0))
+  if isinstance(batch_size, int) and n * c == batch_size:
+    return flat
+  last = batch_size - (n - 1) * c
+  return tf.concat([flat[:(n - 1) * c], flat[n * c - last:]], 0)
 
 
 def batch_sq_norm(g):

@@ -184,7 +184,7 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
   ghost = (not lonely and None not in (nr, npd, npo) and
            nr * (npd + npo) < npd * npo)
   base.trace_note(sq_norm="ghost" if ghost else "materialised")
-  dtype = tf.float64 if data.dtype == tf.float64 else tf.float32
+  dtype = norm_dtype(data.dtype)
   data, dz = tf.cast(data, dtype), tf.cast(dz, dtype)
   if not ghost:
     g = tf.einsum(f"{data_sub},{out_sub}->{x}{s.param_sub}", data, dz)
@@ -204,6 +204,12 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
   return tf.cast(tf.reduce_sum(
       tf.reshape(gram_d * gram_z, [tf.shape(gram_d)[0], -1]), axis=1),
                  tf.float32), None
+
+
+def norm_dtype(dtype) -> tf.DType:
+  """The dtype `sq_norm_and_per_example` computes in for `dtype` data:
+  float64 for float64, else float32."""
+  return tf.float64 if dtype == tf.float64 else tf.float32
 
 
 def _sum_of_squares(t, sub: str, keep: str):

@@ -7,7 +7,9 @@ networks"). With patches `[N, P, K]` from `tf.image.extract_patches`
 (`tf.extract_volume_patches` in 3-D) the rules reuse the contraction
 engine: per-example gradients are one einsum, and squared norms pick between
 materialising `[B, K, C]` and the ghost form over `P x P` Gram matrices by
-cost. Weighted sums are TF's filter gradient with dz scaled per example.
+cost. Squared norms run over chunks of examples whose patches fit in
+`NORM_CHUNK_BYTES` (one chunk alive at a time; not under XLA). Weighted sums
+are TF's filter gradient with dz scaled per example.
 
 Patches come from one-hot (depthwise) convolutions where possible, see
 `_patches`. A transposed convolution (`Conv2DBackpropInput`) is the same with the roles
@@ -91,39 +93,79 @@ def _patches(ctx, x, kernel_spatial):
   return tf.reshape(p, tf.stack([n, -1, *shape])), sub
 
 
-class _PatchContraction(base.Rule):
-  """A conv as `einsum(patches, dz)`; subclasses say how.
+# Budget for one chunk's patch tensor when a rule computes squared norms: the
+# batch is cut into chunks of examples whose patches take at most this many
+# bytes (at least one example per chunk), computed one after the other, so
+# only one chunk's patches are alive at a time (`base.map_example_chunks`).
+NORM_CHUNK_BYTES = 1 << 20
 
-  `operands` returns `(spec, data, dz, to_param)`: the contraction's
-  per-example result `[B, *spec.param_sub sizes]` is in whatever axis order
-  is cheapest to compute (norms do not care); `to_param` reorders it to
+
+class _PatchContraction(base.Rule):
+  """A conv as `einsum(patches, other)`; subclasses say how.
+
+  `example_operands` names the two tensors the filter gradient contracts:
+  `patched`, whose patches are taken, and `other`, the operand the patches
+  meet at each output position (both in the op's layout, examples on axis
+  0). `operands` turns them, or the same rows of a chunk of examples, into
+  `(spec, data, dz, to_param)`: the contraction's per-example result
+  `[B, *spec.param_sub sizes]` is in whatever axis order is cheapest to
+  compute (norms do not care); `to_param` reorders it to
   `[B, *param.shape]` when the gradient itself is asked for.
   """
 
-  def operands(self, ctx):
-    """(spec, data, dz, to_param) for the contraction engine, or None."""
+  def example_operands(self, ctx):
+    """(patched, other), examples on axis 0 of both."""
     raise NotImplementedError
 
+  def operands(self, ctx, patched, other):
+    """(spec, data, dz, to_param) for the contraction engine."""
+    raise NotImplementedError
+
+  def supported(self, ctx) -> bool:
+    """Whether the parameter is the filter, of static shape (else the
+    vectorized default runs)."""
+    return ctx.param_index == 1 and ctx.inputs[1].shape.is_fully_defined()
+
   def per_example(self, ctx):
-    ops = self.operands(ctx)
-    if ops is None:
+    if not self.supported(ctx):
       return super().per_example(ctx)
-    spec, data, dz, to_param = ops
+    spec, data, dz, to_param = self.operands(ctx,
+                                             *self.example_operands(ctx))
     g = contraction.per_example(spec, data, dz, ctx.batch_size,
                                 ctx.batch_minor)
     g = to_param(g)
     return tf.reshape(g, tf.concat([tf.shape(g)[:1], ctx.param_shape], 0))
 
   def sq_norm(self, ctx):
-    ops = self.operands(ctx)
-    if ops is None:
+    """Ghost or materialised (`contraction.sq_norm_and_per_example`), over
+    chunks of examples (`_norm_chunk`); a materialised per-example gradient
+    is kept for `weighted_sum`."""
+    if not self.supported(ctx):
       return super().sq_norm(ctx)
-    spec, data, dz, to_param = ops
-    norms, g = contraction.sq_norm_and_per_example(
-        spec, data, dz, ctx.batch_size, ctx.batch_minor)
-    if g is not None:
-      base.keep_per_example(ctx, g, (g, to_param))
-    return norms
+    patched, other = self.example_operands(ctx)
+    dtype = contraction.norm_dtype(patched.dtype)
+    chunk = _norm_chunk(ctx, patched, other)
+    # What the contraction chose (form, axis order), known once `norms`
+    # has been traced (in the chunk loop) or run (eagerly).
+    layout = {}
+
+    def norms(parts, n):
+      spec, data, dz, layout["to_param"] = self.operands(ctx, *parts)
+      sq, g = contraction.sq_norm_and_per_example(spec, data, dz, n,
+                                                  ctx.batch_minor)
+      layout["materialised"] = g is not None
+      if g is None:  # A fixed output structure for the chunk loop.
+        g = tf.zeros(tf.stack([tf.shape(sq)[0], 0]), dtype)
+      return sq, g
+
+    if chunk is None:
+      sq, g = norms([patched, other], ctx.batch_size)
+    else:
+      sq, g = base.map_example_chunks(norms, [patched, other], ctx.batch_size,
+                                      chunk, (tf.float32, dtype))
+    if layout["materialised"]:
+      base.keep_per_example(ctx, g, (g, layout["to_param"]))
+    return sq
 
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept;
@@ -136,14 +178,57 @@ class _PatchContraction(base.Rule):
       w = base.weighted_sum_of(g, c, ctx.param_dtype)
       return tf.reshape(to_param(w[None]), ctx.param_shape)
     rates = _spatial(ctx, "dilations", ctx.dz.shape.rank)
-    ops = None if all(r == 1 for r in rates) else self.operands(ctx)
-    if ops is None:
+    if all(r == 1 for r in rates) or not self.supported(ctx):
       return super().weighted_sum(ctx, c)
-    spec, data, dz, to_param = ops
+    spec, data, dz, to_param = self.operands(ctx,
+                                             *self.example_operands(ctx))
     dz = tf.cast(ctx.scale_examples(dz, c), data.dtype)
     g = tf.einsum(f"{spec.data_sub},{spec.out_sub}->{spec.param_sub}", data,
                   dz)
     return tf.reshape(to_param(g[None]), ctx.param_shape)
+
+
+def _norm_chunk(ctx, patched, other):
+  """Examples per chunk for `sq_norm`, or None to take the batch at once.
+
+  Chunks hold at most `NORM_CHUNK_BYTES` of patches (at least one
+  example). None when the batch fits in one chunk, when the examples are
+  interleaved (batch-minor rows), when one example's patch size is not
+  static, and under XLA (which plans its own buffers, and where the chunk
+  loop made the cnn benchmark's step 1.2x slower). With a dynamic batch,
+  rows merged into examples (`[B*k, ...]`) are not seen and a chunk may
+  hold k times the budget.
+  """
+  if ctx.batch_minor or ctx.batch_size is None or base.in_xla_context():
+    return None
+  per_example = _patch_elements(ctx, patched, other)
+  if per_example is None:
+    return None
+  chunk = max(1, NORM_CHUNK_BYTES // (per_example * patched.dtype.size))
+  if isinstance(ctx.batch_size, int) and ctx.batch_size <= chunk:
+    return None
+  return chunk
+
+
+def _patch_elements(ctx, patched, other):
+  """Elements of one example's patches, or None if not static: kernel
+  offsets x `patched`'s channels x `other`'s positions (its rows per
+  example, if static, times its spatial size)."""
+  if other.shape.rank is None or patched.shape.rank is None:
+    return None
+  axis = 1 if _channels_first(ctx) else other.shape.rank - 1
+  spatial = [d for i, d in enumerate(other.shape) if i not in (0, axis)]
+  sizes = [ctx.inputs[1].shape[:-2].num_elements(),
+           patched.shape[1 if _channels_first(ctx) else -1], *spatial]
+  if None in sizes:
+    return None
+  rows = other.shape[0]
+  if isinstance(ctx.batch_size, int) and isinstance(rows, int):
+    sizes.append(max(1, rows // max(1, ctx.batch_size)))
+  n = 1
+  for s in sizes:
+    n *= int(s)
+  return n
 
 
 def _identity(g):
@@ -189,11 +274,12 @@ def _grouped(ctx, x, filt, dz):
 class ConvRule(_PatchContraction):
   """`Conv2D`/`Conv3D` (any strides, padding, dilations, groups)."""
 
-  def operands(self, ctx):
-    if ctx.param_index != 1 or not ctx.inputs[1].shape.is_fully_defined():
-      return None
-    x = _to_channels_last(ctx, ctx.inputs[0])
-    dz = _to_channels_last(ctx, ctx.dz)
+  def example_operands(self, ctx):
+    return ctx.inputs[0], ctx.dz
+
+  def operands(self, ctx, patched, other):
+    x = _to_channels_last(ctx, patched)
+    dz = _to_channels_last(ctx, other)
     return _grouped(ctx, x, ctx.inputs[1], dz)
 
 
@@ -201,15 +287,15 @@ class ConvRule(_PatchContraction):
 class DepthwiseConvRule(_PatchContraction):
   """`DepthwiseConv2dNative`: filter [kh, kw, C, M], output channel c*M+m."""
 
-  def operands(self, ctx):
-    filt = ctx.inputs[1]
-    if ctx.param_index != 1 or not filt.shape.is_fully_defined():
-      return None
-    x = _to_channels_last(ctx, ctx.inputs[0])
-    kh, kw, c, m = (int(d) for d in filt.shape)
+  def example_operands(self, ctx):
+    return ctx.inputs[0], ctx.dz
+
+  def operands(self, ctx, patched, other):
+    x = _to_channels_last(ctx, patched)
+    kh, kw, c, m = (int(d) for d in ctx.inputs[1].shape)
     patches, sub = _patches(ctx, x, [kh, kw])
     n = tf.shape(patches)[0]
-    dz = tf.reshape(_to_channels_last(ctx, ctx.dz), tf.stack([n, -1, c, m]))
+    dz = tf.reshape(_to_channels_last(ctx, other), tf.stack([n, -1, c, m]))
     return (contraction.Spec(sub, "kcm", "npcm", "n", 0), patches, dz,
             _identity)
 
@@ -222,13 +308,13 @@ class ConvTransposeRule(_PatchContraction):
   the output gradient dy contracted with the data input d.
   """
 
-  def operands(self, ctx):
-    filt = ctx.inputs[1]
-    if ctx.param_index != 1 or not filt.shape.is_fully_defined():
-      return None
-    dy = _to_channels_last(ctx, ctx.dz)
-    d = _to_channels_last(ctx, ctx.inputs[2])
-    kh, kw, cy, cd = (int(v) for v in filt.shape)
+  def example_operands(self, ctx):
+    return ctx.dz, ctx.inputs[2]
+
+  def operands(self, ctx, patched, other):
+    dy = _to_channels_last(ctx, patched)
+    d = _to_channels_last(ctx, other)
+    kh, kw, cy, cd = (int(v) for v in ctx.inputs[1].shape)
     patches, sub = _patches(ctx, dy, [kh, kw])
     n = tf.shape(patches)[0]
     d = tf.reshape(d, tf.stack([n, -1, cd]))
