@@ -220,6 +220,12 @@ def test_conv_norms_in_chunks_match_reference(name, dtype, batch, mode,
   forms = {r.get("sq_norm") for r in records if r["form"] == "sq_norm" and
            r["op_type"] == _op_type(case)}
   assert forms == {case.form}, records
+  # Every materialised case here is small enough to be kept: the weighted
+  # sum reuses the gradients the chunks returned.
+  sums = {r.get("weighted_sum") for r in records
+          if r["form"] == "weighted_sum" and r["op_type"] == _op_type(case)}
+  assert sums == {"from per-example" if case.form == "materialised" else
+                  None}, records
   _check_chunks(calls, batch, mode == "jit")
 
 
@@ -259,7 +265,13 @@ def test_conv_norms_in_chunks_dynamic_batch(name, dtype, jit,
     want_norms = np.sqrt(np.sum(ref ** 2, axis=1))
     factors = np.minimum(1.0, clip / want_norms)
     want_sum = (factors @ ref).reshape(w.shape)
-    norms, (got_sum,) = compute(x, labels)
+    with pxg_testing.trace_rules() as records:
+      norms, (got_sum,) = compute(x, labels)
+    if batch == 5:  # The call that traces: a dynamic batch has no static
+      # size to weigh, so no per-example gradient is kept for the sum.
+      sums = [r.get("weighted_sum") for r in records
+              if r["form"] == "weighted_sum"]
+      assert sums and not any(sums), records
     np.testing.assert_allclose(norms.numpy(), want_norms, rtol=1e-5,
                                atol=1e-6 * np.max(want_norms))
     np.testing.assert_allclose(got_sum.numpy(), want_sum, rtol=1e-5,

@@ -322,15 +322,22 @@ def trace_note(**details) -> None:
 _kept = weakref.WeakKeyDictionary()
 
 
+def cheap_to_keep(ctx: Context, shape) -> bool:
+  """Whether holding a per-example gradient of `shape` (`[B, ...]`, a
+  `tf.TensorShape` or list; None for unknown sizes) is cheap: its size is
+  static and no larger than the interface's data operands and output
+  gradient, which backprop holds anyway."""
+  sizes = [tf.TensorShape(shape).num_elements()] + [
+      t.shape.num_elements() for t in
+      [ctx.dz] + [ctx.inputs[i] for i in ctx.data_indices]]
+  return None not in sizes and sizes[0] <= sum(sizes[1:])
+
+
 def keep_per_example(ctx: Context, g, payload=None) -> bool:
   """Keeps `g`, the interface's per-example gradient `[B, ...]` in any axis
   order (or `payload`, something holding it), for `take_per_example`, if
-  holding it is cheap: no larger than the interface's data operands and
-  output gradient, which backprop holds anyway. Returns whether it was
-  kept."""
-  sizes = [t.shape.num_elements() for t in
-           [g, ctx.dz] + [ctx.inputs[i] for i in ctx.data_indices]]
-  if None in sizes or sizes[0] > sum(sizes[1:]):
+  `cheap_to_keep`. Returns whether it was kept."""
+  if not cheap_to_keep(ctx, g.shape):
     return False
   _kept.setdefault(ctx.entry, {})[ctx.param_index] = (
       tuple(ctx.output_grads), g if payload is None else payload)

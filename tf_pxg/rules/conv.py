@@ -139,22 +139,25 @@ class _PatchContraction(base.Rule):
   def sq_norm(self, ctx):
     """Ghost or materialised (`contraction.sq_norm_and_per_example`), over
     chunks of examples (`_norm_chunk`); a materialised per-example gradient
-    is kept for `weighted_sum`."""
+    is kept for `weighted_sum` if `base.cheap_to_keep` (else the chunks do
+    not return it)."""
     if not self.supported(ctx):
       return super().sq_norm(ctx)
     patched, other = self.example_operands(ctx)
     dtype = contraction.norm_dtype(patched.dtype)
     chunk = _norm_chunk(ctx, patched, other)
-    # What the contraction chose (form, axis order), known once `norms`
-    # has been traced (in the chunk loop) or run (eagerly).
+    # Whether the per-example gradient is kept and its axis order, known
+    # once `norms` has been traced (in the chunk loop) or run (eagerly).
     layout = {}
+    batch = ctx.batch_size if isinstance(ctx.batch_size, int) else None
 
     def norms(parts, n):
       spec, data, dz, layout["to_param"] = self.operands(ctx, *parts)
       sq, g = contraction.sq_norm_and_per_example(spec, data, dz, n,
                                                   ctx.batch_minor)
-      layout["materialised"] = g is not None
-      if g is None:  # A fixed output structure for the chunk loop.
+      layout["keep"] = g is not None and base.cheap_to_keep(
+          ctx, [batch, *g.shape[1:]])
+      if not layout["keep"]:  # A fixed output structure for the chunk loop.
         g = tf.zeros(tf.stack([tf.shape(sq)[0], 0]), dtype)
       return sq, g
 
@@ -163,7 +166,7 @@ class _PatchContraction(base.Rule):
     else:
       sq, g = base.map_example_chunks(norms, [patched, other], ctx.batch_size,
                                       chunk, (tf.float32, dtype))
-    if layout["materialised"]:
+    if layout["keep"]:
       base.keep_per_example(ctx, g, (g, layout["to_param"]))
     return sq
 
