@@ -10,6 +10,10 @@ batch at once), with a static and a dynamic batch, in float32 and float64,
 for the ghost and the materialised form. A spy on `map_example_chunks`
 checks that the chunks really were two examples, i.e. that the budget is
 turned into the intended chunk size.
+
+With a dynamic batch the rows per example of a contraction are known only
+at run time; the ghost-or-materialised choice is then made by `tf.cond`,
+checked to run the form the static batch takes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import tensorflow as tf
 import tf_pxg
 from tf_pxg import testing as pxg_testing
 from tf_pxg.rules import base
+from tf_pxg.rules import contraction
 from tf_pxg.rules import conv
 
 F32, F64 = tf.float32, tf.float64
@@ -92,11 +97,12 @@ def test_map_example_chunks_rejects_empty_chunks():
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvCase:
-  """`fn(x, w)` on `x` of shape `[B, *input_shape]`, filter `filter_shape`.
+class Case:
+  """`fn(x, w)` on `x` of shape `[B, *input_shape]`, `w` of `filter_shape`.
 
-  `patch_elements`: one example's patch tensor (kernel offsets x patched
-  channels x positions), worked out by hand; `form`: the sq_norm form.
+  `patch_elements`: for a convolution, one example's patch tensor (kernel
+  offsets x patched channels x positions), worked out by hand (0 for other
+  ops); `form`: the sq_norm form with a static batch.
   """
   name: str
   fn: Callable
@@ -116,32 +122,32 @@ def _transpose_conv(out_hw, strides, padding):
 
 CASES = [
     # 2x2 positions x (2x2 offsets x 8 channels).
-    ConvCase("Conv2D_VALID_ghost",
+    Case("Conv2D_VALID_ghost",
              lambda x, w: tf.nn.conv2d(x, w, 1, "VALID"),
              (3, 3, 8), (2, 2, 8, 16), 4 * 4 * 8, "ghost"),
     # 3x3 positions x (3x3 offsets x 2 channels).
-    ConvCase("Conv2D_SAME_strides2",
+    Case("Conv2D_SAME_strides2",
              lambda x, w: tf.nn.conv2d(x, w, 2, "SAME"),
              (5, 5, 2), (3, 3, 2, 3), 9 * 9 * 2, "materialised"),
     # 4x3 positions x (2x2 offsets x 2 channels), patches by extract_patches.
-    ConvCase("Conv2D_VALID_dilation2",
+    Case("Conv2D_VALID_dilation2",
              lambda x, w: tf.nn.conv2d(x, w, 1, "VALID", dilations=2),
              (6, 5, 2), (2, 2, 2, 3), 12 * 4 * 2, "materialised"),
     # 2x1x1 positions x (2x2x2 offsets x 4 channels).
-    ConvCase("Conv3D_VALID_ghost",
+    Case("Conv3D_VALID_ghost",
              lambda x, w: tf.nn.conv3d(x, w, [1] * 5, "VALID"),
              (3, 2, 2, 4), (2, 2, 2, 4, 16), 2 * 8 * 4, "ghost"),
     # 2x2 positions x (3x3 offsets x 2 channels).
-    ConvCase("DepthwiseConv2dNative_VALID_ghost",
+    Case("DepthwiseConv2dNative_VALID_ghost",
              lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
                  input=x, filter=w, strides=[1, 1, 1, 1], padding="VALID"),
              (4, 4, 2), (3, 3, 2, 16), 4 * 9 * 2, "ghost"),
     # Patches of the 4x4x8 output gradient at the input's 2x2 positions.
-    ConvCase("Conv2DBackpropInput_SAME_strides2_ghost",
+    Case("Conv2DBackpropInput_SAME_strides2_ghost",
              _transpose_conv((4, 4), 2, "SAME"),
              (2, 2, 16), (3, 3, 8, 16), 4 * 9 * 8, "ghost"),
     # Patches of the 6x6x3 output gradient at the input's 3x3 positions.
-    ConvCase("Conv2DBackpropInput_SAME_strides2",
+    Case("Conv2DBackpropInput_SAME_strides2",
              _transpose_conv((6, 6), 2, "SAME"),
              (3, 3, 2), (3, 3, 3, 2), 9 * 9 * 3, "materialised"),
 ]
@@ -229,17 +235,42 @@ def test_conv_norms_in_chunks_match_reference(name, dtype, batch, mode,
   _check_chunks(calls, batch, mode == "jit")
 
 
-def _norms_and_sums(model, variables, clip):
-  """The tape's per-example norms and clipped sum of `_loss`."""
+def _check_dynamic_batch(case, dtype, jit, batches=(5, 1)):
+  """Runs one `tf.function` with a `None` batch (traced on the first of
+  `batches`) on each batch size and checks its per-example norms and
+  clipped sum (C = 1) against the reference loop. Returns the
+  `trace_rules` records of the tracing call."""
+  model, w = _model(case, dtype)
+
   def compute(x, labels):
     with tf_pxg.GradientTape() as tape:
       losses = _loss(labels, model(x))
-    norms = tape.per_example_norms(losses, variables)
+    norms = tape.per_example_norms(losses, [w])
     with tf_pxg.GradientTape() as tape:
       losses = _loss(labels, model(x))
-    sums, _ = tape.clipped_gradient_sum(losses, variables, clip)
-    return norms, sums
-  return compute
+    (clipped,), _ = tape.clipped_gradient_sum(losses, [w], 1.0)
+    return norms, clipped
+
+  compute = tf.function(
+      compute, jit_compile=jit, autograph=False,
+      input_signature=[tf.TensorSpec([None, *case.input_shape], dtype),
+                       tf.TensorSpec(None, dtype)])
+  traced = None
+  for batch in batches:
+    x, labels = _data(case, dtype, batch, model)
+    (ref,) = pxg_testing.reference_per_example_gradients(
+        _loss, model, [w], x, labels)
+    ref = ref.numpy().reshape(batch, -1)
+    want_norms = np.sqrt(np.sum(ref ** 2, axis=1))
+    want_sum = (np.minimum(1.0, 1.0 / want_norms) @ ref).reshape(w.shape)
+    with pxg_testing.trace_rules() as records:
+      norms, got_sum = compute(x, labels)
+    traced = records if traced is None else traced
+    np.testing.assert_allclose(norms.numpy(), want_norms, rtol=1e-5,
+                               atol=1e-6 * np.max(want_norms))
+    np.testing.assert_allclose(got_sum.numpy(), want_sum, rtol=1e-5,
+                               atol=1e-5 * np.max(np.abs(want_sum)))
+  return traced
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["function", "jit"])
@@ -251,33 +282,53 @@ def test_conv_norms_in_chunks_dynamic_batch(name, dtype, jit,
   """One `tf.function` with a `None` batch, called on B = 5 and B = 1."""
   case = _BY_NAME[name]
   calls = two_example_chunks(case, dtype)
-  clip = 1.0
-  model, w = _model(case, dtype)
-  compute = tf.function(
-      _norms_and_sums(model, [w], clip), jit_compile=jit, autograph=False,
-      input_signature=[tf.TensorSpec([None, *case.input_shape], dtype),
-                       tf.TensorSpec(None, dtype)])
-  for batch in (5, 1):
-    x, labels = _data(case, dtype, batch, model)
-    (ref,) = pxg_testing.reference_per_example_gradients(
-        _loss, model, [w], x, labels)
-    ref = ref.numpy().reshape(batch, -1)
-    want_norms = np.sqrt(np.sum(ref ** 2, axis=1))
-    factors = np.minimum(1.0, clip / want_norms)
-    want_sum = (factors @ ref).reshape(w.shape)
-    with pxg_testing.trace_rules() as records:
-      norms, (got_sum,) = compute(x, labels)
-    if batch == 5:  # The call that traces: a dynamic batch has no static
-      # size to weigh, so no per-example gradient is kept for the sum.
-      sums = [r.get("weighted_sum") for r in records
-              if r["form"] == "weighted_sum"]
-      assert sums and not any(sums), records
-    np.testing.assert_allclose(norms.numpy(), want_norms, rtol=1e-5,
-                               atol=1e-6 * np.max(want_norms))
-    np.testing.assert_allclose(got_sum.numpy(), want_sum, rtol=1e-5,
-                               atol=1e-5 * np.max(np.abs(want_sum)))
+  records = _check_dynamic_batch(case, dtype, jit)
+  # A dynamic batch has no static size to weigh, so no per-example
+  # gradient is kept for the sum.
+  sums = [r.get("weighted_sum") for r in records
+          if r["form"] == "weighted_sum"]
+  assert sums and not any(sums), records
   if jit:
     assert not calls, calls
   else:
     assert calls and all(chunk == 2 and isinstance(b, tf.Tensor)
                          for b, chunk in calls), calls
+
+
+# The form chosen at run time (dynamic batch) ----------------------------------
+
+# `form`: the form the static batch takes, which the run-time choice must
+# take too (rows per example are 1, 4 and 4).
+RUN_TIME_CASES = [
+    Case("MatMul_ghost", tf.matmul, (5,), (5, 3), 0, "ghost"),
+    # 4 rows x (16 + 16) < 16 x 16.
+    Case("Einsum_sequence_ghost",
+             lambda x, w: tf.einsum("btd,de->bte", x, w), (4, 16), (16, 16),
+             0, "ghost"),
+    # 4 rows x (5 + 3) > 5 x 3.
+    Case("Einsum_sequence_materialised",
+             lambda x, w: tf.einsum("btd,de->bte", x, w), (4, 5), (5, 3), 0,
+             "materialised"),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["function", "jit"])
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("case", RUN_TIME_CASES, ids=lambda c: c.name)
+def test_dynamic_batch_runs_the_cheaper_form(case, dtype, jit, monkeypatch):
+  """With a `None` batch the rows per example are known only at run time:
+  both forms are built and the one the static batch would take runs (a
+  counter on the ghost form tells which)."""
+  ghost_runs = tf.Variable(0, dtype=tf.int64)
+  real = contraction._ghost_sq_norms
+
+  def counted(*args):
+    with tf.control_dependencies([ghost_runs.assign_add(1)]):
+      return tf.identity(real(*args))
+
+  monkeypatch.setattr(contraction, "_ghost_sq_norms", counted)
+  records = _check_dynamic_batch(case, dtype, jit)
+  assert {r.get("sq_norm") for r in records if r["form"] == "sq_norm"} == {
+      "chosen at run time"}, records
+  # Two calls (B = 5, 1), one per-example_norms and one clipped sum each.
+  assert int(ghost_runs.numpy()) == (4 if case.form == "ghost" else 0)

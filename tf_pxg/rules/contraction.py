@@ -159,7 +159,10 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
 
   The per-example gradient `[B, *param_sub sizes]` is returned when it was
   materialised for the norm (float64 for float64 operands, else float32),
-  None when the ghost form was cheaper.
+  None when the ghost form was cheaper. When the number of summed rows is
+  known only at run time (the rows per example of a dynamic batch), both
+  forms are built, `tf.cond` runs the cheaper, and the gradient is not
+  returned (a tensor of unknown size is never kept for the weighted sum).
   """
   data, dz, data_sub, out_sub = split_operands(s, data, dz, batch_size, minor)
   x = s.batch
@@ -181,29 +184,50 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
     return None if None in vals else int(np.prod(vals or [1]))
 
   nr, npd, npo = prod(summed), prod(pd), prod(po)
-  ghost = (not lonely and None not in (nr, npd, npo) and
-           nr * (npd + npo) < npd * npo)
-  base.trace_note(sq_norm="ghost" if ghost else "materialised")
   dtype = norm_dtype(data.dtype)
   data, dz = tf.cast(data, dtype), tf.cast(dz, dtype)
-  if not ghost:
-    g = tf.einsum(f"{data_sub},{out_sub}->{x}{s.param_sub}", data, dz)
-    return base.batch_sq_norm(g), g
+
+  def materialised():
+    return tf.einsum(f"{data_sub},{out_sub}->{x}{s.param_sub}", data, dz)
+
+  def ghost():
+    return _ghost_sq_norms(data, dz, data_sub, out_sub,
+                           f"{x}{shared}", summed, s.param_sub)
+
+  if lonely or None in (npd, npo):
+    form = "materialised"
+  elif nr is not None:
+    form = "ghost" if nr * (npd + npo) < npd * npo else "materialised"
+  else:
+    base.trace_note(sq_norm="chosen at run time")
+    rows = tf.reduce_prod(tf.stack(
+        [tf.shape(data)[data_sub.index(c)] for c in summed]))
+    return tf.cond(rows * (npd + npo) < npd * npo, ghost,
+                   lambda: base.batch_sq_norm(materialised())), None
+  base.trace_note(sq_norm=form)
+  if form == "ghost":
+    return ghost(), None
+  g = materialised()
+  return base.batch_sq_norm(g), g
+
+
+def _ghost_sq_norms(data, dz, data_sub, out_sub, keep, summed, param_sub):
+  """`[B]` float32 ghost norms `sum <d_r, d_r'> <dz_r, dz_r'>` over the
+  `summed` row letters, `keep` the batch and shared parameter letters."""
   if not summed:  # One row per example: the Gram "matrices" are 1 x 1.
-    keep = f"{x}{shared}"
     gram_d = _sum_of_squares(data, data_sub, keep)
     gram_z = _sum_of_squares(dz, out_sub, keep)
   else:
-    primed = _fresh(data_sub + out_sub + s.param_sub, len(summed))
+    primed = _fresh(data_sub + out_sub + param_sub, len(summed))
     prime = str.maketrans(summed, primed)
-    keep = f"{x}{shared}{summed}{primed}"
+    keep = f"{keep}{summed}{primed}"
     gram_d = tf.einsum(f"{data_sub},{data_sub.translate(prime)}->{keep}",
                        data, data)
     gram_z = tf.einsum(f"{out_sub},{out_sub.translate(prime)}->{keep}", dz,
                        dz)
   return tf.cast(tf.reduce_sum(
       tf.reshape(gram_d * gram_z, [tf.shape(gram_d)[0], -1]), axis=1),
-                 tf.float32), None
+                 tf.float32)
 
 
 def norm_dtype(dtype) -> tf.DType:
