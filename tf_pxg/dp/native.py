@@ -35,7 +35,8 @@ import threading
 from typing import List, Optional
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # XLA-context test
+
+from tf_pxg import xla
 
 __all__ = ["SOURCE", "build", "enabled", "library", "serves"]
 
@@ -77,18 +78,9 @@ def serves(t) -> bool:
   """Whether the native op should draw the noise for `t` here: a float32
   tensor (or `IndexedSlices`), code that is not being compiled with XLA, no
   accelerator in use, and the library loads."""
-  if t.dtype != tf.float32 or _in_xla_context() or _accelerators():
+  if t.dtype != tf.float32 or xla.in_xla_context() or _accelerators():
     return False
   return library() is not None
-
-
-def _in_xla_context() -> bool:
-  """True while tracing a `jit_compile=True` function (or a TPU replicate
-  context), where only XLA-compilable ops may be used."""
-  if tf.executing_eagerly():
-    return False
-  return control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph())
 
 
 def _accelerators() -> bool:

@@ -30,7 +30,6 @@ import weakref
 
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
-from tensorflow.python.ops import control_flow_util
 
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.tape.recording import Entry
@@ -185,16 +184,6 @@ def scale_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
       t, tf.concat([tf.shape(t)[:axis], [-1, batch_size],
                     tf.shape(t)[axis + 1:]], 0))
   return tf.reshape(s * tf.reshape(c, shape), tf.shape(t))
-
-
-def in_xla_context() -> bool:
-  """True while tracing for XLA (a `jit_compile=True` function, possibly
-  through nested functions), where rules may prefer other forms: XLA
-  schedules its own buffers and compiles loops differently."""
-  if tf.executing_eagerly():
-    return False
-  return control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph())
 
 
 def map_example_chunks(fn: Callable, tensors: Sequence[Any], batch_size,

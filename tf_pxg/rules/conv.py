@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_pxg import xla
 from tf_pxg.registry import register
 from tf_pxg.rules import base
 from tf_pxg.rules import contraction
@@ -202,7 +203,7 @@ def _norm_chunk(ctx, patched, other):
   rows merged into examples (`[B*k, ...]`) are not seen and a chunk may
   hold k times the budget.
   """
-  if ctx.batch_minor or ctx.batch_size is None or base.in_xla_context():
+  if ctx.batch_minor or ctx.batch_size is None or xla.in_xla_context():
     return None
   per_example = _patch_elements(ctx, patched, other)
   if per_example is None:
