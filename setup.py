@@ -14,7 +14,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["tf_pxg", "tf_pxg.*"]),
     # The native noise op's C++ source, compiled on first use
     # (tf_pxg.dp.native).
-    package_data={"tf_pxg.dp": ["kernels/*.cc"]},
+    package_data={"tf_pxg.dp": ["kernels/*.cc", "kernels/*.h"]},
     python_requires=">=3.10",
     install_requires=[
         "tensorflow>=2.16",

@@ -17,7 +17,13 @@ element over 4M elements (so per-op overhead is negligible):
 * `copy_ns_per_float`: `x + 1` with TF's kernel (a read and a write);
 * `dense_update_ns_per_float`: one XLA-fused read-modify-write pass over a
   variable (`v.assign(v * a + b)`), the least a dense update can cost per
-  weight even with a free generator: the memory-bandwidth floor.
+  weight even with a free generator: the memory-bandwidth floor;
+* from `benchmarks/threefry_rounds.cc` (the native op's sampling code,
+  compiled as the op is and timed on one core outside TF, where a C++
+  compiler exists): `threefry_rounds_ns_per_gaussian`, the Threefry-2x32-20
+  rounds alone, the least any DP step drawing this generator's noise pays
+  per weight; `normal_pairs_ns_per_gaussian` with the Box-Muller transform;
+  `add_noise_ns_per_gaussian` also adding into a gradient.
 
   python -m benchmarks.limits
 """
@@ -43,6 +49,27 @@ def _cpu_ns_per_element(fn, n: int, reps: int = 5, rounds: int = 5) -> float:
     modes.sync(out)
     times.append((time.process_time() - start) / reps)
   return float(np.median(times)) / n * 1e9
+
+
+def native_sampling() -> dict:
+  """The single-core timings of `benchmarks/threefry_rounds.cc`, or {} if
+  no C++ compiler is found or the build fails."""
+  import pathlib  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+  from tf_pxg.dp import native  # noqa: PLC0415
+  source = pathlib.Path(__file__).with_name("threefry_rounds.cc")
+  try:
+    with tempfile.TemporaryDirectory() as tmp:
+      program = pathlib.Path(tmp) / "threefry_rounds"
+      subprocess.run([native.compiler(), str(source), "-o", str(program),
+                      "-O3", "-march=native", "-fno-math-errno"],
+                     check=True, capture_output=True, timeout=300)
+      out = subprocess.run([str(program)], check=True, capture_output=True,
+                           text=True, timeout=300).stdout
+  except (OSError, subprocess.SubprocessError):
+    return {}
+  return json.loads(out)
 
 
 def noise_kernels() -> dict:
@@ -74,6 +101,7 @@ def noise_kernels() -> dict:
       "copy_ns_per_float": tf.function(lambda: x.read_value() + 1.0),
   }
   out = {k: round(_cpu_ns_per_element(f, N), 3) for k, f in fns.items()}
+  out.update(native_sampling())
   out["elements"] = N
   return out
 

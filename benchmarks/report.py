@@ -223,6 +223,14 @@ def _floor_lines(result: dict) -> List[str]:
         f"{kernels['box_muller_ns_per_gaussian']:.2f} ns and TF's own "
         f"normal {kernels['tf_normal_ns_per_gaussian']:.2f} ns per "
         f"Gaussian; one pass over memory {pass_ns:.2f} ns per float.")
+    if "threefry_rounds_ns_per_gaussian" in kernels:
+      lines[0] += (
+          " The native op's sampling code alone, on one core "
+          "(`benchmarks/threefry_rounds.cc`): the Threefry-2x32-20 rounds "
+          f"{kernels['threefry_rounds_ns_per_gaussian']:.2f} ns per "
+          "Gaussian, with the Box-Muller transform "
+          f"{kernels['normal_pairs_ns_per_gaussian']:.2f} ns, also added "
+          f"into a gradient {kernels['add_noise_ns_per_gaussian']:.2f} ns.")
   lines += ["", "| model | weights | noise alone (CPU) | non-private step "
             "(CPU) | generator floor | memory floor | tf_pxg DP (CPU) | "
             "target |", "|---|---|---|---|---|---|---|---|"] + rows + [""]

@@ -135,6 +135,10 @@ def test_report_renders_tables_and_writes_json(tmp_path):
   assert ("| mlp | 1,000 | 0.50 ms | 1.00 ms | 1.50× | 1.20× | 1.40× | "
           "1.15× (below the memory floor: out of reach) |"
           in report.markdown(result))
+  result["noise_kernels"].update(threefry_rounds_ns_per_gaussian=0.5,
+                                 normal_pairs_ns_per_gaussian=0.9,
+                                 add_noise_ns_per_gaussian=1.0)
+  assert "the Threefry-2x32-20 rounds 0.50 ns per" in report.markdown(result)
   del result["noise_kernels"]
   assert ("| mlp | ≤ 1.15 | 1.50 ✗ | 1.40 ✗ | 1.20 ✓ | 0.25 ✓ | 0.20 ✓ |"
           in md)
@@ -168,3 +172,14 @@ def test_tape_benchmark_steps_and_comparison():
   assert float(tf.linalg.global_norm(dp)) <= 8.0 + 1e-4
   line = tape_benchmark.compare("mlp", 8, rounds=1)
   assert line.startswith("tape mlp B=8") and "wall" in line
+
+
+def test_native_sampling_times_the_ops_code_on_one_core():
+  from benchmarks import limits  # pylint: disable=g-import-not-at-top
+  times = limits.native_sampling()  # this machine has g++
+  keys = ("threefry_rounds_ns_per_gaussian", "normal_pairs_ns_per_gaussian",
+          "add_noise_ns_per_gaussian")
+  assert sorted(times) == sorted(keys)
+  # The rounds are part of the transform, which is part of the addition.
+  rounds, pairs, add = (times[k] for k in keys)
+  assert 0 < rounds < pairs and 0 < pairs < 3 * add

@@ -1,6 +1,7 @@
 """The native noise kernel: a TensorFlow CPU op, compiled on first use.
 
-`kernels/threefry_noise.cc` draws the same Gaussians as the XLA kernel of
+`kernels/threefry_noise.cc` (with `kernels/threefry_normal.h`) draws the
+same Gaussians as the XLA kernel of
 `tf_pxg.dp.threefry` (element for element, up to float rounding), but it
 computes both outputs of a Box-Muller pair at once, runs loops written for
 the compiler's vectoriser and shards them over TF's intra-op threads: about
@@ -38,7 +39,7 @@ import tensorflow as tf
 
 from tf_pxg import xla
 
-__all__ = ["SOURCE", "build", "enabled", "library", "serves"]
+__all__ = ["SOURCE", "build", "compiler", "enabled", "library", "serves"]
 
 SOURCE = pathlib.Path(__file__).with_name("kernels") / "threefry_noise.cc"
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC",
@@ -88,7 +89,12 @@ def _accelerators() -> bool:
               tf.config.list_logical_devices("TPU"))
 
 
-def _compiler() -> str:
+def compiler() -> str:
+  """The C++ compiler: `$CXX`, else the first of g++, c++, clang++ on PATH.
+
+  Raises:
+    OSError: If there is none.
+  """
   cxx = os.environ.get("CXX")
   if cxx:
     return cxx
@@ -136,10 +142,11 @@ def build(cache_dir: Optional[pathlib.Path] = None) -> str:
     subprocess.CalledProcessError: The compiler failed (its message is in
       the exception's `stderr` and string).
   """
-  cxx = _compiler()
+  cxx = compiler()
   cache_dir = pathlib.Path(cache_dir or _cache_dir())
   digest = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), tf.__version__.encode(),
+  sources = sorted(SOURCE.parent.glob("*.[ch]*"))  # the op and its header
+  for part in (*(f.read_bytes() for f in sources), tf.__version__.encode(),
                " ".join(_command(cxx, pathlib.Path("out"))).encode(),
                _cpu_features().encode()):
     digest.update(part)
