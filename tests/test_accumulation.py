@@ -267,3 +267,22 @@ def test_keras_gradient_accumulation_steps_rejected():
                   gradient_accumulation_steps=4), CLIP, 0.0)):
     with pytest.raises(ValueError, match="accumulation_steps=k"):
       model.compile(optimizer=opt, loss=_sce())
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_noisy_mean_divides_inside_the_noise_pass(dtype):
+  # (sums + N(0, (sigma C)^2)) / normalizer: the same draw as
+  # add_gaussian_noise from an equal generator, divided; sigma = 0 divides.
+  from tf_pxg import dp  # pylint: disable=g-import-not-at-top
+  sums = [tf.fill([300, 7], tf.constant(3.0, dtype)), None,
+          tf.IndexedSlices(tf.ones([2, 4], dtype), tf.constant([1, 1]),
+                           tf.constant([5, 4]))]
+  mean = dp.noisy_mean(sums, 2.0, 1.5, 4.0, dp.make_generator(seed=9))
+  noisy = dp.add_gaussian_noise(sums, 3.0, generator=dp.make_generator(9))
+  assert mean[1] is None
+  for m, n in zip([mean[0], mean[2]], [noisy[0], noisy[2]]):
+    assert m.dtype == dtype
+    # |noisy| <= 3 + 6.76 * 3: a few float32 ulps of that, / 4.
+    np.testing.assert_allclose(m, n / 4.0, rtol=0, atol=1e-5)
+  plain = dp.noisy_mean(sums[:1], 2.0, 0.0, 4.0, dp.make_generator(seed=9))
+  np.testing.assert_array_equal(plain[0], sums[0] / 4.0)

@@ -55,20 +55,41 @@ def _definition(start: int, n: int, stddev: float) -> np.ndarray:
                                       (threefry.MAX_ELEMENTS - 300, 300)])
 def test_op_and_xla_kernel_follow_the_definition(lib, start, n):
   want = _definition(start, n, 0.7)
-  got = lib.tf_pxg_add_normal_noise(tf.zeros([n]), _key(), 0.7, start=start)
+  got = lib.tf_pxg_add_normal_noise(tf.zeros([n]), _key(), 0.7, 1.0,
+                                    start=start)
   np.testing.assert_allclose(got, want, rtol=0, atol=0.7 * ATOL)
   xla = threefry._add_normal_noise([tf.zeros([n])], (start,), _key(),
-                                   tf.constant(0.7))[0]
+                                   tf.constant(0.7), tf.constant(1.0))[0]
   np.testing.assert_allclose(xla, want, rtol=0, atol=0.7 * ATOL)
 
 
 def test_the_op_adds_to_the_tensor_in_place_of_a_copy(lib):
   base = tf.reshape(tf.range(24, dtype=tf.float32), [4, 6])
-  noisy = lib.tf_pxg_add_normal_noise(base, _key(), 2.0, start=5)
+  noisy = lib.tf_pxg_add_normal_noise(base, _key(), 2.0, 1.0, start=5)
   assert noisy.shape == base.shape
   np.testing.assert_allclose(noisy - base,
                              _definition(5, 24, 2.0).reshape(4, 6), rtol=0,
                              atol=2 * ATOL + 1e-5)  # + ulps of base (<= 23)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_scale_multiplies_the_noisy_result_in_the_same_pass(lib, jit):
+  # scale (t + s z) for dense tensors and for scattered rows, with the op
+  # (jit=False) and with the XLA loop (jit=True).
+  del lib
+  base = tf.reshape(tf.range(24, dtype=tf.float32), [4, 6])
+  rows = tf.IndexedSlices(tf.ones([3, 2]), tf.constant([1, 1, 4]),
+                          tf.constant([5, 2]))
+  dense, sparse = tf.function(
+      lambda: threefry.add_normal_noise([base, rows], _key(), 2.0,
+                                        scale=0.25), jit_compile=jit)()
+  z = _definition(0, 34, 1.0)
+  np.testing.assert_allclose(
+      dense, 0.25 * (base.numpy() + 2.0 * z[:24].reshape(4, 6)), rtol=0,
+      atol=1e-5)
+  np.testing.assert_allclose(
+      sparse, 0.25 * (tf.convert_to_tensor(rows).numpy() +
+                      2.0 * z[24:].reshape(5, 2)), rtol=0, atol=1e-5)
 
 
 def test_a_model_draw_is_the_same_with_the_op_and_with_xla(lib):
@@ -101,12 +122,24 @@ def test_rows_are_scatter_added_onto_the_noise(lib, index_dtype):
                              rtol=0, atol=1e-5)
 
 
+def test_many_rows_land_once_whichever_thread_adds_them(lib):
+  # Rows spread over the whole table (every thread's share), repeated.
+  del lib
+  rng = np.random.default_rng(3)
+  indices = tf.constant(rng.integers(0, 5000, 3000), tf.int64)
+  values = tf.constant(rng.normal(size=[3000, 16]), tf.float32)
+  rows = tf.IndexedSlices(values, indices, tf.constant([5000, 16], tf.int64))
+  (sparse,) = threefry.add_normal_noise([rows], _key(), 0.0)
+  np.testing.assert_allclose(sparse, tf.convert_to_tensor(rows), rtol=0,
+                             atol=1e-5)
+
+
 def test_a_row_index_out_of_range_is_an_error(lib):
   with pytest.raises(tf.errors.InvalidArgumentError,
                      match=r"row index 6 is outside \[0, 6\)"):
     lib.tf_pxg_normal_noise_scatter_add(
-        tf.ones([1, 3]), tf.constant([6]), _key(), 1.0, dense_shape=[6, 3],
-        start=0)
+        tf.ones([1, 3]), tf.constant([6]), _key(), 1.0, 1.0,
+        dense_shape=[6, 3], start=0)
 
 
 def test_pairs_share_a_radius_and_are_independent_normals(lib):
@@ -143,12 +176,13 @@ def test_noise_passes_the_tensors_gradient_through(lib):
   with tf.GradientTape() as tape:
     dense, rows = threefry.add_normal_noise(
         [t * 3.0, tf.IndexedSlices(values * 2.0, tf.constant([0, 0]),
-                                   tf.constant([3, 2]))], _key(), 1.0)
+                                   tf.constant([3, 2]))], _key(), 1.0,
+        scale=0.5)
     loss = tf.reduce_sum(dense) + tf.reduce_sum(rows * [[1.0, 2.0]])
   g_t, g_values = tape.gradient(loss, [t, values])
-  np.testing.assert_array_equal(g_t, np.full([3, 2], 3.0))
+  np.testing.assert_array_equal(g_t, np.full([3, 2], 1.5))
   np.testing.assert_array_equal(tf.convert_to_tensor(g_values),
-                                [[2.0, 4.0], [2.0, 4.0]])
+                                [[1.0, 2.0], [1.0, 2.0]])
 
 
 def _failing_compiler(tmp_path):

@@ -146,7 +146,8 @@ class LogicalStepAccumulator:
 def step_noise(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
                noise_multiplier: float, generator: tf.random.Generator,
                num_replicas: int = 1,
-               draw: Optional[tf.Tensor] = None) -> List[Optional[tf.Tensor]]:
+               draw: Optional[tf.Tensor] = None,
+               scale=None) -> List[Optional[tf.Tensor]]:
   """`sums + N(0, (sigma C)^2 / R)`: one replica's share of a step's noise.
 
   Args:
@@ -159,10 +160,13 @@ def step_noise(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
     num_replicas: R; the R replicas' results are summed by the all-reduce,
       so each adds std `sigma C / sqrt(R)`.
     draw: optional scalar bool; when false no noise is drawn (a physical
-      batch that does not end its logical step; its result is discarded).
+      batch that does not end its logical step; its result is discarded
+      and is not scaled).
+    scale: optional factor for the noisy sums, applied in the noise's pass
+      (`noisy_mean`'s division); only when noise is drawn.
 
   Returns:
-    The replica's noisy sums.
+    The replica's noisy sums (times `scale` where noise was drawn).
   """
   sums = list(sums)
   if not noise_multiplier:
@@ -170,12 +174,14 @@ def step_noise(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
   stddev = dp_noise.replica_noise_stddev(noise_multiplier * l2_norm_clip,
                                          num_replicas)
   if draw is None:
-    return dp_noise.add_gaussian_noise(sums, stddev, generator=generator)
+    return dp_noise.add_gaussian_noise(sums, stddev, generator=generator,
+                                       scale=scale)
   present = [i for i, g in enumerate(sums) if g is not None]
   noisy = tf.cond(
       draw,
       lambda: dp_noise.add_gaussian_noise(
-          [sums[i] for i in present], stddev, generator=generator),
+          [sums[i] for i in present], stddev, generator=generator,
+          scale=scale),
       lambda: [tf.identity(sums[i]) for i in present])
   for i, g in zip(present, noisy):
     sums[i] = g
@@ -190,9 +196,15 @@ def noisy_mean(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,
   """`step_noise(...) / normalizer` (see `step_noise` for the arguments).
 
   `normalizer` is the divisor: the expected batch size qN of a Poisson
-  step (or the realised global batch size for fixed batches).
+  step (or the realised global batch size for fixed batches). With noise,
+  the division happens in the noise kernel's pass (`scale = 1 /
+  normalizer`); without, as a division. With `draw` false the result is
+  discarded (not divided).
   """
-  noisy = step_noise(sums, l2_norm_clip, noise_multiplier, generator,
-                     num_replicas, draw)
+  if noise_multiplier:
+    # float64, so float64 gradients get a float64 reciprocal.
+    scale = 1.0 / tf.cast(normalizer, tf.float64)
+    return step_noise(sums, l2_norm_clip, noise_multiplier, generator,
+                      num_replicas, draw, scale=scale)
   return [None if g is None else g / tf.cast(normalizer, g.dtype)
-          for g in noisy]
+          for g in sums]

@@ -199,12 +199,12 @@ class _BuildError(subprocess.CalledProcessError):
 
 @tf.RegisterGradient("TfPxgAddNormalNoise")
 def _add_normal_noise_grad(op, grad):
-  """The noise does not depend on the tensor: d(t + s z)/dt = 1."""
-  del op
-  return [grad, None, None]
+  """The noise does not depend on the tensor: d(c (t + s z))/dt = c."""
+  return [grad * op.inputs[3], None, None, None]
 
 
 @tf.RegisterGradient("TfPxgNormalNoiseScatterAdd")
 def _normal_noise_scatter_add_grad(op, grad):
-  """Each row of `values` is added to row `indices[i]` of the output."""
-  return [tf.gather(grad, op.inputs[1]), None, None, None]
+  """Row `i` of `values`, times the scale, is added to row `indices[i]`."""
+  return [tf.gather(grad, op.inputs[1]) * op.inputs[4], None, None, None,
+          None]

@@ -45,6 +45,7 @@ def add_gaussian_noise(
     stddev: _Stddev,
     generator: Optional[tf.random.Generator] = None,
     seed: Optional[tf.Tensor] = None,
+    scale: Optional[_Stddev] = None,
 ) -> List[Optional[tf.Tensor]]:
   """Adds independent `N(0, stddev**2)` noise to every entry of every tensor.
 
@@ -66,10 +67,14 @@ def add_gaussian_noise(
     generator: A `tf.random.Generator`.
     seed: A stateless seed: a shape `[2]` int32/int64 tensor (a scalar
       integer `s` is taken as `[0, s]`).
+    scale: An optional factor for the noisy result, `scale * (g + noise)`,
+      applied by the fused kernel in the same pass (e.g. `1 / batch_size`
+      for DP-SGD's noisy mean: one pass over the weights fewer than
+      dividing afterwards).
 
   Returns:
-    A new list: `g + noise` for each tensor `g` (same shape and dtype), `None`
-    where `grads` has `None`.
+    A new list: `g + noise` (times `scale`) for each tensor `g` (same shape
+    and dtype), `None` where `grads` has `None`.
 
   Raises:
     ValueError: If neither or both of `generator` and `seed` are given, or
@@ -102,7 +107,8 @@ def add_gaussian_noise(
                [3], seed=_stateless_seed(seed), minval=None, maxval=None,
                dtype=tf.uint32))
     for i, out in zip(fused, threefry.add_normal_noise(
-        [tensors[i] for i in fused], key, stddev)):
+        [tensors[i] for i in fused], key, stddev,
+        1.0 if scale is None else scale)):
       noisy[i] = out
   if rest and generator is None:
     seeds = tfp.random.split_seed(
@@ -115,6 +121,8 @@ def add_gaussian_noise(
       noisy[i] = g + tf.random.stateless_normal(
           tf.shape(g), seed=seeds[k], stddev=tf.cast(stddev, g.dtype),
           dtype=g.dtype)
+    if scale is not None:
+      noisy[i] = noisy[i] * tf.cast(scale, g.dtype)
   return noisy
 
 

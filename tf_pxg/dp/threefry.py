@@ -173,36 +173,38 @@ def _check(tensors: Sequence[tf.Tensor]) -> None:
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _add_normal_noise(tensors, starts, key, stddev):
-  """XLA: a tensor `t` gets `t + s z`, a `(values, indices, shape)` triple
-  `scatter_add(s z, indices, values)`, so a sparse gradient is never
-  densified on its own (one buffer, one pass). `z` of the `j`-th takes the
-  draw's elements `starts[j] ..`."""
+def _add_normal_noise(tensors, starts, key, stddev, scale):
+  """XLA: a tensor `t` gets `scale (t + s z)`, a `(values, indices, shape)`
+  triple `scale scatter_add(s z, indices, values)`, so a sparse gradient is
+  never densified on its own (one buffer, one pass). `z` of the `j`-th
+  takes the draw's elements `starts[j] ..`."""
   out = []
   for t, start in zip(tensors, starts):
     shape = t[2] if isinstance(t, tuple) else t.shape
     dtype = t[0].dtype if isinstance(t, tuple) else t.dtype
-    z = tf.cast(stddev * tf.reshape(
+    z = tf.cast((stddev * scale) * tf.reshape(
         _normal_flat(key, start, shape.num_elements()), shape), dtype)
     if isinstance(t, tuple):
-      out.append(tf.tensor_scatter_nd_add(z, tf.expand_dims(t[1], -1), t[0]))
+      out.append(tf.tensor_scatter_nd_add(z, tf.expand_dims(t[1], -1),
+                                          t[0] * tf.cast(scale, dtype)))
     else:
-      out.append(t + z)
+      out.append(t * tf.cast(scale, dtype) + z)
   return out
 
 
-def _add_native(lib, t, start: int, key, stddev) -> tf.Tensor:
-  """The native op's `t + stddev z` (`IndexedSlices`: rows scatter-added)."""
+def _add_native(lib, t, start: int, key, stddev, scale) -> tf.Tensor:
+  """The native op's `scale (t + stddev z)` (`IndexedSlices`: rows
+  scatter-added)."""
   if isinstance(t, tf.IndexedSlices):
     return lib.tf_pxg_normal_noise_scatter_add(
-        t.values, t.indices, key, stddev, dense_shape=static_shape(t),
-        start=start)
-  return lib.tf_pxg_add_normal_noise(t, key, stddev, start=start)
+        t.values, t.indices, key, stddev, scale,
+        dense_shape=static_shape(t), start=start)
+  return lib.tf_pxg_add_normal_noise(t, key, stddev, scale, start=start)
 
 
 def add_normal_noise(tensors: Sequence[tf.Tensor], key: tf.Tensor,
-                     stddev) -> List[tf.Tensor]:
-  """`t + stddev * z_t` for each tensor, `z_t` iid N(0, 1), fused.
+                     stddev, scale=1.0) -> List[tf.Tensor]:
+  """`scale * (t + stddev * z_t)` for each tensor, `z_t` iid N(0, 1), fused.
 
   float32 tensors take the native op (`tf_pxg.dp.native`) where it serves:
   outside XLA-compiled code, on CPU, when it builds. Everything else takes
@@ -216,6 +218,8 @@ def add_normal_noise(tensors: Sequence[tf.Tensor], key: tf.Tensor,
     key: a shape `[3]` uint32 tensor: the Threefry key and the counter's
       high word. Use a fresh random key for every draw.
     stddev: a scalar, the noise's standard deviation (float32).
+    scale: a scalar factor applied to the noisy result in the same pass
+      (e.g. `1 / batch_size` for a noisy mean); 1 leaves it unscaled.
 
   Returns:
     A list of dense tensors of the inputs' (dense) shapes and dtypes. The
@@ -242,6 +246,7 @@ def add_normal_noise(tensors: Sequence[tf.Tensor], key: tf.Tensor,
   _check_range(0, end)
   key = tf.cast(key, _U32)
   stddev = tf.cast(stddev, tf.float32)
+  scale = tf.cast(scale, tf.float32)
   result = [None] * len(tensors)
   fused = []
   for i in order:
@@ -249,14 +254,16 @@ def add_normal_noise(tensors: Sequence[tf.Tensor], key: tf.Tensor,
     if not isinstance(t, tf.IndexedSlices):
       t = tensors[i] = tf.convert_to_tensor(t)
     if native.serves(t):
-      result[i] = _add_native(native.library(), t, starts[i], key, stddev)
+      result[i] = _add_native(native.library(), t, starts[i], key, stddev,
+                              scale)
     else:
       fused.append(i)
   if fused:
     out = _add_normal_noise(
         [(tensors[i].values, tensors[i].indices, static_shape(tensors[i]))
          if isinstance(tensors[i], tf.IndexedSlices) else tensors[i]
-         for i in fused], tuple(starts[i] for i in fused), key, stddev)
+         for i in fused], tuple(starts[i] for i in fused), key, stddev,
+        scale)
     for i, t in zip(fused, out):
       result[i] = t
   return result

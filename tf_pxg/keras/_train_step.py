@@ -150,7 +150,8 @@ class ReplicaGradients(NamedTuple):
       meaningful only when `step_end` is true (or None).
     normalizer: scalar float32: the expected batch size qN of a Poisson
       step, or, for a plain batch, this replica's example count (the
-      global batch size is its all-reduced sum).
+      global batch size is its all-reduced sum); None when `grads` are
+      already divided (the noise kernel divided them in its pass).
     reg_grads: the weight regularizers' gradients divided by R (None where
       a variable has none), added after normalisation.
     non_finite: scalar int32, this replica's count of non-finite
@@ -242,9 +243,16 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
         [dp_noise.densify(s) for s in sums], bad, step_end,
         branchless=xla)
     mask = info[dp_data.MASK]
-  noisy = accumulation.step_noise(sums, l2_norm_clip, noise_multiplier,
-                                  generator, replicas,
-                                  draw=None if xla else step_end)
+  draw = None if xla else step_end
+  if noise_multiplier and (info is not None or replicas == 1):
+    # The divisor is known here (qN, or the only replica's batch): the
+    # noise kernel divides in its own pass, one pass over the weights fewer.
+    noisy = accumulation.noisy_mean(sums, l2_norm_clip, noise_multiplier,
+                                    normalizer, generator, replicas, draw)
+    normalizer = None
+  else:
+    noisy = accumulation.step_noise(sums, l2_norm_clip, noise_multiplier,
+                                    generator, replicas, draw)
   # sigma = 0 leaves IndexedSlices.
   noisy = [dp_noise.densify(g) for g in noisy]
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
@@ -273,13 +281,15 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
   finite = tf.equal(bad, 0)
   step_end = result.step_end
   normalizer = result.normalizer
-  if step_end is None and ctx is not None and replicas > 1:
+  if (normalizer is not None and step_end is None and ctx is not None and
+      replicas > 1):
     # Plain batches: the global batch is the sum of the replicas' shares,
     # which differ for a partial last batch.
     normalizer = ctx.all_reduce(tf.distribute.ReduceOp.SUM, normalizer)
 
   def normalise(sums):
-    grads = [tf.cast(g / tf.cast(normalizer, g.dtype), v.dtype)
+    grads = [tf.cast(g if normalizer is None else
+                     g / tf.cast(normalizer, g.dtype), v.dtype)
              for g, v in zip(sums, variables)]
     return [g if r is None else g + tf.cast(r, g.dtype)
             for g, r in zip(grads, result.reg_grads)]

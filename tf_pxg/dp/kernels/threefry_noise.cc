@@ -57,26 +57,37 @@ bool Require(OpKernelContext* ctx, bool ok, const absl::Status& status) {
   return ok;
 }
 
-// out[l] = (in ? in[l] : 0) + scale z[start + l] for l in [0, n).
+// One draw's parameters: the Threefry key and counter high word, the
+// noise's standard deviation, and a factor applied to the whole result.
+struct Draw {
+  uint32_t k0, k1, k2;
+  float stddev, scale;
+};
+
+// out[l] = scale (in[l] + stddev z[start + l]) for l in [0, n), with
+// in[l] = 0 if `in` is null.
 void AddNoise(OpKernelContext* ctx, const float* in, float* out, int64_t n,
-              int64_t start, uint32_t k0, uint32_t k1, uint32_t k2,
-              float scale) {
+              int64_t start, const Draw& d) {
   if (n == 0) return;
   const int64_t first_pair = start >> 1;
   const int64_t last_pair = (start + n - 1) >> 1;
   const int64_t blocks = (last_pair - first_pair) / kPairs + 1;
+  const float noise_scale = d.stddev * d.scale;
   auto work = [&](int64_t begin, int64_t end) {
     alignas(64) float z[2 * kPairs];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t c0 = first_pair + blk * kPairs;
-      NormalPairs(k0, k1, k2, static_cast<uint32_t>(c0), scale, z);
+      NormalPairs(d.k0, d.k1, d.k2, static_cast<uint32_t>(c0), noise_scale,
+                  z);
       const int64_t e0 = 2 * c0 - start;  // local index of z[0]
       const int64_t lo = std::max<int64_t>(e0, 0);
       const int64_t hi = std::min<int64_t>(e0 + 2 * kPairs, n);
       const float* zb = z + (lo - e0);
       const int64_t m = hi - lo;
       if (in != nullptr) {
-        for (int64_t l = 0; l < m; ++l) out[lo + l] = in[lo + l] + zb[l];
+        for (int64_t l = 0; l < m; ++l) {
+          out[lo + l] = in[lo + l] * d.scale + zb[l];
+        }
       } else {
         for (int64_t l = 0; l < m; ++l) out[lo + l] = zb[l];
       }
@@ -88,22 +99,24 @@ void AddNoise(OpKernelContext* ctx, const float* in, float* out, int64_t n,
                       kPairs * 40, work);
 }
 
-bool ReadKey(OpKernelContext* ctx, uint32_t* k, float* scale) {
-  const Tensor& key = ctx->input(ctx->num_inputs() - 2);
-  const Tensor& stddev = ctx->input(ctx->num_inputs() - 1);
+// Reads the last three inputs (key, stddev, scale) into `d`.
+bool ReadDraw(OpKernelContext* ctx, Draw* d) {
+  const int n = ctx->num_inputs();
+  const Tensor& key = ctx->input(n - 3);
+  const Tensor& stddev = ctx->input(n - 2);
+  const Tensor& scale = ctx->input(n - 1);
   if (!Require(ctx, key.dims() == 1 && key.NumElements() == 3,
                InvalidArgument("key must be a shape [3] uint32 tensor, got ",
                                key.shape().DebugString())) ||
-      !Require(ctx, stddev.dims() == 0,
-               InvalidArgument("stddev must be a scalar, got ",
-                               stddev.shape().DebugString()))) {
+      !Require(ctx, stddev.dims() == 0 && scale.dims() == 0,
+               InvalidArgument("stddev and scale must be scalars, got ",
+                               stddev.shape().DebugString(), " and ",
+                               scale.shape().DebugString()))) {
     return false;
   }
   auto kv = key.flat<uint32_t>();
-  k[0] = kv(0);
-  k[1] = kv(1);
-  k[2] = kv(2);
-  *scale = stddev.scalar<float>()();
+  *d = Draw{kv(0), kv(1), kv(2), stddev.scalar<float>()(),
+            scale.scalar<float>()()};
   return true;
 }
 
@@ -122,17 +135,15 @@ class AddNormalNoiseOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& in = ctx->input(0);
-    uint32_t k[3];
-    float scale;
-    if (!ReadKey(ctx, k, &scale) || !CheckRange(ctx, start_,
-                                                 in.NumElements())) {
+    Draw d;
+    if (!ReadDraw(ctx, &d) || !CheckRange(ctx, start_, in.NumElements())) {
       return;
     }
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
                             {0}, 0, in.shape(), &out));
     AddNoise(ctx, in.flat<float>().data(), out->flat<float>().data(),
-             in.NumElements(), start_, k[0], k[1], k[2], scale);
+             in.NumElements(), start_, d);
   }
 
  private:
@@ -153,41 +164,57 @@ class NormalNoiseScatterAddOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& values = ctx->input(0);
     const Tensor& indices = ctx->input(1);
-    uint32_t k[3];
-    float scale;
-    if (!ReadKey(ctx, k, &scale) ||
+    Draw d;
+    if (!ReadDraw(ctx, &d) ||
         !CheckRange(ctx, start_, shape_.num_elements())) {
       return;
     }
     const int64_t rows = shape_.dim_size(0);
     const int64_t row_size = rows == 0 ? 0 : shape_.num_elements() / rows;
+    const int64_t n = indices.NumElements();
     OP_REQUIRES(ctx, indices.dims() == 1,
                 InvalidArgument("indices must be a vector, got ",
                                 indices.shape().DebugString()));
     OP_REQUIRES(ctx,
-                values.NumElements() == indices.NumElements() * row_size &&
-                    (values.dims() == 0 ||
-                     values.dim_size(0) == indices.NumElements()),
+                values.NumElements() == n * row_size &&
+                    (values.dims() == 0 || values.dim_size(0) == n),
                 InvalidArgument("values ", values.shape().DebugString(),
-                                " do not match ", indices.NumElements(),
+                                " do not match ", n,
                                 " rows of the dense shape ",
                                 shape_.DebugString()));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape_, &out));
-    float* o = out->flat<float>().data();
-    AddNoise(ctx, nullptr, o, shape_.num_elements(), start_, k[0], k[1],
-             k[2], scale);
-    const float* v = values.flat<float>().data();
     auto idx = indices.flat<Index>();
-    for (int64_t i = 0; i < indices.NumElements(); ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       const int64_t row = static_cast<int64_t>(idx(i));
       OP_REQUIRES(ctx, row >= 0 && row < rows,
                   InvalidArgument("row index ", row, " is outside [0, ",
                                   rows, ")"));
-      float* dst = o + row * row_size;
-      const float* src = v + i * row_size;
-      for (int64_t j = 0; j < row_size; ++j) dst[j] += src[j];
     }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape_, &out));
+    float* o = out->flat<float>().data();
+    AddNoise(ctx, nullptr, o, shape_.num_elements(), start_, d);
+    // Each thread adds the rows that fall in its share of the table (a
+    // scan of the indices each), so no two threads write one row.
+    const float* v = values.flat<float>().data();
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+    const int64_t parts = std::max<int64_t>(
+        1, std::min<int64_t>(workers->num_threads, rows));
+    auto add_rows = [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) {
+        const int64_t lo = rows * part / parts;
+        const int64_t hi = rows * (part + 1) / parts;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t row = static_cast<int64_t>(idx(i));
+          if (row < lo || row >= hi) continue;
+          float* dst = o + row * row_size;
+          const float* src = v + i * row_size;
+          for (int64_t j = 0; j < row_size; ++j) dst[j] += src[j] * d.scale;
+        }
+      }
+    };
+    ::tensorflow::Shard(workers->num_threads, workers->workers, parts,
+                        std::max<int64_t>(n * row_size / parts, 1) * 10,
+                        add_rows);
   }
 
  private:
@@ -201,16 +228,19 @@ REGISTER_OP("TfPxgAddNormalNoise")
     .Input("tensor: float")
     .Input("key: uint32")
     .Input("stddev: float")
+    .Input("scale: float")
     .Attr("start: int >= 0")
     .Output("noisy: float")
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
-    .Doc("tensor + stddev * z, z the elements start.. of the Threefry draw.");
+    .Doc("scale * (tensor + stddev * z), z the elements start.. of the "
+         "Threefry draw.");
 
 REGISTER_OP("TfPxgNormalNoiseScatterAdd")
     .Input("values: float")
     .Input("indices: Tindices")
     .Input("key: uint32")
     .Input("stddev: float")
+    .Input("scale: float")
     .Attr("dense_shape: shape")
     .Attr("start: int >= 0")
     .Attr("Tindices: {int32, int64}")
@@ -223,7 +253,8 @@ REGISTER_OP("TfPxgNormalNoiseScatterAdd")
       c->set_output(0, out);
       return absl::OkStatus();
     })
-    .Doc("stddev * z (elements start.. of the draw) with rows scatter-added.");
+    .Doc("scale * (stddev * z + the rows scatter-added), z the elements "
+         "start.. of the draw.");
 
 REGISTER_KERNEL_BUILDER(Name("TfPxgAddNormalNoise").Device(DEVICE_CPU),
                         AddNormalNoiseOp);
