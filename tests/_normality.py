@@ -6,13 +6,15 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 N = 100_000
-KS_CRITICAL = 1.95 / math.sqrt(N)  # two-sided KS, alpha = 1e-3
 
 
 def ks_critical(n: int) -> float:
   """The two-sided KS statistic's critical value at alpha = 1e-3 for `n`
   samples (asymptotic: 1.95 / sqrt(n))."""
   return 1.95 / math.sqrt(n)
+
+
+KS_CRITICAL = ks_critical(N)
 
 
 def ks_statistic(samples, stddev) -> float:
