@@ -12,9 +12,8 @@ setuptools.setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=setuptools.find_packages(include=["tf_pxg", "tf_pxg.*"]),
-    # The native noise op's C++ source, compiled on first use
-    # (tf_pxg.dp.native).
-    package_data={"tf_pxg.dp": ["kernels/*.cc", "kernels/*.h"]},
+    # The native ops' C++ sources, compiled on first use (tf_pxg.native).
+    package_data={"tf_pxg": ["kernels/*.cc", "kernels/*.h"]},
     python_requires=">=3.10",
     install_requires=[
         "tensorflow>=2.16",

@@ -6,7 +6,7 @@ element over 4M elements (so per-op overhead is negligible):
 
 * `threefry_ns_per_gaussian`: what a DP step pays per weight,
   `tf_pxg.dp.threefry.add_normal_noise` (generate, scale and add, fused)
-  in a graph: the native op of `tf_pxg.dp.native` where it builds;
+  in a graph: the native op of `tf_pxg.native` where it builds;
 * `threefry_xla_ns_per_gaussian`: the same draw as an XLA loop, what
   XLA-compiled steps (`jit_compile=True`) pay;
 * `philox_ns_per_word`: TF's Philox generator, raw 32-bit words
@@ -57,7 +57,7 @@ def native_sampling() -> dict:
   import pathlib  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
   import tempfile  # noqa: PLC0415
-  from tf_pxg.dp import native  # noqa: PLC0415
+  from tf_pxg import native  # noqa: PLC0415
   source = pathlib.Path(__file__).with_name("threefry_rounds.cc")
   try:
     with tempfile.TemporaryDirectory() as tmp:

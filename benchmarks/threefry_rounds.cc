@@ -5,14 +5,14 @@
 //   normal_pairs_ns_per_gaussian: rounds plus the Box-Muller transform;
 //   add_noise_ns_per_gaussian: that plus adding into a 4M-float array.
 // Built and run by `python -m benchmarks.limits` (g++ -O3 -march=native,
-// as tf_pxg.dp.native builds the op).
+// as tf_pxg.native builds the op).
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <vector>
 
-#include "../tf_pxg/dp/kernels/threefry_normal.h"
+#include "../tf_pxg/kernels/threefry_normal.h"
 
 namespace {
 

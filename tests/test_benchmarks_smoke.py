@@ -151,7 +151,7 @@ def test_report_renders_tables_and_writes_json(tmp_path):
 
 def test_profile_attributes_op_time_to_the_fused_noise_kernel():
   from benchmarks import profile  # pylint: disable=g-import-not-at-top
-  from tf_pxg.dp import native  # pylint: disable=g-import-not-at-top
+  from tf_pxg import native  # pylint: disable=g-import-not-at-top
   times = profile.profile("mlp", "noise", steps=2, batch=4)
   # The fused Threefry noise: the native op (one per weight tensor) where
   # it builds, else one XLA cluster.

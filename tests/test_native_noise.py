@@ -1,10 +1,10 @@
-"""The native noise op (tf_pxg.dp.native): its definition, its agreement with
+"""The native noise op (tf_pxg.native): its definition, its agreement with
 the XLA kernel, where it is used, and how it is built and falls back.
 
 The reference is the definition in `tf_pxg.dp.threefry`'s docstring,
 evaluated in float64 NumPy on the Threefry words (whose known answers
 `tests/test_noise.py` checks). The op must build on every machine of this
-kind (it has g++); run with TF_PXG_NATIVE_NOISE=0 to test without it.
+kind (it has g++); run with TF_PXG_NATIVE=0 to test without it.
 """
 
 import logging
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_pxg.dp import native
+from tf_pxg import native
 from tf_pxg.dp import threefry
 from _normality import KS_CRITICAL, N, ks_critical, ks_statistic
 
@@ -27,7 +27,7 @@ ATOL = 4e-6
 @pytest.fixture(scope="module")
 def lib():
   if not native.enabled():
-    pytest.skip("TF_PXG_NATIVE_NOISE=0: the native op is switched off")
+    pytest.skip("TF_PXG_NATIVE=0: the native op is switched off")
   loaded = native.library()
   assert loaded is not None, "the native noise op did not build (see log)"
   return loaded
@@ -228,7 +228,7 @@ def test_a_failed_build_falls_back_to_xla_with_a_warning(
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-  monkeypatch.setenv("TF_PXG_NATIVE_NOISE", "0")
+  monkeypatch.setenv("TF_PXG_NATIVE", "0")
   assert not native.enabled()
   assert native.library() is None
   assert not native.serves(tf.zeros([3]))

@@ -191,6 +191,9 @@ def two_example_chunks(monkeypatch):
     return real(fn, tensors, batch_size, chunk, signature)
 
   monkeypatch.setattr(base, "map_example_chunks", spy)
+  # The patch path under test; the native op that replaces it for 2-D
+  # convolutions on CPU is tested in test_conv_native.py.
+  monkeypatch.setattr(conv.ConvRule, "native_sq_norm", lambda self, ctx: None)
 
   def set_budget(case, dtype):
     monkeypatch.setattr(conv, "NORM_CHUNK_BYTES",

@@ -7,7 +7,7 @@ a non-private MLP step. Here each Gaussian is a pure function of its index,
 so the generator, the transform, the scaling and the addition to the
 gradient fuse into a single loop over the output: no intermediate array
 is written, and the loop is vectorised and split over the cores. Two
-kernels run that loop: the native op of `tf_pxg.dp.native` (a TF CPU op
+kernels run that loop: the native op of `tf_pxg.native` (a TF CPU op
 built on first use; about 1 ns of CPU per Gaussian here) wherever it can,
 and an XLA loop (`jit_compile=True`, also when called from a graph that is
 not compiled; about 3.8 ns) in XLA-compiled code, on accelerators, for
@@ -31,7 +31,7 @@ the two outputs of one Box-Muller pair (Box and Muller, 1958), which are
 independent N(0, 1) variables. XLA computes each output element on its own
 (a fusion does not share work between elements), so this kernel computes
 the pair's Threefry block and logarithm once per element; the native op
-(`tf_pxg.dp.native`, used where it can run) computes them once per pair.
+(`tf_pxg.native`, used where it can run) computes them once per pair.
 Both evaluate the same formulas, so they agree to float rounding.
 
 `u1` uses all 32 bits, so the largest `|z|` is `sqrt(2 * 33 ln 2) = 6.76`.
@@ -60,7 +60,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.dp import native
+from tf_pxg import native
 
 __all__ = ["DTYPES", "MAX_ELEMENTS", "add_normal_noise", "normal",
            "static_shape", "supports", "threefry2x32"]
@@ -206,7 +206,7 @@ def add_normal_noise(tensors: Sequence[tf.Tensor], key: tf.Tensor,
                      stddev, scale=1.0) -> List[tf.Tensor]:
   """`scale * (t + stddev * z_t)` for each tensor, `z_t` iid N(0, 1), fused.
 
-  float32 tensors take the native op (`tf_pxg.dp.native`) where it serves:
+  float32 tensors take the native op (`tf_pxg.native`) where it serves:
   outside XLA-compiled code, on CPU, when it builds. Everything else takes
   one XLA call. Both give the same samples up to float rounding.
 

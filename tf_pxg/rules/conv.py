@@ -11,6 +11,13 @@ cost. Squared norms run over chunks of examples whose patches fit in
 `NORM_CHUNK_BYTES` (one chunk alive at a time; not under XLA). Weighted sums
 are TF's filter gradient with dz scaled per example.
 
+On CPU outside XLA, a 2-D convolution's squared norms (one group, NHWC
+or NCHW, float32/float64) come from the native op `TfPxgConv2DFilterSqNorm`
+(`tf_pxg/kernels/conv_norms.cc`, `_native_sq_norm`): it accumulates each
+example's filter gradient in registers from the input and dz, without the
+patch tensor, the chunk loop or the Gram matrices (on the benchmark cnn
+about 4x less op time for the two convs' norms than the patch path).
+
 Patches come from one-hot (depthwise) convolutions where possible, see
 `_patches`. A transposed convolution (`Conv2DBackpropInput`) is the same with the roles
 swapped: patches of its output gradient against its data input.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_pxg import native
 from tf_pxg import xla
 from tf_pxg.registry import register
 from tf_pxg.rules import base
@@ -144,6 +152,9 @@ class _PatchContraction(base.Rule):
     not return it)."""
     if not self.supported(ctx):
       return super().sq_norm(ctx)
+    sq = self.native_sq_norm(ctx)
+    if sq is not None:
+      return sq
     patched, other = self.example_operands(ctx)
     dtype = contraction.norm_dtype(patched.dtype)
     chunk = _norm_chunk(ctx, patched, other)
@@ -170,6 +181,11 @@ class _PatchContraction(base.Rule):
     if layout["keep"]:
       base.keep_per_example(ctx, g, (g, layout["to_param"]))
     return sq
+
+  def native_sq_norm(self, ctx):
+    """The squared norms from a native op, or None (the patch path runs)."""
+    del ctx
+    return None
 
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept;
@@ -235,6 +251,29 @@ def _patch_elements(ctx, patched, other):
   return n
 
 
+def _leading_pads(ctx, spatial, kernel, strides, dilations):
+  """Zeros before the input's rows and columns (top, left) for the conv's
+  padding, or None if SAME's depend on a size that is not static.
+
+  SAME pads `max((out - 1) s + (k - 1) d + 1 - in, 0)` in all, the smaller
+  half first, with out = ceil(in / s) (TensorFlow's convention).
+  """
+  padding = ctx.attr("padding")
+  if padding == "VALID":
+    return [0, 0]
+  if padding == "EXPLICIT":
+    pads = list(ctx.attr("explicit_paddings"))
+    rows, cols = (2, 3) if _channels_first(ctx) else (1, 2)
+    return [int(pads[2 * rows]), int(pads[2 * cols])]
+  if None in spatial:
+    return None
+  before = []
+  for n, k, s, d in zip(spatial, kernel, strides, dilations):
+    out = -(-int(n) // s)
+    before.append(max((out - 1) * s + (k - 1) * d + 1 - int(n), 0) // 2)
+  return before
+
+
 def _identity(g):
   return g
 
@@ -285,6 +324,32 @@ class ConvRule(_PatchContraction):
     x = _to_channels_last(ctx, patched)
     dz = _to_channels_last(ctx, other)
     return _grouped(ctx, x, ctx.inputs[1], dz)
+
+  def native_sq_norm(self, ctx):
+    """`TfPxgConv2DFilterSqNorm` of the input and dz (channels-last): `[B]`
+    squared norms in the data's dtype, or None where it does not serve: a
+    `Conv3D`, groups, a dtype other than
+    float32/float64, padding whose size is not static, XLA, accelerators
+    or no native library (`native.serves`)."""
+    x, dz = ctx.inputs[0], ctx.dz
+    filt = ctx.inputs[1]
+    if (filt.shape.rank != 4 or x.shape.rank != 4 or
+        not native.serves(x, (tf.float32, tf.float64))):
+      return None
+    x = _to_channels_last(ctx, x)
+    kernel = [int(d) for d in filt.shape[:2]]
+    if int(x.shape[-1]) != int(filt.shape[2]):  # groups
+      return None
+    strides = _spatial(ctx, "strides", 4)
+    dilations = _spatial(ctx, "dilations", 4)
+    pads = _leading_pads(ctx, x.shape[1:3], kernel, strides, dilations)
+    if pads is None:
+      return None
+    base.trace_note(sq_norm="native")
+    return native.library().tf_pxg_conv2d_filter_sq_norm(
+        x, tf.cast(_to_channels_last(ctx, dz), x.dtype), ctx.batch_size,
+        ksize=kernel, strides=strides, dilations=dilations, pads=pads,
+        batch_minor=ctx.batch_minor)
 
 
 @register("DepthwiseConv2dNative")

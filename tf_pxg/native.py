@@ -1,23 +1,33 @@
-"""The native noise kernel: a TensorFlow CPU op, compiled on first use.
+"""tf_pxg's native CPU ops: one TensorFlow op library, compiled on first use.
 
-`kernels/threefry_noise.cc` (with `kernels/threefry_normal.h`) draws the
-same Gaussians as the XLA kernel of
-`tf_pxg.dp.threefry` (element for element, up to float rounding), but it
-computes both outputs of a Box-Muller pair at once, runs loops written for
-the compiler's vectoriser and shards them over TF's intra-op threads: about
-3x less CPU per Gaussian than the XLA loop on this project's 2-core AVX-512
-machine (`python -m benchmarks.limits`). The XLA kernel stays for
-everything this op cannot serve: code compiled with XLA (`jit_compile=True`,
-TPUs), accelerators, float16/bfloat16 and machines without a compiler.
+The library (`kernels/*.cc`) holds:
 
-The op is built once per machine: the installed TensorFlow's headers and
-flags (`tf.sysconfig`), `-O3 -march=native`, into a cache directory keyed by
-the source, TensorFlow's version, the compiler and the CPU's features, then
-loaded with `tf.load_op_library`. Building takes about 7 s. A failed build
-logs one warning with the compiler's message, and the XLA kernel is used.
+* `TfPxgAddNormalNoise`, `TfPxgNormalNoiseScatterAdd`
+  (`kernels/threefry_noise.cc` with `kernels/threefry_normal.h`): the DP
+  noise. They draw the same Gaussians as the XLA kernel of
+  `tf_pxg.dp.threefry` (element for element, up to float rounding), but
+  compute both outputs of a Box-Muller pair at once, run loops written for
+  the compiler's vectoriser and shard them over TF's intra-op threads: about
+  3x less CPU per Gaussian than the XLA loop on this project's 2-core
+  AVX-512 machine (`python -m benchmarks.limits`).
+* `TfPxgConv2DFilterSqNorm` (`kernels/conv_norms.cc`): per-example squared
+  norms of a 2-D convolution's filter gradient, accumulated in registers
+  from each example's input and output gradient, with no patch tensor
+  (`tf_pxg.rules.conv`).
+
+Each user keeps a TF/XLA path for what the ops cannot serve (`serves`):
+code compiled with XLA (`jit_compile=True`, TPUs), accelerators, other
+dtypes, and machines without a compiler.
+
+The library is built once per machine: the installed TensorFlow's headers
+and flags (`tf.sysconfig`), `-O3 -march=native`, into a cache directory
+keyed by the sources, TensorFlow's version, the compiler and the CPU's
+features, then loaded with `tf.load_op_library`. Building takes about
+20 s. A failed build logs one warning with the compiler's message, and the
+TF/XLA paths are used.
 
 Environment:
-  TF_PXG_NATIVE_NOISE=0: never build or use the op.
+  TF_PXG_NATIVE=0: never build or use the native ops.
   TF_PXG_CACHE_DIR: where the library goes (default
     `$XDG_CACHE_HOME/tf_pxg`, else `~/.cache/tf_pxg`).
   CXX: the C++ compiler (default the first of g++, c++, clang++ on PATH).
@@ -39,29 +49,36 @@ import tensorflow as tf
 
 from tf_pxg import xla
 
-__all__ = ["OPTIMIZATION_FLAGS", "SOURCE", "build", "compiler", "enabled",
-           "library", "serves"]
+__all__ = ["KERNELS", "OPTIMIZATION_FLAGS", "build", "compiler", "enabled",
+           "library", "serves", "sources"]
 
-SOURCE = pathlib.Path(__file__).with_name("kernels") / "threefry_noise.cc"
-# How the sampling code is optimised (also for benchmarks/threefry_rounds.cc,
-# which times it outside TF), and what makes the op a loadable library.
+KERNELS = pathlib.Path(__file__).with_name("kernels")
+# How the kernels are optimised (also for benchmarks/threefry_rounds.cc,
+# which times the sampling code outside TF), and what makes a loadable
+# library.
 OPTIMIZATION_FLAGS = ("-O3", "-march=native", "-fno-math-errno")
 _FLAGS = OPTIMIZATION_FLAGS + ("-shared", "-fPIC", "-w")
 _lock = threading.Lock()
 _loaded = {}
 
 
+def sources() -> List[pathlib.Path]:
+  """The library's C++ sources (`kernels/*.cc`), in a fixed order."""
+  return sorted(KERNELS.glob("*.cc"))
+
+
 def enabled() -> bool:
-  """False if `TF_PXG_NATIVE_NOISE=0` (or `false`/`no`/`off`) is set."""
-  value = os.environ.get("TF_PXG_NATIVE_NOISE", "1").strip().lower()
+  """False if `TF_PXG_NATIVE=0` (or `false`/`no`/`off`) is set."""
+  value = os.environ.get("TF_PXG_NATIVE", "1").strip().lower()
   return value not in ("0", "false", "no", "off")
 
 
 @tf.autograph.experimental.do_not_convert
 def library():
-  """The loaded op library (its ops: `tf_pxg_add_normal_noise` and
-  `tf_pxg_normal_noise_scatter_add`), or None if it is disabled or could
-  not be built (a warning says why, once per process)."""
+  """The loaded op library (its ops as `tf_pxg_add_normal_noise`,
+  `tf_pxg_normal_noise_scatter_add`, `tf_pxg_conv2d_filter_sq_norm`), or
+  None if it is disabled or could not be built (a warning says why, once
+  per process)."""
   if not enabled():
     return None
   with _lock:
@@ -72,17 +89,18 @@ def library():
       except (OSError, subprocess.SubprocessError,
               tf.errors.OpError) as e:
         logging.warning(
-            "tf_pxg: the native noise op is unavailable, so DP noise uses "
-            "the XLA kernel (about 3x more CPU per Gaussian). Why: %s", e)
+            "tf_pxg: the native ops are unavailable, so DP noise uses the "
+            "XLA kernel (about 3x more CPU per Gaussian) and convolutions' "
+            "per-example norms use patch tensors. Why: %s", e)
     return _loaded["lib"]
 
 
 @tf.autograph.experimental.do_not_convert
-def serves(t) -> bool:
-  """Whether the native op should draw the noise for `t` here: a float32
-  tensor (or `IndexedSlices`), code that is not being compiled with XLA, no
-  accelerator in use, and the library loads."""
-  if t.dtype != tf.float32 or xla.in_xla_context() or _accelerators():
+def serves(t, dtypes=(tf.float32,)) -> bool:
+  """Whether a native op should compute with `t` here: its dtype is one of
+  `dtypes` (the op's), the code is not being compiled with XLA, no
+  accelerator is in use, and the library loads."""
+  if t.dtype not in dtypes or xla.in_xla_context() or _accelerators():
     return False
   return library() is not None
 
@@ -127,12 +145,12 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _command(cxx: str, output: pathlib.Path) -> List[str]:
-  return ([cxx, str(SOURCE), "-o", str(output), *_FLAGS] +
+  return ([cxx, *map(str, sources()), "-o", str(output), *_FLAGS] +
           tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
 
 
 def build(cache_dir: Optional[pathlib.Path] = None) -> str:
-  """Compiles the op unless the cache has it; returns the library's path.
+  """Compiles the library unless the cache has it; returns its path.
 
   Concurrent builds (several processes of a multi-worker job) are safe:
   each compiles to a file of its own and renames it into place atomically.
@@ -148,13 +166,13 @@ def build(cache_dir: Optional[pathlib.Path] = None) -> str:
   cxx = compiler()
   cache_dir = pathlib.Path(cache_dir or _cache_dir())
   digest = hashlib.sha256()
-  sources = sorted(SOURCE.parent.glob("*.[ch]*"))  # the op and its header
-  for part in (*(f.read_bytes() for f in sources), tf.__version__.encode(),
+  files = sorted(KERNELS.glob("*.[ch]*"))  # the ops and their headers
+  for part in (*(f.read_bytes() for f in files), tf.__version__.encode(),
                " ".join(_command(cxx, pathlib.Path("out"))).encode(),
                _cpu_features().encode()):
     digest.update(part)
     digest.update(b"\0")
-  name = f"threefry_noise-{digest.hexdigest()[:20]}.so"
+  name = f"tf_pxg_ops-{digest.hexdigest()[:20]}.so"
   if (cache_dir / name).exists():
     return str(cache_dir / name)
   directory = next(_writable(cache_dir), None)
@@ -165,7 +183,7 @@ def build(cache_dir: Optional[pathlib.Path] = None) -> str:
   if output.exists():
     return str(output)
   partial = output.with_name(f"{output.stem}.{os.getpid()}.partial.so")
-  logging.info("tf_pxg: building the native noise op once, into %s", output)
+  logging.info("tf_pxg: building the native ops once, into %s", output)
   try:
     done = subprocess.run(_command(cxx, partial), capture_output=True,
                           text=True, timeout=600)
@@ -196,7 +214,8 @@ class _BuildError(subprocess.CalledProcessError):
 
   def __str__(self):
     tail = "\n".join((self.stderr or "").strip().splitlines()[-15:])
-    return (f"compiling {SOURCE.name} failed (exit {self.returncode}):\n"
+    names = ", ".join(f.name for f in sources())
+    return (f"compiling {names} failed (exit {self.returncode}):\n"
             f"{tail}")
 
 

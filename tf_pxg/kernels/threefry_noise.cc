@@ -15,7 +15,7 @@
 // The sampling itself is in threefry_normal.h (no TensorFlow dependency,
 // so benchmarks/threefry_rounds.cc times it alone). The loops are written
 // for the compiler's auto-vectoriser (built with
-// -O3 -march=native by tf_pxg/dp/native.py) and split over TF's intra-op
+// -O3 -march=native by tf_pxg/native.py) and split over TF's intra-op
 // threads.
 
 #include <algorithm>

@@ -1,0 +1,291 @@
+"""The native conv-norm op (`TfPxgConv2DFilterSqNorm`, tf_pxg.rules.conv).
+
+The op's definition, ||sum over an example's rows of G_n||^2 with G_n the
+filter gradient of row n, is checked against a float64 NumPy evaluation of
+that sum (strided slices of the zero-padded input, contracted with dz) for
+strides, dilations, explicit padding, several rows per example (also with
+the examples minor, as after SpaceToBatchND), one input channel, channel counts that are not whole vectors, and both index dtypes.
+The rule that uses it is checked against the plain `tf.GradientTape` loop
+over single examples (`tf_pxg.testing.check_per_example_gradients`):
+eagerly and in `tf.function` (native op) and under XLA (the patch path), at
+B = 1 and 5, in float32 and float64, for VALID/SAME/EXPLICIT padding,
+strides and dilations, with several rows per example and with a `None`
+batch. A Keras model trained with `fit` the way users write it runs the
+op. Without the library the patch path runs.
+
+The op must build on every machine of this kind (it has g++); run with
+TF_PXG_NATIVE=0 to test without it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_pxg
+from tf_pxg import native
+from tf_pxg import testing as pxg_testing
+
+F32, F64 = tf.float32, tf.float64
+
+
+@pytest.fixture(scope="module")
+def lib():
+  if not native.enabled():
+    pytest.skip("TF_PXG_NATIVE=0: the native ops are switched off")
+  loaded = native.library()
+  assert loaded is not None, "the native ops did not build (see log)"
+  return loaded
+
+
+# The op against its definition ------------------------------------------------
+
+
+def _definition(x, dz, ksize, strides, dilations, pads, examples):
+  """||sum_{rows n of example b} G_n||^2 per example, in float64 NumPy.
+
+  `pads` = (top, left, bottom, right) zeros around the input; G_n[i, j] is
+  x's slice at offset (i d_h, j d_w), strided, contracted with dz[n].
+  """
+  top, left, bottom, right = pads
+  x = np.pad(np.asarray(x, np.float64),
+             [[0, 0], [top, bottom], [left, right], [0, 0]])
+  dz = np.asarray(dz, np.float64)
+  n, oh, ow, _ = dz.shape
+  k = n // examples
+  (kh, kw), (sh, sw), (dh, dw) = ksize, strides, dilations
+  out = []
+  for b in range(examples):
+    g = 0.0
+    for row in range(b * k, (b + 1) * k):
+      g = g + np.stack([np.stack([
+          np.einsum("hwc,hwo->co",
+                    x[row, i * dh:i * dh + (oh - 1) * sh + 1:sh,
+                      j * dw:j * dw + (ow - 1) * sw + 1:sw], dz[row])
+          for j in range(kw)]) for i in range(kh)])
+    out.append(np.sum(g * g))
+  return np.array(out)
+
+
+# (rows, H, W, C, ksize, strides, dilations, (top, left, bottom, right),
+#  Cout, examples)
+OP_CASES = {
+    "cnn_conv1": (4, 28, 28, 1, (5, 5), (2, 2), (1, 1), (0, 0, 0, 0), 16, 4),
+    "cnn_conv2": (5, 12, 12, 16, (4, 4), (2, 2), (1, 1), (0, 0, 0, 0), 32, 5),
+    "padded_2_rows_each": (6, 9, 11, 3, (3, 2), (1, 2), (1, 1), (1, 0, 1, 1),
+                           7, 3),
+    "dilated_padded": (2, 7, 7, 20, (3, 3), (1, 1), (2, 1), (1, 1, 1, 1), 40,
+                       2),
+    "dilated_columns": (1, 6, 6, 17, (2, 3), (3, 1), (1, 3), (0, 2, 1, 1), 19,
+                        1),
+    "1x1": (3, 4, 5, 33, (1, 1), (1, 1), (1, 1), (0, 0, 0, 0), 1, 3),
+}
+
+
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64],
+                         ids=["int32", "int64"])
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(OP_CASES))
+def test_op_matches_its_definition(lib, name, dtype, index_dtype):
+  n, h, w, c, ksize, strides, dilations, pads, cout, examples = OP_CASES[name]
+  rng = np.random.default_rng(sorted(OP_CASES).index(name))
+  oh = (h + pads[0] + pads[2] - (ksize[0] - 1) * dilations[0] - 1) // (
+      strides[0]) + 1
+  ow = (w + pads[1] + pads[3] - (ksize[1] - 1) * dilations[1] - 1) // (
+      strides[1]) + 1
+  x = tf.constant(rng.standard_normal((n, h, w, c)), dtype)
+  dz = tf.constant(rng.standard_normal((n, oh, ow, cout)), dtype)
+  got = lib.tf_pxg_conv2d_filter_sq_norm(
+      x, dz, tf.constant(examples, index_dtype), ksize=ksize,
+      strides=strides, dilations=dilations, pads=pads[:2])
+  assert got.dtype == dtype and got.shape == [examples]
+  want = _definition(x, dz, ksize, strides, dilations, pads, examples)
+  # Each entry of G sums P*k products of unit normals; float32 rounding of
+  # those sums, relative to the norm.
+  rtol = 1e-5 if dtype == F32 else 1e-12
+  np.testing.assert_allclose(got.numpy(), want, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+def test_op_with_the_examples_minor(lib, dtype):
+  """Rows [k, B] (as after SpaceToBatchND): example b's rows are b, B + b,
+  ...; the same norms as the [B, k] rows."""
+  n, h, w, c, ksize, strides, dilations, pads, cout, examples = OP_CASES[
+      "padded_2_rows_each"]
+  rng = np.random.default_rng(7)
+  oh, ow = h + pads[0] + pads[2] - ksize[0] + 1, (
+      w + pads[1] + pads[3] - ksize[1]) // strides[1] + 1
+  x = rng.standard_normal((n, h, w, c))
+  dz = rng.standard_normal((n, oh, ow, cout))
+  k = n // examples
+
+  def minor(t):  # [B*k] example-major -> [k*B] example-minor
+    return t.reshape(examples, k, *t.shape[1:]).swapaxes(0, 1).reshape(
+        t.shape)
+
+  got = lib.tf_pxg_conv2d_filter_sq_norm(
+      tf.constant(minor(x), dtype), tf.constant(minor(dz), dtype), examples,
+      ksize=ksize, strides=strides, dilations=dilations, pads=pads[:2],
+      batch_minor=True)
+  want = _definition(x, dz, ksize, strides, dilations, pads, examples)
+  np.testing.assert_allclose(got.numpy(), want,
+                             rtol=1e-5 if dtype == F32 else 1e-12, atol=0)
+
+
+def test_op_rejects_rows_that_do_not_split_into_examples(lib):
+  x = tf.zeros([5, 4, 4, 2])
+  dz = tf.zeros([5, 3, 3, 3])
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="5 rows are not a whole number per example"):
+    lib.tf_pxg_conv2d_filter_sq_norm(x, dz, 2, ksize=[2, 2], strides=[1, 1],
+                                     dilations=[1, 1], pads=[0, 0])
+  with pytest.raises(tf.errors.InvalidArgumentError, match="dz 4"):
+    lib.tf_pxg_conv2d_filter_sq_norm(x, dz[:4], 5, ksize=[2, 2],
+                                     strides=[1, 1], dilations=[1, 1],
+                                     pads=[0, 0])
+
+
+def test_op_on_an_empty_batch(lib):
+  got = lib.tf_pxg_conv2d_filter_sq_norm(
+      tf.zeros([0, 4, 4, 2]), tf.zeros([0, 3, 3, 3]), 0, ksize=[2, 2],
+      strides=[1, 1], dilations=[1, 1], pads=[0, 0])
+  assert got.shape == [0]
+
+
+# The rule against the reference loop -------------------------------------------
+
+
+def _conv(strides=1, padding="VALID", dilations=1):
+  return lambda x, w: tf.nn.conv2d(x, w, strides, padding,
+                                   dilations=dilations)
+
+
+def _two_rows_per_example(x, w):
+  """A conv over 2 images per example ([B, 2, H, W, C] as [2B, H, W, C], as
+  `TimeDistributed` does): both rows' filter gradients add up."""
+  b = tf.shape(x)[0]
+  y = tf.nn.conv2d(tf.reshape(x, tf.concat([[2 * b], x.shape[2:]], 0)), w, 1,
+                   "SAME")
+  return tf.reshape(y, tf.concat([[b], [-1]], 0))
+
+
+# name: (fn, example shape, filter shape)
+RULE_CASES = {
+    "VALID": (_conv(), (6, 5, 3), (2, 3, 3, 4)),
+    "SAME_strides2": (_conv(2, "SAME"), (7, 6, 2), (3, 3, 2, 5)),
+    "SAME_strides_1x2": (_conv([1, 2], "SAME"), (5, 8, 3), (4, 2, 3, 17)),
+    "EXPLICIT": (_conv(1, [[0, 0], [2, 0], [1, 1], [0, 0]]), (4, 4, 1),
+                 (3, 3, 1, 3)),
+    "VALID_dilation2": (_conv(1, "VALID", 2), (6, 5, 2), (2, 2, 2, 3)),
+    # Keras' dilated Conv2D: SpaceToBatchND, Conv2D on [k, B] rows.
+    "keras_dilation2": (lambda x, w: tf.keras.ops.conv(
+        x, w, padding="valid", dilation_rate=2), (6, 5, 2), (2, 2, 2, 3)),
+    "SAME_dilation2": (_conv(1, "SAME", [2, 1]), (5, 5, 2), (3, 2, 2, 3)),
+    "two_rows_per_example": (_two_rows_per_example, (2, 4, 4, 3),
+                             (3, 3, 3, 2)),
+}
+
+
+def _model(name, dtype):
+  fn, _, filter_shape = RULE_CASES[name]
+  rng = np.random.default_rng(len(name))
+  w = tf.Variable(rng.standard_normal(filter_shape), dtype=dtype, name="w")
+  return (lambda x: fn(x, w)), w
+
+
+def _loss(labels, outputs):
+  d = outputs - tf.cast(labels, outputs.dtype)
+  return 0.5 * tf.reduce_sum(tf.reshape(d * d, [tf.shape(d)[0], -1]), axis=1)
+
+
+def _data(name, dtype, batch, model):
+  rng = np.random.default_rng(batch + 100 * len(name))
+  x = tf.constant(rng.standard_normal((batch, *RULE_CASES[name][1])), dtype)
+  labels = tf.constant(rng.standard_normal(model(x).shape), dtype)
+  return x, labels
+
+
+@pytest.mark.parametrize("mode", pxg_testing.MODES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(RULE_CASES))
+def test_rule_matches_reference(lib, name, dtype, batch, mode):
+  del lib
+  model, w = _model(name, dtype)
+  x, labels = _data(name, dtype, batch, model)
+  with pxg_testing.trace_rules() as records:
+    pxg_testing.check_per_example_gradients(_loss, model, [w], x, labels,
+                                            mode=mode)
+  forms = {r.get("sq_norm") for r in records
+           if r["form"] == "sq_norm" and r["op_type"] == "Conv2D"}
+  if mode == "jit":  # XLA cannot run the op: the patch path.
+    assert forms and "native" not in forms, records
+  else:
+    assert forms == {"native"}, records
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+def test_rule_with_a_dynamic_batch(lib, dtype):
+  """One `tf.function` with a `None` batch, called on B = 5 and B = 1."""
+  del lib
+  name = "SAME_strides2"
+  model, w = _model(name, dtype)
+
+  @tf.function(input_signature=[
+      tf.TensorSpec([None, *RULE_CASES[name][1]], dtype),
+      tf.TensorSpec(None, dtype)])
+  def norms(x, labels):
+    with tf_pxg.GradientTape() as tape:
+      losses = _loss(labels, model(x))
+    return tape.per_example_norms(losses, [w])
+
+  for batch in (5, 1):
+    x, labels = _data(name, dtype, batch, model)
+    (ref,) = pxg_testing.reference_per_example_gradients(
+        _loss, model, [w], x, labels)
+    want = np.sqrt(np.sum(ref.numpy().reshape(batch, -1) ** 2, axis=1))
+    with pxg_testing.trace_rules() as records:
+      got = norms(x, labels)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=0)
+  assert "TfPxgConv2DFilterSqNorm" in {
+      op.type for op in norms.get_concrete_function().graph.get_operations()}
+  del records
+
+
+def test_keras_fit_runs_the_op(lib):
+  """keras.io's MNIST convnet shape, unbuilt, numpy data, a string optimizer:
+  `fit` clips with the native norms and learns."""
+  del lib
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((64, 12, 12, 1)).astype("float32")
+  y = (x[:, :6].mean(axis=(1, 2, 3)) > 0).astype("int32")
+  model = tf_pxg.keras.DPSequential([
+      tf.keras.layers.Conv2D(8, 3, activation="relu"),
+      tf.keras.layers.MaxPooling2D(),
+      tf.keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(2),
+  ], l2_norm_clip=1.0, noise_multiplier=0.0)
+  model.compile(optimizer="adam",
+                loss=tf.keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True), metrics=["accuracy"])
+  with pxg_testing.trace_rules() as records:
+    history = model.fit(x, y, batch_size=16, epochs=8, verbose=0)
+  assert {r.get("sq_norm") for r in records
+          if r["form"] == "sq_norm" and r["op_type"] == "Conv2D"} == {
+              "native"}
+  assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_without_the_library_the_patch_path_runs(monkeypatch):
+  monkeypatch.setenv("TF_PXG_NATIVE", "0")
+  name = "VALID"
+  model, w = _model(name, F32)
+  x, labels = _data(name, F32, 3, model)
+  with pxg_testing.trace_rules() as records:
+    pxg_testing.check_per_example_gradients(_loss, model, [w], x, labels,
+                                            mode="function")
+  forms = {r.get("sq_norm") for r in records
+           if r["form"] == "sq_norm" and r["op_type"] == "Conv2D"}
+  assert forms and "native" not in forms, records
