@@ -14,6 +14,9 @@ The library (`kernels/*.cc`) holds:
   norms of a 2-D convolution's filter gradient, accumulated in registers
   from each example's input and output gradient, with no patch tensor
   (`tf_pxg.rules.conv`).
+* `TfPxgRowSumOfSquares` (`kernels/sum_of_squares.cc`): each row's sum of
+  squares in one vectorised pass (`tf_pxg.rules.base.row_sum_of_squares`,
+  for ghost norms of one-row examples and materialised gradients' norms).
 
 Each user keeps a TF/XLA path for what the ops cannot serve (`serves`):
 code compiled with XLA (`jit_compile=True`, TPUs), accelerators, other
@@ -76,7 +79,8 @@ def enabled() -> bool:
 @tf.autograph.experimental.do_not_convert
 def library():
   """The loaded op library (its ops as `tf_pxg_add_normal_noise`,
-  `tf_pxg_normal_noise_scatter_add`, `tf_pxg_conv2d_filter_sq_norm`), or
+  `tf_pxg_normal_noise_scatter_add`, `tf_pxg_conv2d_filter_sq_norm`,
+  `tf_pxg_row_sum_of_squares`), or
   None if it is disabled or could not be built (a warning says why, once
   per process)."""
   if not enabled():
@@ -230,3 +234,11 @@ def _normal_noise_scatter_add_grad(op, grad):
   """Row `i` of `values`, times the scale, is added to row `indices[i]`."""
   return [tf.gather(grad, op.inputs[1]) * op.inputs[4], None, None, None,
           None]
+
+
+@tf.RegisterGradient("TfPxgRowSumOfSquares")
+def _row_sum_of_squares_grad(op, grad):
+  """d(sum_j x_nj^2)/dx_nj = 2 x_nj."""
+  x = op.inputs[0]
+  shape = tf.concat([tf.shape(grad), tf.ones([tf.rank(x) - 1], tf.int32)], 0)
+  return [2.0 * x * tf.reshape(grad, shape)]

@@ -33,6 +33,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "vectors.h"
 
 namespace tf_pxg {
 namespace {
@@ -43,21 +44,13 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 
-// One tile of output channels is one vector register of T (GCC/Clang vector
-// extensions, so the accumulators stay in registers whatever the compiler's
-// preferred vector width); a block has as many rows as leaves registers
-// free for the tile of dz and the broadcast.
+// A block has as many rows as leaves vector registers free for the tile of
+// dz and the broadcast value.
 #if defined(__AVX512F__)
-constexpr int kVectorBytes = 64;
 constexpr int kMaxRows = 16;
 #else
-constexpr int kVectorBytes = 32;
 constexpr int kMaxRows = 8;
 #endif
-template <typename T>
-constexpr int kLanes = kVectorBytes / sizeof(T);
-template <typename T>
-using Vec __attribute__((vector_size(kVectorBytes))) = T;
 
 // Adds sum_{r < R, l} (sum_p patches[p, r] g[p, l])^2 to *sum: `patches`
 // holds `positions` rows of `stride` values (the block's column r of
@@ -71,15 +64,12 @@ inline void BlockSquares(const T* patches, int64_t stride, const T* g,
   for (int r = 0; r < R; ++r) acc[r] = V{};
   for (int64_t p = 0; p < positions; ++p) {
     const T* xp = patches + p * stride;
-    V gp;
-    std::memcpy(&gp, g + p * g_stride, sizeof(gp));
+    const V gp = Load(g + p * g_stride);
     for (int r = 0; r < R; ++r) acc[r] += xp[r] * gp;
   }
   V s = V{};
   for (int r = 0; r < R; ++r) s += acc[r] * acc[r];
-  double total = 0;
-  for (int l = 0; l < kLanes<T>; ++l) total += s[l];
-  *sum += total;
+  *sum += SumLanes<T>(s);
 }
 
 // BlockSquares over all `rows` columns of the patches: blocks of kMaxRows

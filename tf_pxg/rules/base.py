@@ -31,6 +31,7 @@ import weakref
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
 
+from tf_pxg import native
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.tape.recording import Entry
 
@@ -277,10 +278,23 @@ def _drop_overlap(r, batch_size, n, c):
   return tf.concat([flat[:(n - 1) * c], flat[n * c - last:]], 0)
 
 
+def row_sum_of_squares(t):
+  """`[N, ...]` -> `[N]`: each row's sum of squares, in `t`'s dtype.
+
+  The native op `TfPxgRowSumOfSquares` (one pass, vectorised, threaded)
+  where it serves (`native.serves`: float32/float64 on CPU outside XLA),
+  else TF's Square and Sum (which XLA fuses into one pass).
+  """
+  if native.serves(t, (tf.float32, tf.float64)):
+    return native.library().tf_pxg_row_sum_of_squares(t)
+  return tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]), axis=1)
+
+
 def batch_sq_norm(g):
   """`[B, ...]` -> `[B]` float32 squared norms."""
-  g = tf.cast(g, tf.float32)
-  return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1)
+  if g.dtype == tf.float64:
+    return tf.cast(row_sum_of_squares(g), tf.float32)
+  return row_sum_of_squares(tf.cast(g, tf.float32))
 
 
 # Instrumentation for tests (`tf_pxg.testing.trace_rules`): while a list, the

@@ -240,8 +240,11 @@ def _sum_of_squares(t, sub: str, keep: str):
   """`einsum(f"{sub},{sub}->{keep}", t, t)` as a reduction (no matmul).
 
   TF lowers that einsum to a batched matmul of 1 x n by n x 1 blocks,
-  about twice as slow on CPU as squaring and summing.
+  about twice as slow on CPU as squaring and summing; sums over all axes
+  but the leading one take `base.row_sum_of_squares`.
   """
+  if keep == sub[0]:  # Rows of the leading axis: one pass.
+    return base.row_sum_of_squares(t)
   axes = [i for i, c in enumerate(sub) if c not in keep]
   r = tf.reduce_sum(tf.square(t), axes)
   order = [c for c in sub if c in keep]

@@ -1,4 +1,10 @@
-"""The native conv-norm op (`TfPxgConv2DFilterSqNorm`, tf_pxg.rules.conv).
+"""The native norm ops: `TfPxgConv2DFilterSqNorm` (tf_pxg.rules.conv) and
+`TfPxgRowSumOfSquares` (tf_pxg.rules.base.row_sum_of_squares).
+
+The row op is checked against float64 NumPy sums of squares (rows of one
+element to a million, empty tensors, float32/float64), its gradient against
+2x, and its use by the rules (ghost norms of Dense layers and materialised
+norms) against the reference loop, with the TF path under XLA.
 
 The op's definition, ||sum over an example's rows of G_n||^2 with G_n the
 filter gradient of row n, is checked against a float64 NumPy evaluation of
@@ -10,8 +16,8 @@ over single examples (`tf_pxg.testing.check_per_example_gradients`):
 eagerly and in `tf.function` (native op) and under XLA (the patch path), at
 B = 1 and 5, in float32 and float64, for VALID/SAME/EXPLICIT padding,
 strides and dilations, with several rows per example and with a `None`
-batch. A Keras model trained with `fit` the way users write it runs the
-op. Without the library the patch path runs.
+batch. One `fit` step of an unbuilt Keras convnet runs the op and equals
+the noiseless DP-SGD step of the reference loop. Without the library the patch path runs.
 
 The op must build on every machine of this kind (it has g++); run with
 TF_PXG_NATIVE=0 to test without it.
@@ -26,6 +32,7 @@ import tensorflow as tf
 import tf_pxg
 from tf_pxg import native
 from tf_pxg import testing as pxg_testing
+from _keras_models import check_one_dp_fit_step
 
 F32, F64 = tf.float32, tf.float64
 
@@ -253,29 +260,28 @@ def test_rule_with_a_dynamic_batch(lib, dtype):
   del records
 
 
-def test_keras_fit_runs_the_op(lib):
-  """keras.io's MNIST convnet shape, unbuilt, numpy data, a string optimizer:
-  `fit` clips with the native norms and learns."""
+def test_keras_fit_step_with_the_op(lib):
+  """keras.io's MNIST convnet shape (no `Input`), numpy data: one DP `fit`
+  step runs the native norms and equals the noiseless DP-SGD step of the
+  reference loop."""
   del lib
   rng = np.random.default_rng(0)
-  x = rng.standard_normal((64, 12, 12, 1)).astype("float32")
-  y = (x[:, :6].mean(axis=(1, 2, 3)) > 0).astype("int32")
-  model = tf_pxg.keras.DPSequential([
-      tf.keras.layers.Conv2D(8, 3, activation="relu"),
-      tf.keras.layers.MaxPooling2D(),
-      tf.keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
-      tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(2),
-  ], l2_norm_clip=1.0, noise_multiplier=0.0)
-  model.compile(optimizer="adam",
-                loss=tf.keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True), metrics=["accuracy"])
+  x = rng.standard_normal((16, 12, 12, 1)).astype("float32")
+  y = rng.integers(0, 3, 16).astype("int32")
+
+  def make_layers():
+    return [tf.keras.layers.Conv2D(8, 3, activation="relu"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Conv2D(8, 3, padding="same", strides=2,
+                                   activation="relu"),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(3)]
+
   with pxg_testing.trace_rules() as records:
-    history = model.fit(x, y, batch_size=16, epochs=8, verbose=0)
+    check_one_dp_fit_step(make_layers, x, y, build_shape=x.shape)
   assert {r.get("sq_norm") for r in records
           if r["form"] == "sq_norm" and r["op_type"] == "Conv2D"} == {
-              "native"}
-  assert history.history["loss"][-1] < history.history["loss"][0]
+              "native"}, records
 
 
 def test_without_the_library_the_patch_path_runs(monkeypatch):
@@ -289,3 +295,63 @@ def test_without_the_library_the_patch_path_runs(monkeypatch):
   forms = {r.get("sq_norm") for r in records
            if r["form"] == "sq_norm" and r["op_type"] == "Conv2D"}
   assert forms and "native" not in forms, records
+
+
+# Row sums of squares -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("shape", [(256, 512), (5, 3), (7, 1, 33),
+                                   (1, 1_000_003), (4,), (3, 0), (0, 4)],
+                         ids=str)
+def test_row_sum_of_squares_matches_numpy(lib, shape, dtype):
+  x = np.random.default_rng(len(shape)).standard_normal(shape)
+  got = lib.tf_pxg_row_sum_of_squares(tf.constant(x, dtype))
+  assert got.dtype == dtype and got.shape == [shape[0]]
+  want = np.sum(np.square(x).reshape(shape[0], -1), axis=1) if x.size else (
+      np.zeros(shape[0]))
+  # Float32 partial sums over blocks of 4096 squares, added in double.
+  np.testing.assert_allclose(got.numpy(), want,
+                             rtol=2e-6 if dtype == F32 else 1e-13, atol=0)
+
+
+def test_row_sum_of_squares_gradient(lib):
+  v = tf.Variable(np.random.default_rng(1).standard_normal((3, 2, 2)),
+                  dtype=F64)
+  weights = tf.constant([1.0, -2.0, 3.0], F64)
+  with tf.GradientTape() as tape:
+    y = tf.reduce_sum(lib.tf_pxg_row_sum_of_squares(v) * weights)
+  np.testing.assert_allclose(tape.gradient(y, v).numpy(),
+                             2 * v.numpy() * weights.numpy()[:, None, None],
+                             rtol=1e-15, atol=0)
+
+
+def _dense_model(dtype, units):
+  rng = np.random.default_rng(units)
+  w = tf.Variable(rng.standard_normal((6, units)), dtype=dtype, name="w")
+  return (lambda x: tf.nn.relu(tf.matmul(x, w))), w
+
+
+@pytest.mark.parametrize("mode", pxg_testing.MODES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+def test_dense_ghost_norms_use_the_row_op(lib, dtype, batch, mode):
+  """A Dense layer's ghost norm ||a||^2 ||dz||^2 takes the row op outside
+  XLA and TF's reduction inside; both match the reference loop."""
+  del lib
+  model, w = _dense_model(dtype, 4)
+  rng = np.random.default_rng(batch)
+  x = tf.constant(rng.standard_normal((batch, 6)), dtype)
+  labels = tf.constant(rng.standard_normal((batch, 4)), dtype)
+  pxg_testing.check_per_example_gradients(_loss, model, [w], x, labels,
+                                          mode=mode)
+
+  @tf.function(jit_compile=mode == "jit")
+  def norms(x, labels):
+    with tf_pxg.GradientTape() as tape:
+      losses = _loss(labels, model(x))
+    return tape.per_example_norms(losses, [w])
+
+  ops = {op.type for op in norms.get_concrete_function(
+      x, labels).graph.get_operations()}
+  assert ("TfPxgRowSumOfSquares" in ops) == (mode != "jit"), ops
