@@ -1,5 +1,6 @@
-"""Shared pytest setup: quiet TF logs, the `slow` marker, and a Keras dtype
-policy that a failing test cannot leak into the next ones."""
+"""Shared pytest setup: quiet TF logs, the `slow` marker, a Keras dtype
+policy that a failing test cannot leak into the next ones, and the native
+op library (`native_ops`)."""
 
 import os
 import sys
@@ -28,3 +29,15 @@ def _restore_keras_dtype_policy():
     keras.config.set_dtype_policy(name)
     pytest.fail(f"the test left the Keras dtype policy at {leaked!r} "
                 f"(was {name!r}); restored")
+
+
+@pytest.fixture(scope="module")
+def native_ops():
+  """tf_pxg's native op library. It must build on every machine of this
+  kind (it has g++); skipped when `TF_PXG_NATIVE=0` switches it off."""
+  from tf_pxg import native  # pylint: disable=g-import-not-at-top
+  if not native.enabled():
+    pytest.skip("TF_PXG_NATIVE=0: the native ops are switched off")
+  loaded = native.library()
+  assert loaded is not None, "the native ops did not build (see the log)"
+  return loaded

@@ -25,12 +25,8 @@ ATOL = 4e-6
 
 
 @pytest.fixture(scope="module")
-def lib():
-  if not native.enabled():
-    pytest.skip("TF_PXG_NATIVE=0: the native op is switched off")
-  loaded = native.library()
-  assert loaded is not None, "the native noise op did not build (see log)"
-  return loaded
+def lib(native_ops):
+  return native_ops
 
 
 def _key():

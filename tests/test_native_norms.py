@@ -1,10 +1,14 @@
-"""The native norm ops: `TfPxgConv2DFilterSqNorm` (tf_pxg.rules.conv) and
-`TfPxgRowSumOfSquares` (tf_pxg.rules.base.row_sum_of_squares).
+"""The native norm ops: `TfPxgConv2DFilterSqNorm` (tf_pxg.rules.conv),
+`TfPxgRowSumOfSquares` (tf_pxg.rules.base.row_sum_of_squares) and
+`TfPxgScaleRows` (tf_pxg.rules.base.scale_examples).
 
 The row op is checked against float64 NumPy sums of squares (rows of one
 element to a million, empty tensors, float32/float64), its gradient against
 2x, and its use by the rules (ghost norms of Dense layers and materialised
-norms) against the reference loop, with the TF path under XLA.
+norms) against the reference loop, with the TF path under XLA. The row scaling is checked
+exactly against NumPy (it is one multiplication per element) and its
+gradient in closed form; its use by every rule's weighted sum is covered by
+the per-example table and the DP-step tests.
 
 The op's definition, ||sum over an example's rows of G_n||^2 with G_n the
 filter gradient of row n, is checked against a float64 NumPy evaluation of
@@ -30,7 +34,6 @@ import pytest
 import tensorflow as tf
 
 import tf_pxg
-from tf_pxg import native
 from tf_pxg import testing as pxg_testing
 from _keras_models import check_one_dp_fit_step
 
@@ -38,12 +41,8 @@ F32, F64 = tf.float32, tf.float64
 
 
 @pytest.fixture(scope="module")
-def lib():
-  if not native.enabled():
-    pytest.skip("TF_PXG_NATIVE=0: the native ops are switched off")
-  loaded = native.library()
-  assert loaded is not None, "the native ops did not build (see log)"
-  return loaded
+def lib(native_ops):
+  return native_ops
 
 
 # The op against its definition ------------------------------------------------
@@ -355,3 +354,43 @@ def test_dense_ghost_norms_use_the_row_op(lib, dtype, batch, mode):
   ops = {op.type for op in norms.get_concrete_function(
       x, labels).graph.get_operations()}
   assert ("TfPxgRowSumOfSquares" in ops) == (mode != "jit"), ops
+
+
+# Rows scaled by their example's factor --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("shape,examples", [((256, 512), 256), ((6, 3, 5), 3),
+                                            ((4, 0), 2), ((0, 3), 0),
+                                            ((5,), 5)], ids=str)
+def test_scale_rows_matches_numpy(lib, shape, examples, dtype):
+  rng = np.random.default_rng(len(shape))
+  t = rng.standard_normal(shape).astype(dtype.as_numpy_dtype)
+  c = rng.uniform(0.1, 2.0, examples).astype(dtype.as_numpy_dtype)
+  got = lib.tf_pxg_scale_rows(tf.constant(t), tf.constant(c))
+  assert got.dtype == dtype and got.shape == shape
+  k = shape[0] // examples if examples else 0
+  # One rounded product per element, as NumPy's in the same dtype.
+  want = t * np.repeat(c, k).reshape((-1,) + (1,) * (len(shape) - 1))
+  np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_scale_rows_rejects_a_wrong_count(lib):
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="5 rows are not a whole number per example"):
+    lib.tf_pxg_scale_rows(tf.zeros([5, 2]), tf.ones([2]))
+
+
+def test_scale_rows_gradient(lib):
+  rng = np.random.default_rng(3)
+  t = tf.Variable(rng.standard_normal((4, 3)))
+  c = tf.Variable(rng.standard_normal(2))
+  w = tf.constant(rng.standard_normal((4, 3)))
+  with tf.GradientTape() as tape:
+    y = tf.reduce_sum(lib.tf_pxg_scale_rows(t, c) * w)
+  dt, dc = tape.gradient(y, [t, c])
+  rows = np.repeat(c.numpy(), 2)[:, None]
+  np.testing.assert_allclose(dt.numpy(), w.numpy() * rows, rtol=1e-15)
+  np.testing.assert_allclose(
+      dc.numpy(), (w.numpy() * t.numpy()).reshape(2, -1).sum(axis=1),
+      rtol=1e-14)

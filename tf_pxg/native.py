@@ -14,9 +14,11 @@ The library (`kernels/*.cc`) holds:
   norms of a 2-D convolution's filter gradient, accumulated in registers
   from each example's input and output gradient, with no patch tensor
   (`tf_pxg.rules.conv`).
-* `TfPxgRowSumOfSquares` (`kernels/sum_of_squares.cc`): each row's sum of
-  squares in one vectorised pass (`tf_pxg.rules.base.row_sum_of_squares`,
-  for ghost norms of one-row examples and materialised gradients' norms).
+* `TfPxgRowSumOfSquares`, `TfPxgScaleRows` (`kernels/rows.cc`): each
+  row's sum of squares in one vectorised pass
+  (`tf_pxg.rules.base.row_sum_of_squares`, for ghost norms of one-row
+  examples and materialised gradients' norms), and rows scaled by their
+  example's clip factor (`tf_pxg.rules.base.scale_examples`).
 
 Each user keeps a TF/XLA path for what the ops cannot serve (`serves`):
 code compiled with XLA (`jit_compile=True`, TPUs), accelerators, other
@@ -80,7 +82,7 @@ def enabled() -> bool:
 def library():
   """The loaded op library (its ops as `tf_pxg_add_normal_noise`,
   `tf_pxg_normal_noise_scatter_add`, `tf_pxg_conv2d_filter_sq_norm`,
-  `tf_pxg_row_sum_of_squares`), or
+  `tf_pxg_row_sum_of_squares`, `tf_pxg_scale_rows`), or
   None if it is disabled or could not be built (a warning says why, once
   per process)."""
   if not enabled():
@@ -242,3 +244,14 @@ def _row_sum_of_squares_grad(op, grad):
   x = op.inputs[0]
   shape = tf.concat([tf.shape(grad), tf.ones([tf.rank(x) - 1], tf.int32)], 0)
   return [2.0 * x * tf.reshape(grad, shape)]
+
+
+@tf.RegisterGradient("TfPxgScaleRows")
+def _scale_rows_grad(op, grad):
+  """y[n] = t[n] c[n // k]: dt = grad scaled the same way; dc[b] = the sum
+  over example b's k rows of grad * t."""
+  t, c = op.inputs
+  by_example = tf.stack([tf.shape(c)[0], -1])
+  dt = tf.reshape(tf.reshape(grad, by_example) * c[:, None], tf.shape(grad))
+  dc = tf.reduce_sum(tf.reshape(grad * t, by_example), axis=1)
+  return [dt, dc]

@@ -33,6 +33,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "register.h"
 #include "vectors.h"
 
 namespace tf_pxg {
@@ -231,14 +232,7 @@ REGISTER_OP("TfPxgConv2DFilterSqNorm")
       return absl::OkStatus();
     });
 
-REGISTER_KERNEL_BUILDER(Name("TfPxgConv2DFilterSqNorm")
-                            .Device(::tensorflow::DEVICE_CPU)
-                            .TypeConstraint<float>("T"),
-                        Conv2DFilterSqNormOp<float>);
-REGISTER_KERNEL_BUILDER(Name("TfPxgConv2DFilterSqNorm")
-                            .Device(::tensorflow::DEVICE_CPU)
-                            .TypeConstraint<double>("T"),
-                        Conv2DFilterSqNormOp<double>);
+TF_PXG_REGISTER_REAL_CPU_KERNELS("TfPxgConv2DFilterSqNorm", Conv2DFilterSqNormOp);
 
 }  // namespace
 }  // namespace tf_pxg

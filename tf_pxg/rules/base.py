@@ -174,9 +174,16 @@ def split_batch(t, batch_size, axis: int = 0, minor: bool = False):
 
 
 def scale_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
-  """Multiplies the rows of each example of `t` (batch on `axis`) by `c[b]`."""
+  """Multiplies the rows of each example of `t` (batch on `axis`) by `c[b]`.
+
+  With the examples on axis 0, contiguous, the native op `TfPxgScaleRows`
+  where it serves (float32/float64 on CPU outside XLA), else TF's
+  broadcasting multiply.
+  """
   axis = axis % t.shape.rank
   c = tf.cast(c, t.dtype)
+  if axis == 0 and not minor and native.serves(t, (tf.float32, tf.float64)):
+    return native.library().tf_pxg_scale_rows(t, c)  # Rows: one pass.
   shape = [1] * (t.shape.rank + 1)
   if isinstance(batch_size, int) and t.shape[axis] == batch_size:
     return t * tf.reshape(c, shape[1:axis + 1] + [batch_size] + shape[axis + 2:])
