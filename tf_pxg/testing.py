@@ -535,8 +535,9 @@ def trace_rules():
   at trace time): `op_type`, `rule` (the rule's class name;
   `"_VectorizedFallback"` for an op type without a rule or outside its
   rule's scope), `form` (`"per_example"`, `"sq_norm"` or `"weighted_sum"`)
-  and, where the rule says, how it computed it: `sq_norm` is `"ghost"` or
-  `"materialised"`; `per_example` is `"vectorized"` when TF's gradient ran
+  and, where the rule says, how it computed it: `sq_norm` is `"ghost"`,
+  `"materialised"` or `"native"` (a native op, e.g. a 2-D convolution's
+  norms on CPU outside XLA); `per_example` is `"vectorized"` when TF's gradient ran
   under `tf.vectorized_map` (the generic fallback) instead of a closed form.
 
     with tf_pxg.testing.trace_rules() as records:
