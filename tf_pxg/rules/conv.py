@@ -13,7 +13,7 @@ are TF's filter gradient with dz scaled per example.
 
 On CPU outside XLA, a 2-D convolution's squared norms (one group, NHWC
 or NCHW, float32/float64) come from the native op `TfPxgConv2DFilterSqNorm`
-(`tf_pxg/kernels/conv_norms.cc`, `_native_sq_norm`): it accumulates each
+(`tf_pxg/kernels/conv_norms.cc`, `ConvRule.native_sq_norm`): it accumulates each
 example's filter gradient in registers from the input and dz, without the
 patch tensor, the chunk loop or the Gram matrices (on the benchmark cnn
 about 4x less op time for the two convs' norms than the patch path).
@@ -328,9 +328,9 @@ class ConvRule(_PatchContraction):
   def native_sq_norm(self, ctx):
     """`TfPxgConv2DFilterSqNorm` of the input and dz (channels-last): `[B]`
     squared norms in the data's dtype, or None where it does not serve: a
-    `Conv3D`, groups, a dtype other than
-    float32/float64, padding whose size is not static, XLA, accelerators
-    or no native library (`native.serves`)."""
+    `Conv3D`, groups, a dtype other than float32/float64, SAME padding of
+    a size that is not static, XLA, accelerators or no native library
+    (`native.serves`)."""
     x, dz = ctx.inputs[0], ctx.dz
     filt = ctx.inputs[1]
     if (filt.shape.rank != 4 or x.shape.rank != 4 or
