@@ -197,6 +197,69 @@ def test_weight_shared_across_steps_is_one_merged_contraction():
              if r["op_type"] == "MatMul") >= 1, calls
 
 
+def _concats_of_shape(fn, shape):
+  """The ConcatV2 ops whose output has `shape` among the ops that `fn`'s
+  outputs depend on (tensors built but never read are pruned by TF)."""
+  graph = fn.get_concrete_function().graph
+  seen, stack = set(), [t.op for t in graph.outputs]
+  while stack:
+    op = stack.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      stack.extend(t.op for t in op.inputs)
+      stack.extend(op.control_inputs)
+  return [op for op in graph.get_operations() if op.name in seen and
+          op.type == "ConcatV2" and op.outputs[0].shape.as_list() == shape]
+
+
+def test_lstm_weights_share_one_row_concatenation():
+  """An LSTM's kernel, recurrent kernel and bias meet the same output
+  gradient dz_t at every step: their merged interfaces concatenate the T
+  tensors once (`merge_uses._SharedRows`), not once per weight, and the
+  norms still equal the reference loop's."""
+  t, units = 5, 4
+  layer, x = _built(lambda: L.LSTM(units), (B, t, 3), data_seed=7)
+
+  @tf.function
+  def norms():
+    with tf_pxg.GradientTape() as tape:
+      losses = _sq_loss(layer(x))
+    return tape.per_example_norms(losses, layer.trainable_variables)
+
+  gate_rows = _concats_of_shape(norms, [B, t, 4 * units])
+  assert len(gate_rows) == 1, [op.name for op in gate_rows]
+  reference = pxg_testing.reference_per_example_gradients(
+      _sq_loss, layer, layer.trainable_variables, x)
+  expected = np.sqrt(sum(np.sum(np.reshape(g, [B, -1]) ** 2, axis=1)
+                         for g in reference))
+  np.testing.assert_allclose(norms().numpy(), expected, rtol=1e-4)
+
+
+def test_lstm_kernel_takes_ghost_norm_when_it_holds_less_memory():
+  """T = 8 steps, 8 inputs, 4u = 64 gate units: the kernel's Grams cost
+  8 (8 + 64) = 576 FLOPs per row against 8 * 64 = 512 materialised (within
+  25 %), and hold 2 * 64 numbers per example against 512, so the ghost form
+  is taken (`contraction._prefer_ghost`); the norms equal the reference."""
+  layer, x = _built(lambda: L.LSTM(16), (B, 8, 8), data_seed=8)
+
+  @tf.function
+  def norms(x):
+    with tf_pxg.GradientTape() as tape:
+      losses = _sq_loss(layer(x))
+    return tape.per_example_norms(losses, layer.trainable_variables)
+
+  with pxg_testing.trace_rules() as records:
+    got = norms(x)
+  forms = sorted(r.get("sq_norm") for r in records
+                 if r["form"] == "sq_norm" and r["op_type"] == "MatMul")
+  assert forms == ["ghost", "ghost"], records
+  reference = pxg_testing.reference_per_example_gradients(
+      _sq_loss, layer, layer.trainable_variables, x)
+  expected = np.sqrt(sum(np.sum(np.reshape(g, [B, -1]) ** 2, axis=1)
+                         for g in reference))
+  np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4)
+
+
 _MIRRORED_LSTM = textwrap.dedent("""
     import os
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"

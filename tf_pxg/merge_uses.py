@@ -136,6 +136,29 @@ def _rows(tensors: List, batch_size):
   return tf.reshape(merged, [-1] + tail)
 
 
+class _SharedRows:
+  """`_rows`, built once per list of tensors.
+
+  The weights of one recurrent cell (an LSTM's kernel, recurrent kernel and
+  bias) meet the same output gradient at every step; their groups, in
+  recording order, list the same T tensors, and one `[B * T, ...]`
+  concatenation serves them all (each copy is as large as the step's whole
+  output gradient, e.g. 8 MB for an LSTM(128) at B = T = 64).
+  """
+
+  def __init__(self, batch_size):
+    self._batch_size = batch_size
+    self._memo = {}
+
+  def __call__(self, tensors: List):
+    key = tuple(id(t) for t in tensors)
+    if key not in self._memo:
+      # The tensors are kept with the result, so their ids stay unique.
+      self._memo[key] = (_rows(tensors, self._batch_size),
+                         tensors)
+    return self._memo[key][0]
+
+
 def merge(interfaces: List[Interface], keys: ValueKeys,
           batch_size: Callable[[Interface], object]) -> List[Interface]:
   """Merges interfaces that use one parameter value the same way.
@@ -155,18 +178,24 @@ def merge(interfaces: List[Interface], keys: ValueKeys,
     groups.setdefault(key if key is not None else ("single", id(itf)),
                       []).append(itf)
   out = []
+  shared = {}
   for group in groups.values():
     if len(group) == 1:
       out.append(group[0])
       continue
+    # Recording order: groups over the same steps list them alike, so
+    # their equal row lists are concatenated once (`_SharedRows`).
+    group = sorted(group, key=lambda u: u.entry.index)
     first = group[0]
     b = batch_size(first)
+    rows = shared.setdefault(id(b) if tf.is_tensor(b) else b,
+                             _SharedRows(b))
     inputs = list(first.entry.inputs)
     for i in first.data_indices:
-      inputs[i] = _rows([u.entry.inputs[i] for u in group], b)
-    outputs = [_rows([u.entry.outputs[j] for u in group], b)
+      inputs[i] = rows([u.entry.inputs[i] for u in group])
+    outputs = [rows([u.entry.outputs[j] for u in group])
                for j in range(len(first.entry.outputs))]
-    grads = [_rows([u.output_grads[j] for u in group], b)
+    grads = [rows([u.output_grads[j] for u in group])
              for j in range(len(first.output_grads))]
     e = first.entry
     entry = Entry(e.op_type, tuple(inputs), tuple(outputs), e.attrs, e.op,
