@@ -13,6 +13,7 @@ so the shares are of busy time, not of wall time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import os
 import tempfile
@@ -29,32 +30,26 @@ _OP_LINES = ("tf_Compute", "tf_inter_op", "tf_XLA")
 
 def op_times(trace_dir: str):
   """{"name:type": (total microseconds, count)} from a profiler run."""
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
   totals = collections.defaultdict(lambda: [0.0, 0])
-  for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
-                        recursive=True):
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-      space.ParseFromString(f.read())
-    for plane in space.planes:
-      if not plane.name.startswith("/host:CPU"):
+  for plane in host_planes(trace_dir):
+    for line in plane.lines:
+      if not line.name.startswith(_OP_LINES):
         continue
-      for line in plane.lines:
-        if not line.name.startswith(_OP_LINES):
-          continue
-        for event in line.events:
-          name = plane.event_metadata[event.metadata_id].name
-          if name.startswith("CpuExecutable::Execute"):
-            name = "(XLA cluster):XlaLaunch"
-          elif name.startswith("ExecutorState") or ":" not in name:
-            continue  # the executor's own spans enclose the ops' spans
-          totals[name][0] += event.duration_ps / 1e6
-          totals[name][1] += 1
+      for event in line.events:
+        name = plane.event_metadata[event.metadata_id].name
+        if name.startswith("CpuExecutable::Execute"):
+          name = "(XLA cluster):XlaLaunch"
+        elif name.startswith("ExecutorState") or ":" not in name:
+          continue  # the executor's own spans enclose the ops' spans
+        totals[name][0] += event.duration_ps / 1e6
+        totals[name][1] += 1
   return dict(totals)
 
 
-def profile(model: str, mode: str, steps: int, batch: int = 0):
-  """Profiles `steps` steps of `mode` on `model`; returns `op_times`."""
+@contextlib.contextmanager
+def trace(model: str, mode: str, steps: int, batch: int = 0):
+  """Runs 3 warm-up steps of `mode` on `model`, then `steps` steps under the
+  TF profiler; yields the trace directory (deleted afterwards)."""
   import tensorflow as tf  # noqa: PLC0415
   from benchmarks import models  # noqa: PLC0415
   step = modes.make(mode, model, batch or models.SPECS[model].batch)
@@ -65,6 +60,25 @@ def profile(model: str, mode: str, steps: int, batch: int = 0):
     for _ in range(steps):
       modes.sync(step.fn())
     tf.profiler.experimental.stop()
+    yield trace_dir
+
+
+def host_planes(trace_dir: str):
+  """The `/host:CPU` planes (XPlane protobufs) of a profiler trace."""
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
+  for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                        recursive=True):
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+      space.ParseFromString(f.read())
+    for plane in space.planes:
+      if plane.name.startswith("/host:CPU"):
+        yield plane
+
+
+def profile(model: str, mode: str, steps: int, batch: int = 0):
+  """Profiles `steps` steps of `mode` on `model`; returns `op_times`."""
+  with trace(model, mode, steps, batch) as trace_dir:
     return op_times(trace_dir)
 
 

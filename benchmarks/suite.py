@@ -38,6 +38,7 @@ import time
 from absl import app
 from absl import flags
 
+from benchmarks import memory
 from benchmarks import venv
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer rounds, modes and points.")
@@ -196,7 +197,7 @@ def _memory_one(mode, model, batch_size=0, seq_len=0) -> dict:
   cmd = [sys.executable, "-m", "benchmarks.memory", f"--mode={mode}",
          f"--model={model}", f"--batch_size={batch_size}",
          f"--seq_len={seq_len}"]
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **memory.ALLOCATOR_ENV)
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                           cwd=str(venv.REPO), timeout=900)

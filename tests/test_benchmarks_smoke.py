@@ -8,6 +8,10 @@ allocator keeps no statistics, and the report renders.
 
 import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -86,6 +90,54 @@ def test_memory_probe_reports_rss_and_allocator_peak_or_none():
   assert r["alloc_peak_mb"] is None or r["alloc_peak_mb"] > 0
   bad = memory.measure("keras", "no_such_model", 4, 0, steps=1)
   assert bad["status"] == "error" and "no_such_model" in bad["error"]
+
+
+_SMALL_TENSORS = """
+import json, sys
+import tensorflow as tf
+from benchmarks import memory
+
+@tf.function
+def step(x):
+  parts = [x * float(i) for i in range(64)]  # 64 live [64, 128]: 32 KB each
+  return tf.reduce_sum(tf.stack(parts))
+
+x = tf.ones([64, 128])
+step(x)
+has = memory.reset_allocator_stats()
+step(x).numpy()
+print(json.dumps({"has": has, "peak": memory.allocator_peak_bytes()}))
+"""
+
+
+def test_memory_probe_allocator_counts_small_tensors():
+  """Under `memory.ALLOCATOR_ENV` the allocator's peak includes tensors of
+  32 KB: 64 of them live at once and their 2 MB stack need at least 4 MB
+  (TF's oneDNN CPU allocator left such tensors out of its statistics)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **memory.ALLOCATOR_ENV)
+  out = subprocess.run([sys.executable, "-c", _SMALL_TENSORS], env=env,
+                       capture_output=True, text=True, check=True,
+                       cwd=str(pathlib.Path(memory.__file__).parents[1]))
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["has"], "the BFC allocator keeps statistics"
+  assert result["peak"] >= 4 * 2**20, result
+
+
+def test_memory_profile_finds_the_live_tensors_at_the_peak():
+  """`memory_profile.live_at_peak` replays allocations and frees in time
+  order: the peak is the largest sum of live requested bytes, grouped by
+  op with step numbers folded."""
+  from benchmarks import memory_profile  # pylint: disable=g-import-not-at-top
+  ev = memory_profile.Event
+  events = [ev(1, 10, 100, "a/cell_1/mul", "[4]"),
+            ev(2, 11, 100, "a/cell_2/mul", "[4]"),
+            ev(3, 12, 150, "b/concat", "[8]"),  # 350 live: the peak
+            ev(4, 10, 0, "", ""),
+            ev(5, 11, 0, "", ""),
+            ev(6, 13, 120, "c", "[2]")]  # 270 live
+  peak, groups = memory_profile.live_at_peak(events)
+  assert peak == 350
+  assert groups == {("a/cell_N/mul", "[4]"): 200, ("b/concat", "[8]"): 150}
 
 
 def test_allocator_helpers_do_not_raise():

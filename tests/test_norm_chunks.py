@@ -323,13 +323,13 @@ def test_dynamic_batch_runs_the_cheaper_form(case, dtype, jit, monkeypatch):
   both forms are built and the one the static batch would take runs (a
   counter on the ghost form tells which)."""
   ghost_runs = tf.Variable(0, dtype=tf.int64)
-  real = contraction._ghost_sq_norms
+  real = contraction._Operands.ghost_terms
 
   def counted(*args):
     with tf.control_dependencies([ghost_runs.assign_add(1)]):
       return tf.identity(real(*args))
 
-  monkeypatch.setattr(contraction, "_ghost_sq_norms", counted)
+  monkeypatch.setattr(contraction._Operands, "ghost_terms", counted)
   records = _check_dynamic_batch(case, dtype, jit)
   assert {r.get("sq_norm") for r in records if r["form"] == "sq_norm"} == {
       "chosen at run time"}, records

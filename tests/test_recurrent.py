@@ -235,11 +235,40 @@ def test_lstm_weights_share_one_row_concatenation():
   np.testing.assert_allclose(norms().numpy(), expected, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("batch", [1, B])
+@pytest.mark.parametrize("mode", MODES)
+def test_lstm_long_sequence_norms_by_chunks_match_reference(mode, batch,
+                                                            dtype):
+  """T = 10 steps (>= merge_uses._MIN_CHUNKED_USES): each weight's uses
+  merge into 4 chunks of consecutive steps, whose norm is the sum of every
+  chunk pair's ghost terms, with no [B, T, 4u] concatenation; per-example
+  gradients, norms and clipped sums equal the reference loop's."""
+  t, units = 10, 4
+  layer, x = _built(lambda: L.LSTM(units, dtype=dtype), (batch, t, 3),
+                    data_seed=9, dtype=dtype)
+  with pxg_testing.trace_rules() as records:
+    pxg_testing.check_per_example_gradients(
+        _sq_loss, layer, layer.trainable_variables, x, mode=mode)
+  chunked = [r for r in records if r["form"] == "chunked_sq_norm"]
+  assert {r["op_type"] for r in chunked} == {"MatMul"}, records
+  assert all(r["chunks"] == 4 for r in chunked), chunked
+
+  @tf.function
+  def norms():
+    with tf_pxg.GradientTape() as tape:
+      losses = _sq_loss(layer(x))
+    return tape.per_example_norms(losses, layer.trainable_variables)
+
+  assert not _concats_of_shape(norms, [batch, t, 4 * units])
+
+
 def test_lstm_kernel_takes_ghost_norm_when_it_holds_less_memory():
   """T = 8 steps, 8 inputs, 4u = 64 gate units: the kernel's Grams cost
   8 (8 + 64) = 576 FLOPs per row against 8 * 64 = 512 materialised (within
   25 %), and hold 2 * 64 numbers per example against 512, so the ghost form
-  is taken (`contraction._prefer_ghost`); the norms equal the reference."""
+  is taken (`contraction._prefer_ghost`, for all 8 rows of the 4 chunks of
+  steps); the norms equal the reference."""
   layer, x = _built(lambda: L.LSTM(16), (B, 8, 8), data_seed=8)
 
   @tf.function
@@ -251,7 +280,8 @@ def test_lstm_kernel_takes_ghost_norm_when_it_holds_less_memory():
   with pxg_testing.trace_rules() as records:
     got = norms(x)
   forms = sorted(r.get("sq_norm") for r in records
-                 if r["form"] == "sq_norm" and r["op_type"] == "MatMul")
+                 if r["form"] == "chunked_sq_norm" and
+                 r["op_type"] == "MatMul")
   assert forms == ["ghost", "ghost"], records
   reference = pxg_testing.reference_per_example_gradients(
       _sq_loss, layer, layer.trainable_variables, x)

@@ -90,6 +90,10 @@ class Interface:
   original_param_id: Optional[int] = None
   original_param_shape: Any = None
 
+  # Set on the chunks of one parameter's merged uses (`tf_pxg.merge_uses`):
+  # a key shared by the chunks, whose per-example gradients add up.
+  chunk_set: Any = None
+
   @property
   def param_id(self) -> int:
     if self.original_param_id is not None:

@@ -42,6 +42,16 @@ MERGEABLE = frozenset({
     "Add", "Sub", "Mul", "Conv2D", "Conv3D", "DepthwiseConv2dNative",
     "GatherV2", "ResourceGather"})
 
+# Op types whose merged uses are split into chunks of steps
+# (`_CHUNKS` of them, from `_MIN_CHUNKED_USES` uses): rules whose norms of a
+# sum over chunks need no concatenation of the chunks' rows (contractions'
+# `chunked_sq_norm`; elementwise rules' per-example gradients are
+# parameter-sized and add up).
+CHUNKED = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+                     "BiasAdd", "AddV2", "Add", "Sub", "Mul"})
+_CHUNKS = 4
+_MIN_CHUNKED_USES = 8
+
 _ALIASES = ("ReadVariableOp", "Identity")
 _MAX_CONST_KEY = 256  # Elements; larger constants are keyed by identity.
 
@@ -170,7 +180,14 @@ def merge(interfaces: List[Interface], keys: ValueKeys,
 
   Returns:
     The interfaces, each group of mergeable uses replaced by one interface
-    (on the first use's parameter tensor) whose rows are all the uses' rows.
+    (on the first use's parameter tensor) whose rows are all the uses'
+    rows; or, for `CHUNKED` op types with at least `_MIN_CHUNKED_USES`
+    uses, by `_CHUNKS` such interfaces over consecutive runs of the uses
+    (recording order), sharing the first use's parameter tensor and a
+    `chunk_set`. Chunks bound the memory of the rows: a concatenation holds
+    its inputs and its result at once, which for one concatenation of all
+    T steps' output gradients is twice their size at the end of the
+    backward pass; per chunk, the inputs are freed chunk by chunk.
   """
   groups = collections.OrderedDict()
   for itf in interfaces:
@@ -179,29 +196,45 @@ def merge(interfaces: List[Interface], keys: ValueKeys,
                       []).append(itf)
   out = []
   shared = {}
-  for group in groups.values():
+  for key, group in groups.items():
     if len(group) == 1:
       out.append(group[0])
       continue
     # Recording order: groups over the same steps list them alike, so
     # their equal row lists are concatenated once (`_SharedRows`).
     group = sorted(group, key=lambda u: u.entry.index)
-    first = group[0]
-    b = batch_size(first)
+    b = batch_size(group[0])
     rows = shared.setdefault(id(b) if tf.is_tensor(b) else b,
                              _SharedRows(b))
-    inputs = list(first.entry.inputs)
-    for i in first.data_indices:
-      inputs[i] = rows([u.entry.inputs[i] for u in group])
-    outputs = [rows([u.entry.outputs[j] for u in group])
-               for j in range(len(first.entry.outputs))]
-    grads = [rows([u.output_grads[j] for u in group])
-             for j in range(len(first.output_grads))]
-    e = first.entry
-    entry = Entry(e.op_type, tuple(inputs), tuple(outputs), e.attrs, e.op,
-                  e.scope, e.index, attr_overrides=e.attr_overrides)
-    out.append(Interface(entry, first.param_index, grads,
-                         first.data_indices, False, first.rule,
-                         original_param_id=first.original_param_id,
-                         original_param_shape=first.original_param_shape))
+    if (len(group) < _MIN_CHUNKED_USES or
+        group[0].entry.op_type not in CHUNKED):
+      out.append(_merged(group, rows))
+      continue
+    for piece in np.array_split(np.arange(len(group)), _CHUNKS):
+      out.append(_merged([group[i] for i in piece], rows, head=group[0],
+                         chunk_set=key))
   return out
+
+
+def _merged(group: List[Interface], rows: "_SharedRows", head=None,
+            chunk_set=None) -> Interface:
+  """One interface whose rows are all the rows of `group`'s uses, on the
+  parameter tensor of `head` (default: the first use), so that the chunks
+  of one group have one parameter id."""
+  first = group[0]
+  head = head or first
+  inputs = list(head.entry.inputs)
+  for i in first.data_indices:
+    inputs[i] = rows([u.entry.inputs[i] for u in group])
+  outputs = [rows([u.entry.outputs[j] for u in group])
+             for j in range(len(first.entry.outputs))]
+  grads = [rows([u.output_grads[j] for u in group])
+           for j in range(len(first.output_grads))]
+  e = head.entry
+  entry = Entry(e.op_type, tuple(inputs), tuple(outputs), e.attrs, e.op,
+                e.scope, first.entry.index, attr_overrides=e.attr_overrides)
+  return Interface(entry, head.param_index, grads, head.data_indices,
+                   False, head.rule,
+                   original_param_id=head.original_param_id,
+                   original_param_shape=head.original_param_shape,
+                   chunk_set=chunk_set)

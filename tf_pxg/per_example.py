@@ -256,8 +256,12 @@ class PerExampleBackprop:
     materialize = set()
     for pid, itfs in self._uses.items():
       found, simple = self._origins(pid)
-      if simple and len(found) == 1 and uses_per_source[next(iter(found))] == 1:
+      alone = (simple and len(found) == 1 and
+               uses_per_source[next(iter(found))] == len(itfs))
+      if alone and len(itfs) == 1:
         total.append(tf.cast(self._apply(itfs[0], "sq_norm"), tf.float32))
+      elif alone and _one_chunk_set(itfs):
+        total.append(self._chunked_sq_norm(itfs))
       else:
         materialize |= found
     if materialize:
@@ -268,12 +272,31 @@ class PerExampleBackprop:
       return tf.zeros([self._batch_for_zeros()], tf.float32)
     return tf.add_n(total)
 
+  def _chunked_sq_norm(self, itfs: List[Interface]):
+    """`[B]` squared norms of one parameter's per-example gradient, the sum
+    over the chunks `itfs` of its merged uses: the rule's `chunked_sq_norm`
+    where it has one (contractions: ghost terms of every pair of chunks),
+    else the norm of the sum of the chunks' per-example gradients."""
+    rule = itfs[0].rule
+    if hasattr(rule, "chunked_sq_norm"):
+      base.trace_call(itfs[0].entry.op_type, rule, "chunked_sq_norm")
+      return rule.chunked_sq_norm([self._context(itf) for itf in itfs])
+    return base.batch_sq_norm(tf.add_n(
+        [base.to_dense(self._apply(itf, "per_example")) for itf in itfs]))
+
   def weighted_sums(self, c) -> list:
     """`sum_b c[b] g_b` per source, the shape of the source."""
     initial = collections.defaultdict(list)
     for itf in self.interfaces:
       initial[itf.param_id].append(self._apply(itf, "weighted_sum", c))
     return self._gather(self._param_backprop(initial, batched=False))
+
+
+def _one_chunk_set(itfs: List[Interface]) -> bool:
+  """Whether `itfs` are all the chunks of one merged group."""
+  sets = {id(itf.chunk_set) if itf.chunk_set is not None else None
+          for itf in itfs}
+  return len(itfs) > 1 and None not in sets and len(sets) == 1
 
 
 def _reshape_back(itf: Interface, form: str, result):

@@ -9,7 +9,11 @@ with a batch letter X (examples) on the data operand. Then
   Li et al. 2022) `sum_S sum_{r,r'} <d_r, d_r'>_Pd <dz_r, dz_r'>_Po`, which
   costs B*S*R^2*(Pd+Po) instead of B*S*R*Pd*Po; the cheaper is chosen from
   static sizes (for a 2-D MatMul, R=1 gives ||x_b||^2 ||dz_b||^2);
-* weighted sum: TF's own weight gradient with dz scaled per example.
+* weighted sum: TF's own weight gradient with dz scaled per example;
+* squared norm of a sum over chunks of one parameter's merged uses
+  (`tf_pxg.merge_uses`): the ghost terms of every pair of chunks, or the
+  materialised chunks added (`chunked_sq_norm`), the form chosen for all
+  rows together.
 
 Letters: R = summed (in data and out, not param), Pd = param letters in data
 only (contracted), Po = param letters in out only, S = param letters in all
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -154,6 +158,74 @@ def sq_norm(s: Spec, data, dz, batch_size, minor=False):
   return sq_norm_and_per_example(s, data, dz, batch_size, minor)[0]
 
 
+class _Operands:
+  """A contraction's data and output gradient split into `[B, k]` rows,
+  with the letter sets of the ghost-versus-materialise choice."""
+
+  def __init__(self, s: Spec, data, dz, batch_size, minor):
+    data, dz, self.data_sub, self.out_sub = split_operands(
+        s, data, dz, batch_size, minor)
+    self.x = x = s.batch
+    self.param_sub = s.param_sub
+    p = set(s.param_sub)
+    self.summed = "".join(c for c in self.data_sub
+                          if c in self.out_sub and c not in p and c != x)
+    self.pd = "".join(c for c in s.param_sub
+                      if c in self.data_sub and c not in self.out_sub)
+    self.po = "".join(c for c in s.param_sub
+                      if c in self.out_sub and c not in self.data_sub)
+    self.shared = "".join(c for c in s.param_sub
+                          if c in self.data_sub and c in self.out_sub)
+    self.lonely = [c for c in self.data_sub + self.out_sub if c not in p and
+                   (c not in self.data_sub or c not in self.out_sub)]
+    self.sizes = {}
+    for sub, t in ((self.data_sub, data), (self.out_sub, dz)):
+      for c, n in zip(sub, t.shape):
+        self.sizes[c] = n
+    dtype = norm_dtype(data.dtype)
+    self.data, self.dz = tf.cast(data, dtype), tf.cast(dz, dtype)
+
+  def prod(self, letters):
+    vals = [self.sizes.get(c) for c in letters]
+    return None if None in vals else int(np.prod(vals or [1]))
+
+  def rows(self):
+    """Summed rows per example: an int, or a scalar tensor if dynamic."""
+    n = self.prod(self.summed)
+    if n is not None:
+      return n
+    return tf.reduce_prod(tf.stack(
+        [tf.shape(self.data)[self.data_sub.index(c)] for c in self.summed]))
+
+  def materialised(self):
+    return tf.einsum(
+        f"{self.data_sub},{self.out_sub}->{self.x}{self.param_sub}",
+        self.data, self.dz)
+
+  def ghost_terms(self, other):
+    """`[B]` `sum <d_r, d_r'> <dz_r, dz_r'>` over this operand's rows r and
+    `other`'s rows r' (the same parameter letters); `other` is `self` for
+    the ghost norm of one interface."""
+    keep = f"{self.x}{self.shared}"
+    if other is self and not self.summed:  # One row: 1 x 1 Grams.
+      gram_d = _sum_of_squares(self.data, self.data_sub, keep)
+      gram_z = _sum_of_squares(self.dz, self.out_sub, keep)
+    else:
+      letters = self.data_sub + self.out_sub + self.param_sub
+      primed = _fresh(letters, len(other.summed))
+      prime = str.maketrans(other.summed, primed)
+      keep = f"{keep}{self.summed}{primed}"
+      gram_d = tf.einsum(
+          f"{self.data_sub},{other.data_sub.translate(prime)}->{keep}",
+          self.data, other.data)
+      gram_z = tf.einsum(
+          f"{self.out_sub},{other.out_sub.translate(prime)}->{keep}",
+          self.dz, other.dz)
+    return tf.cast(tf.reduce_sum(
+        tf.reshape(gram_d * gram_z, [tf.shape(gram_d)[0], -1]), axis=1),
+                   tf.float32)
+
+
 def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
   """(`[B]` float32 squared norms, the per-example gradient or None).
 
@@ -164,51 +236,63 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
   forms are built, `tf.cond` runs the cheaper, and the gradient is not
   returned (a tensor of unknown size is never kept for the weighted sum).
   """
-  data, dz, data_sub, out_sub = split_operands(s, data, dz, batch_size, minor)
-  x = s.batch
-  p = set(s.param_sub)
-  summed = "".join(c for c in data_sub if c in out_sub and c not in p and
-                   c != x)
-  pd = "".join(c for c in s.param_sub if c in data_sub and c not in out_sub)
-  po = "".join(c for c in s.param_sub if c in out_sub and c not in data_sub)
-  shared = "".join(c for c in s.param_sub if c in data_sub and c in out_sub)
-  lonely = [c for c in data_sub + out_sub if c not in p and
-            (c not in data_sub or c not in out_sub)]
-  sizes = {}
-  for sub, t in ((data_sub, data), (out_sub, dz)):
-    for c, n in zip(sub, t.shape):
-      sizes[c] = n
-
-  def prod(letters):
-    vals = [sizes.get(c) for c in letters]
-    return None if None in vals else int(np.prod(vals or [1]))
-
-  nr, npd, npo = prod(summed), prod(pd), prod(po)
-  dtype = norm_dtype(data.dtype)
-  data, dz = tf.cast(data, dtype), tf.cast(dz, dtype)
-
-  def materialised():
-    return tf.einsum(f"{data_sub},{out_sub}->{x}{s.param_sub}", data, dz)
-
-  def ghost():
-    return _ghost_sq_norms(data, dz, data_sub, out_sub,
-                           f"{x}{shared}", summed, s.param_sub)
-
-  if lonely or None in (npd, npo):
-    form = "materialised"
-  elif nr is not None:
-    form = "ghost" if _prefer_ghost(nr, npd, npo) else "materialised"
-  else:
-    base.trace_note(sq_norm="chosen at run time")
-    rows = tf.reduce_prod(tf.stack(
-        [tf.shape(data)[data_sub.index(c)] for c in summed]))
-    return tf.cond(rows * (npd + npo) < npd * npo, ghost,
-                   lambda: base.batch_sq_norm(materialised())), None
+  ops = _Operands(s, data, dz, batch_size, minor)
+  ghost = lambda: ops.ghost_terms(ops)
+  form = _form(ops, ops.rows())
+  if form == "chosen at run time":
+    base.trace_note(sq_norm=form)
+    return tf.cond(_prefer_ghost(ops.rows(), ops.prod(ops.pd),
+                                 ops.prod(ops.po)), ghost,
+                   lambda: base.batch_sq_norm(ops.materialised())), None
   base.trace_note(sq_norm=form)
   if form == "ghost":
     return ghost(), None
-  g = materialised()
+  g = ops.materialised()
   return base.batch_sq_norm(g), g
+
+
+def chunked_sq_norm(parts: Sequence[_Operands]):
+  """`[B]` float32 squared norms of the sum of several interfaces' per-example
+  gradients, for one parameter used the same way in each (the chunks of an
+  unrolled loop's steps, `tf_pxg.merge_uses`).
+
+  The form is chosen for all rows together: the ghost norm is the sum of
+  every pair's ghost terms (`sum_{u,v} <G_u, G_v>`, the cross pairs
+  twice), so no chunk's rows need to be concatenated with another's; the
+  materialised form adds the chunks' per-example gradients.
+  """
+  first = parts[0]
+  rows = [p.rows() for p in parts]
+  total = (sum(rows) if all(isinstance(r, int) for r in rows)
+           else tf.add_n([tf.cast(r, tf.int32) for r in rows]))
+
+  def ghost():
+    terms = []
+    for i, u in enumerate(parts):
+      terms.append(u.ghost_terms(u))
+      terms.extend(2.0 * u.ghost_terms(v) for v in parts[i + 1:])
+    return tf.add_n(terms)
+
+  def materialised():
+    return base.batch_sq_norm(tf.add_n([p.materialised() for p in parts]))
+
+  form = _form(first, total)
+  base.trace_note(sq_norm=form, chunks=len(parts))
+  if form == "chosen at run time":
+    return tf.cond(_prefer_ghost(total, first.prod(first.pd),
+                                 first.prod(first.po)), ghost, materialised)
+  return ghost() if form == "ghost" else materialised()
+
+
+def _form(ops: _Operands, rows) -> str:
+  """"ghost", "materialised" or "chosen at run time" for `rows` summed rows
+  per example of `ops`' shape."""
+  npd, npo = ops.prod(ops.pd), ops.prod(ops.po)
+  if ops.lonely or None in (npd, npo):
+    return "materialised"
+  if not isinstance(rows, int):
+    return "chosen at run time"
+  return "ghost" if _prefer_ghost(rows, npd, npo) else "materialised"
 
 
 def _prefer_ghost(rows: int, npd: int, npo: int) -> bool:
@@ -223,27 +307,11 @@ def _prefer_ghost(rows: int, npd: int, npo: int) -> bool:
   its materialised gradient `[B, 64, 512]` is 8 MB at B = 64 against 2 MB.
   """
   ghost, materialised = rows * (npd + npo), npd * npo
+  if tf.is_tensor(rows):  # Rows per example known at run time.
+    return tf.logical_or(ghost < materialised, tf.logical_and(
+        4 * ghost <= 5 * materialised, 4 * rows * rows <= materialised))
   return ghost < materialised or (
       4 * ghost <= 5 * materialised and 4 * rows * rows <= materialised)
-
-
-def _ghost_sq_norms(data, dz, data_sub, out_sub, keep, summed, param_sub):
-  """`[B]` float32 ghost norms `sum <d_r, d_r'> <dz_r, dz_r'>` over the
-  `summed` row letters, `keep` the batch and shared parameter letters."""
-  if not summed:  # One row per example: the Gram "matrices" are 1 x 1.
-    gram_d = _sum_of_squares(data, data_sub, keep)
-    gram_z = _sum_of_squares(dz, out_sub, keep)
-  else:
-    primed = _fresh(data_sub + out_sub + param_sub, len(summed))
-    prime = str.maketrans(summed, primed)
-    keep = f"{keep}{summed}{primed}"
-    gram_d = tf.einsum(f"{data_sub},{data_sub.translate(prime)}->{keep}",
-                       data, data)
-    gram_z = tf.einsum(f"{out_sub},{out_sub.translate(prime)}->{keep}", dz,
-                       dz)
-  return tf.cast(tf.reduce_sum(
-      tf.reshape(gram_d * gram_z, [tf.shape(gram_d)[0], -1]), axis=1),
-                 tf.float32)
 
 
 def norm_dtype(dtype) -> tf.DType:
@@ -293,6 +361,16 @@ class _Contraction(base.Rule):
     if g is not None:
       base.keep_per_example(ctx, g)
     return norms
+
+  def chunked_sq_norm(self, ctxs):
+    """`[B]` squared norms of the sum over interfaces `ctxs` (the chunks of
+    one parameter's merged uses): `chunked_sq_norm`."""
+    parts = []
+    for ctx in ctxs:
+      s = self.spec(ctx)
+      parts.append(_Operands(s, ctx.inputs[s.data_index], ctx.dz,
+                             ctx.batch_size, ctx.batch_minor))
+    return chunked_sq_norm(parts)
 
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept (a
