@@ -143,6 +143,19 @@ def test_dp_fit_step_with_lstm_equals_clipped_reference_update():
   check_one_dp_fit_step(layers, ids, y)
 
 
+def test_dp_fit_step_with_long_lstm_by_chunks_equals_clipped_reference():
+  """T = 12 masked steps (the chunked merge of `merge_uses`, from 8 uses):
+  one fit step, SGD(1), no noise, equals w - mean_b clip(g_b)."""
+  rng = np.random.default_rng(6)
+  ids = rng.integers(1, 30, (4, 12)).astype(np.int32)
+  ids[2, 7:] = 0
+  y = rng.integers(0, 2, 4)
+  layers = lambda: [keras.Input((12,), dtype="int32"),
+                    L.Embedding(30, 4, mask_zero=True), L.LSTM(3),
+                    L.Dense(2)]
+  check_one_dp_fit_step(layers, ids, y)
+
+
 def test_raw_while_loop_on_a_parameter_raises_naming_loop_and_variable():
   w = tf.Variable(tf.ones([2, 2]), name="loop_kernel")
   x = tf.ones([B, 2])
