@@ -131,26 +131,20 @@ def test_gradient_equals_tf_gradient_tape_for_lstm_in_function():
                                atol=1e-6 * float(np.max(np.abs(r))))
 
 
-def test_dp_fit_step_with_lstm_equals_clipped_reference_update():
-  """One fit step, SGD(1), no noise: w - mean_b clip(g_b) (flat clipping)."""
-  rng = np.random.default_rng(4)
-  ids = rng.integers(1, 30, (4, 5)).astype(np.int32)
-  ids[1, 3:] = 0
+@pytest.mark.parametrize("steps,seed,padded,pad_from", [
+    (5, 4, 1, 3),
+    # >= 8 steps: the chunked merge of `merge_uses`.
+    (12, 6, 2, 7),
+], ids=["T5", "T12_chunked"])
+def test_dp_fit_step_with_lstm_equals_clipped_reference_update(
+    steps, seed, padded, pad_from):
+  """One fit step, SGD(1), no noise: w - mean_b clip(g_b) (flat clipping),
+  with example `padded` masked from step `pad_from`."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, 30, (4, steps)).astype(np.int32)
+  ids[padded, pad_from:] = 0
   y = rng.integers(0, 2, 4)
-  layers = lambda: [keras.Input((5,), dtype="int32"),
-                    L.Embedding(30, 4, mask_zero=True), L.LSTM(3),
-                    L.Dense(2)]
-  check_one_dp_fit_step(layers, ids, y)
-
-
-def test_dp_fit_step_with_long_lstm_by_chunks_equals_clipped_reference():
-  """T = 12 masked steps (the chunked merge of `merge_uses`, from 8 uses):
-  one fit step, SGD(1), no noise, equals w - mean_b clip(g_b)."""
-  rng = np.random.default_rng(6)
-  ids = rng.integers(1, 30, (4, 12)).astype(np.int32)
-  ids[2, 7:] = 0
-  y = rng.integers(0, 2, 4)
-  layers = lambda: [keras.Input((12,), dtype="int32"),
+  layers = lambda: [keras.Input((steps,), dtype="int32"),
                     L.Embedding(30, 4, mask_zero=True), L.LSTM(3),
                     L.Dense(2)]
   check_one_dp_fit_step(layers, ids, y)

@@ -197,6 +197,11 @@ class _Operands:
     return tf.reduce_prod(tf.stack(
         [tf.shape(self.data)[self.data_sub.index(c)] for c in self.summed]))
 
+  def prefers_ghost(self, rows):
+    """`_prefer_ghost` for `rows` summed rows per example (an int, or a
+    scalar tensor: then a boolean tensor) of this operand's shape."""
+    return _prefer_ghost(rows, self.prod(self.pd), self.prod(self.po))
+
   def materialised(self):
     return tf.einsum(
         f"{self.data_sub},{self.out_sub}->{self.x}{self.param_sub}",
@@ -238,13 +243,12 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
   """
   ops = _Operands(s, data, dz, batch_size, minor)
   ghost = lambda: ops.ghost_terms(ops)
-  form = _form(ops, ops.rows())
-  if form == "chosen at run time":
-    base.trace_note(sq_norm=form)
-    return tf.cond(_prefer_ghost(ops.rows(), ops.prod(ops.pd),
-                                 ops.prod(ops.po)), ghost,
-                   lambda: base.batch_sq_norm(ops.materialised())), None
+  rows = ops.rows()
+  form = _form(ops, rows)
   base.trace_note(sq_norm=form)
+  if form == "chosen at run time":
+    return tf.cond(ops.prefers_ghost(rows), ghost,
+                   lambda: base.batch_sq_norm(ops.materialised())), None
   if form == "ghost":
     return ghost(), None
   g = ops.materialised()
@@ -279,20 +283,18 @@ def chunked_sq_norm(parts: Sequence[_Operands]):
   form = _form(first, total)
   base.trace_note(sq_norm=form, chunks=len(parts))
   if form == "chosen at run time":
-    return tf.cond(_prefer_ghost(total, first.prod(first.pd),
-                                 first.prod(first.po)), ghost, materialised)
+    return tf.cond(first.prefers_ghost(total), ghost, materialised)
   return ghost() if form == "ghost" else materialised()
 
 
 def _form(ops: _Operands, rows) -> str:
   """"ghost", "materialised" or "chosen at run time" for `rows` summed rows
   per example of `ops`' shape."""
-  npd, npo = ops.prod(ops.pd), ops.prod(ops.po)
-  if ops.lonely or None in (npd, npo):
+  if ops.lonely or None in (ops.prod(ops.pd), ops.prod(ops.po)):
     return "materialised"
   if not isinstance(rows, int):
     return "chosen at run time"
-  return "ghost" if _prefer_ghost(rows, npd, npo) else "materialised"
+  return "ghost" if ops.prefers_ghost(rows) else "materialised"
 
 
 def _prefer_ghost(rows: int, npd: int, npo: int) -> bool:
