@@ -32,18 +32,12 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor_shape.h"
-#include "tensorflow/core/util/work_sharder.h"
+#include "kernel_util.h"
 #include "register.h"
 #include "vectors.h"
 
 namespace tf_pxg {
 namespace {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
 
 // A block has as many rows as leaves vector registers free for the tile of
 // dz and the broadcast value.
@@ -197,9 +191,8 @@ class Conv2DFilterSqNormOp : public OpKernel {
         sq[b] = static_cast<T>(sum);
       }
     };
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    ::tensorflow::Shard(workers->num_threads, workers->workers, examples,
-                        /*cost_per_unit=*/positions * rows * g_stride, work);
+    ShardOverThreads(ctx, examples,
+                     /*cost_per_unit=*/positions * rows * g_stride, work);
   }
 
  private:

@@ -22,18 +22,12 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/util/work_sharder.h"
+#include "kernel_util.h"
 #include "register.h"
 #include "vectors.h"
 
 namespace tf_pxg {
 namespace {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
 
 // Vector partial sums over blocks of kBlock elements, each block's added in
 // double (so long rows keep float32's accuracy per block, not per row).
@@ -82,9 +76,7 @@ class RowSumOfSquaresOp : public OpKernel {
       for (int64_t r = begin; r < end; ++r)
         sq[r] = static_cast<T>(SumOfSquares(xs + r * row, row));
     };
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    ::tensorflow::Shard(workers->num_threads, workers->workers, rows,
-                        /*cost_per_unit=*/row, work);
+    ShardOverThreads(ctx, rows, /*cost_per_unit=*/row, work);
   }
 };
 
@@ -120,9 +112,7 @@ class ScaleRowsOp : public OpKernel {
         for (int64_t i = 0; i < row; ++i) dst[i] = src[i] * f;
       }
     };
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    ::tensorflow::Shard(workers->num_threads, workers->workers, rows,
-                        /*cost_per_unit=*/row, work);
+    ShardOverThreads(ctx, rows, /*cost_per_unit=*/row, work);
   }
 };
 

@@ -29,7 +29,7 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/util/work_sharder.h"
+#include "kernel_util.h"
 #include "threefry_normal.h"
 
 namespace tf_pxg {
@@ -39,11 +39,6 @@ using ::tf_pxg::threefry_normal::kPairs;
 using ::tf_pxg::threefry_normal::NormalPairs;
 
 using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
 
 // An InvalidArgument status whose message is the arguments, concatenated.
 template <typename... Args>
@@ -93,10 +88,8 @@ void AddNoise(OpKernelContext* ctx, const float* in, float* out, int64_t n,
       }
     }
   };
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   // About 15 ns of one core per pair on an AVX2 CPU, with margin.
-  ::tensorflow::Shard(workers->num_threads, workers->workers, blocks,
-                      kPairs * 40, work);
+  ShardOverThreads(ctx, blocks, kPairs * 40, work);
 }
 
 // Reads the last three inputs (key, stddev, scale) into `d`.
@@ -196,9 +189,10 @@ class NormalNoiseScatterAddOp : public OpKernel {
     // Each thread adds the rows that fall in its share of the table (a
     // scan of the indices each), so no two threads write one row.
     const float* v = values.flat<float>().data();
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     const int64_t parts = std::max<int64_t>(
-        1, std::min<int64_t>(workers->num_threads, rows));
+        1, std::min<int64_t>(
+               ctx->device()->tensorflow_cpu_worker_threads()->num_threads,
+               rows));
     auto add_rows = [&](int64_t begin, int64_t end) {
       for (int64_t part = begin; part < end; ++part) {
         const int64_t lo = rows * part / parts;
@@ -212,9 +206,9 @@ class NormalNoiseScatterAddOp : public OpKernel {
         }
       }
     };
-    ::tensorflow::Shard(workers->num_threads, workers->workers, parts,
-                        std::max<int64_t>(n * row_size / parts, 1) * 10,
-                        add_rows);
+    ShardOverThreads(ctx, parts,
+                     std::max<int64_t>(n * row_size / parts, 1) * 10,
+                     add_rows);
   }
 
  private:
