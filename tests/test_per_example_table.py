@@ -276,6 +276,12 @@ LAYER_CASES = [
                (4, 2), rules=expect("MatMul", "BiasAdd")),
     layer_case("GRU_unroll", lambda d: L.GRU(3, unroll=True, dtype=d),
                (4, 2), rules=expect("MatMul", "BiasAdd", "AddV2")),
+    # T = 8 steps: each weight's uses merge into chunks of steps
+    # (`merge_uses`), whose norm sums the ghost terms of every chunk pair:
+    # 8 rows * (16 + 64) < 16 * 64 for the kernel and the recurrent kernel.
+    layer_case("LSTM_unroll_chunked_ghost", lambda d: L.LSTM(
+        16, unroll=True, dtype=d), (8, 16),
+               rules={**expect("MatMul", sq=G), **expect("BiasAdd")}),
     layer_case("Dense_mixed_float16", _mixed_dense, (5,), dtypes=(F32,),
                tolerance=(2e-2, 2e-3), rules=expect("MatMul", sq=G, **BIAS)),
     # Keras creates the LoRA weights in float32 even for a float64 layer, so
@@ -572,6 +578,11 @@ def _native_ops() -> bool:
   return native.library() is not None
 
 
+# Rule calls that compute a parameter's squared norms (the second for the
+# chunks of merged uses, `tf_pxg.merge_uses`).
+_NORM_FORMS = ("sq_norm", "chunked_sq_norm")
+
+
 def rule_problems(case: Case, records, mode: str = "eager",
                   dtype: tf.DType = F32) -> list:
   """What in `records` (from `trace_rules`) differs from `case.rules`; in
@@ -602,10 +613,11 @@ def rule_problems(case: Case, records, mode: str = "eager",
       if (rule == FALLBACK and r["form"] == "per_example" and
           not vectorized):
         problems.append(f"{op}.per_example: the fallback did not vectorize")
-      if form and r["form"] == "sq_norm" and r.get("sq_norm") != form:
-        problems.append(f"{op}.sq_norm: took the {r.get('sq_norm')} form, "
-                        f"expected {form}")
-    if form and not any(r["form"] == "sq_norm" for r in calls):
+      if (form and r["form"] in _NORM_FORMS and
+          r.get("sq_norm") != form):
+        problems.append(f"{op}.{r['form']}: took the {r.get('sq_norm')} "
+                        f"form, expected {form}")
+    if form and not any(r["form"] in _NORM_FORMS for r in calls):
       problems.append(f"{op}: norms never called the rule's sq_norm "
                       f"(expected the {form} form)")
   return problems

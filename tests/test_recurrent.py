@@ -248,9 +248,11 @@ def test_lstm_weights_share_one_row_concatenation():
 def test_lstm_long_sequence_norms_by_chunks_match_reference(mode, batch,
                                                             dtype):
   """T = 10 steps (>= merge_uses._MIN_CHUNKED_USES): each weight's uses
-  merge into 4 chunks of consecutive steps, whose norm is the sum of every
-  chunk pair's ghost terms, with no [B, T, 4u] concatenation; per-example
-  gradients, norms and clipped sums equal the reference loop's."""
+  merge into 4 chunks of consecutive steps, with no [B, T, 4u]
+  concatenation; per-example gradients, norms and clipped sums equal the
+  reference loop's. (At these sizes the chunks' gradients are materialised
+  and added; the sum of every chunk pair's ghost terms is the per-example
+  table's `LSTM_unroll_chunked_ghost`.)"""
   t, units = 10, 4
   layer, x = _built(lambda: L.LSTM(units, dtype=dtype), (batch, t, 3),
                     data_seed=9, dtype=dtype)
