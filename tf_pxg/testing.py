@@ -24,6 +24,13 @@ noiseless DP-SGD step must give (`w - lr * mean_b min(1, C / n_b) g_b`), and
 `assert_dp_step_matches_reference` checks a real step against them to `rtol`
 of each variable's update size.
 
+`check_example_independence` needs neither tf_pxg's engine nor a reference:
+it changes one example of a batch and checks, with a plain
+`tf.GradientTape`, that no other example's loss or gradient moves (the
+random layers re-seeded identically in both runs). It catches layers that
+mix examples (MixUp, BatchNormalization in training, batch statistics,
+in-batch negatives...), as far as the chosen change exercises them.
+
 `trace_rules` records which rule, and which form of it, tf_pxg ran at each
 interface op (e.g. the ghost or the materialised squared norm, or the
 vectorized fallback), so a test can tell a rule from the fallback.
@@ -1042,12 +1049,17 @@ def check_example_independence(
   and random augmentation layers draw the same values in both runs. In
   "function"/"jit" modes each run traces its own `tf.function` after
   re-seeding, so unseeded TF random ops (`tf.random.uniform` without a seed)
-  get the same op seeds and fresh kernels. The model's non-trainable state
-  is restored when the check returns; the global Python/NumPy/TF seeds are
-  left set to `seed`.
+  get the same op seeds and fresh kernels. Under XLA ("jit") the Keras
+  random layers repeat too (their draws are stateless ops seeded by the
+  restored states), but unseeded stateful TF random ops do not (XLA keeps
+  its own RNG state): use "eager" or "function" for models with those. The
+  model's non-trainable state is restored when the check returns; the
+  global Python/NumPy/TF seeds are left set to `seed`.
 
   Contract: the batch is axis 0 of every tensor of `x`, `y` and
-  `sample_weight` (B >= 2, static), the per-example loss is a `[B]` vector.
+  `sample_weight` (B >= 2, static), the per-example loss is a `[B]` vector;
+  `x` and `y` are concrete values (numpy arrays or eager tensors: call the
+  check eagerly, `mode` says how the model runs).
 
   The change (`change`):
     * "perturb" (default): every floating tensor of example `index` gets
