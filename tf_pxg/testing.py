@@ -1167,10 +1167,11 @@ def check_example_independence(
         tf.convert_to_tensor, nest)
 
   x, y = as_tensors(x), as_tensors(y)
-  # Build the model (a lazily built one creates its variables on first call)
-  # before its state is saved.
+  # Build the model (a lazily built one creates its variables on its first
+  # call) before its state is saved; in inference mode, so that the build
+  # call updates no moving statistics and draws no random numbers.
   if not variables or not getattr(model, "built", True):
-    _per_example_loss(loss_fn, model, x, y, training)
+    model(x, **({} if training is None else {"training": False}))
     if not variables:
       variables = list(getattr(model, "trainable_variables", []))
   if gradients and not variables:
