@@ -250,32 +250,22 @@ def test_noise_differs_between_steps_and_unseeded_models():
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("mode", ["graph", "eager", "jit"])
-def test_non_finite_example_skips_update_and_counts_step(bad, mode):
+def test_non_finite_example_is_dropped_and_the_step_applied(bad, mode):
+  # The non-finite example gets clip factor 0; the step is never skipped
+  # (a skip would depend on one example). Exact values: test_non_finite.py.
   x, y = _data()
   x[3, 0, 0, 0] = bad
   model = _functional(dp_cls=dpk.DPModel, l2_norm_clip=1.0,
                       noise_multiplier=1.0)
   model.compile(optimizer=keras.optimizers.Adam(0.1), loss=_sce(),
                 run_eagerly=mode == "eager", jit_compile=mode == "jit")
-  model.optimizer.build(model.trainable_variables)
-  before = [v.numpy() for v in model.variables]
-  slots = [v.numpy() for v in model.optimizer.variables]
+  before = [v.numpy() for v in model.trainable_variables]
   history = model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
-  for w, v in zip(before, model.variables):
-    np.testing.assert_array_equal(v.numpy(), w)
-  names = [v.path for v in model.optimizer.variables]
-  for name, s, v in zip(names, slots, model.optimizer.variables):
-    if "iteration" not in name:
-      np.testing.assert_array_equal(v.numpy(), s, err_msg=name)
   assert int(model.optimizer.iterations) == 1
-  assert history.history["dp_skipped_steps"] == [1.0]
-  # Finite data afterwards trains normally.
-  x[3, 0, 0, 0] = 0.0
-  history = model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
-  assert history.history["dp_skipped_steps"] == [0.0]
-  assert int(model.optimizer.iterations) == 2
-  assert any(np.any(v.numpy() != w)
-             for w, v in zip(before, model.trainable_variables))
+  assert "dp_skipped_steps" not in history.history
+  for w, v in zip(before, model.trainable_variables):
+    assert np.all(np.isfinite(v.numpy())), v.path
+    assert np.any(v.numpy() != w), v.path
 
 
 def test_dp_optimizer_provides_settings_and_trains():
@@ -370,7 +360,7 @@ def test_steps_per_execution_runs_every_dp_step():
   before = [v.numpy() for v in model.trainable_variables]
   history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
   assert int(model.optimizer.iterations) == 8
-  assert history.history["dp_skipped_steps"] == [0.0]
+  assert "dp_skipped_steps" not in history.history
   assert all(np.any(v.numpy() != w)
              for w, v in zip(before, model.trainable_variables))
 

@@ -699,7 +699,7 @@ def test_stochastic_model_trains_and_stays_finite(name, mode):
                       batch_size=B, epochs=1, verbose=0, callbacks=[initial])
   assert int(model.optimizer.iterations) == 2
   assert np.all(np.isfinite(history.history["loss"]))
-  assert history.history["dp_skipped_steps"] == [0.0]
+  assert "dp_skipped_steps" not in history.history
   for w, v in zip(initial.weights, model.trainable_variables):
     now = v.numpy()
     assert np.all(np.isfinite(now)), v.path

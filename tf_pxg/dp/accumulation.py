@@ -25,7 +25,7 @@ std `sigma C` exactly once.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -38,7 +38,7 @@ def _accumulator_dtype(dtype: tf.DType) -> tf.DType:
 
 
 class LogicalStepAccumulator:
-  """Running clipped-gradient sums and non-finite count of a logical step.
+  """Running clipped-gradient sums of a logical step.
 
   Create it in the strategy scope (as the model's variables), outside any
   replica context. `variables` are the trainable variables the sums are
@@ -58,9 +58,6 @@ class LogicalStepAccumulator:
                     trainable=False, synchronization=on_read,
                     aggregation=agg, name="dp_accumulated_sum")
         for v in variables]
-    self.non_finite = tf.Variable(0, dtype=tf.int32, trainable=False,
-                                  synchronization=on_read, aggregation=agg,
-                                  name="dp_accumulated_non_finite")
     first = tf.VariableAggregation.ONLY_FIRST_REPLICA
     # Physical batches consumed since the last `reset`, and those of the
     # current logical step so far (equal on every replica). The sums hold
@@ -79,13 +76,11 @@ class LogicalStepAccumulator:
     """Discards a partial logical step (call outside replica context)."""
     for a in self.sums:
       a.assign(tf.zeros_like(a))
-    self.non_finite.assign(0)
     self.position.assign(0)
     self.in_step.assign(0)
 
-  def step(self, sums: Sequence[tf.Tensor], non_finite: tf.Tensor,
-           step_end: tf.Tensor,
-           branchless: bool = False) -> Tuple[List[tf.Tensor], tf.Tensor]:
+  def step(self, sums: Sequence[tf.Tensor], step_end: tf.Tensor,
+           branchless: bool = False) -> List[tf.Tensor]:
     """Adds one physical batch; returns the logical step's running totals.
 
     The first physical batch of a step passes its sums through; later ones
@@ -101,32 +96,25 @@ class LogicalStepAccumulator:
     Args:
       sums: this replica's clipped-gradient sums for this physical batch,
         one dense tensor per variable.
-      non_finite: scalar int32, the number of non-finite per-example norms
-        in this replica's share of this physical batch (all-reduce the
-        returned total before deciding to skip).
       step_end: scalar bool, equal on all replicas: whether this physical
         batch is the last of its logical step.
 
     Returns:
-      `(totals, non_finite_total)` of the logical step so far.
+      The logical step's totals so far, one per variable.
     """
     sums = [tf.cast(x, a.dtype) for a, x in zip(self.sums, sums)]
-    non_finite = tf.cast(non_finite, tf.int32)
     self.position.assign_add(1)
     if branchless:
       totals = [a.read_value() + x for a, x in zip(self.sums, sums)]
-      bad = self.non_finite.read_value() + non_finite
       for a, t in zip(self.sums, totals):
         a.assign(tf.where(step_end, tf.zeros_like(t), t))
-      self.non_finite.assign(tf.where(step_end, 0, bad))
       self.in_step.assign(tf.where(step_end, tf.constant(0, tf.int64),
                                    self.in_step + 1))
-      return totals, bad
+      return totals
     first = tf.equal(self.in_step, 0)
-    totals, bad = tf.cond(
-        first, lambda: (sums, non_finite),
-        lambda: ([a.read_value() + x for a, x in zip(self.sums, sums)],
-                 self.non_finite.read_value() + non_finite))
+    totals = tf.cond(
+        first, lambda: list(sums),
+        lambda: [a.read_value() + x for a, x in zip(self.sums, sums)])
 
     def end():
       self.in_step.assign(0)
@@ -135,12 +123,11 @@ class LogicalStepAccumulator:
     def carry():
       for a, t in zip(self.sums, totals):
         a.assign(t)
-      self.non_finite.assign(bad)
       self.in_step.assign_add(1)
       return tf.constant(False)
 
     tf.cond(step_end, end, carry)
-    return totals, bad
+    return totals
 
 
 def step_noise(sums: Sequence[Optional[tf.Tensor]], l2_norm_clip: float,

@@ -1,4 +1,4 @@
-"""One DP-SGD step for a Keras model: clip, noise, scale, apply or skip.
+"""One DP-SGD step for a Keras model: clip, noise, scale, apply.
 
 Per global step with R replicas, each holding `B_r` examples
 (`B = sum_r B_r`, the global batch):
@@ -23,16 +23,34 @@ batch that ends the step draws the noise, divides by the expected batch
 size `qN` instead of `B`, and applies; the others leave weights, optimizer
 slots and `iterations` untouched. No replica-context conditional holds a
 synchronisation point (MirroredStrategy forbids it): the accumulators are
-updated with selects, and the apply is gated like the non-finite skip.
+updated with selects, and the apply is gated (below).
 
 Weight-regularizer gradients (data-independent) are added unclipped and
 un-noised, once per logical step, divided by R so that the all-reduce sums
 them once.
 
-If any example's gradient norm is non-finite (on any replica) the whole update
-is skipped — weights and optimizer slots untouched — but
-`optimizer.iterations` still advances, so privacy accounting (which counts
-iterations) stays conservative.
+Non-finite examples: an example whose loss or gradient norm is NaN/inf gets
+clip factor 0 (`tf_pxg.GradientTape.clipped_gradient_sum`) and adds exactly
+0 to the clipped sum; the step happens anyway. Whether an update is applied
+never depends on the data: a step skipped because some example is
+non-finite would reveal, through the weights, something about one example
+(e.g. whether a planted NaN record was sampled) that no noise covers; see
+`tf_pxg.dp.clipping`. Non-finite values that are not any example's — a
+weight regulariser's gradient, a parameter, the noise — propagate as in
+plain Keras (they depend only on the model and the step count, which the
+mechanism may reveal), so a model that diverges ends up with NaN weights as
+it would without DP.
+
+The step limit (privacy budget): the apply is gated, data-independently, by
+`optimizer.iterations < limit`, with `limit` the model's step-limit
+variable (`step_limit_variable`; `tf_pxg.keras.PrivacyCallback` sets it to
+the most logical steps its target ε allows; int64 max means none). A
+physical batch past the limit changes no weight, optimizer slot or
+`iterations`, whatever `steps_per_execution`, `accumulation_steps` or the
+strategy; so ε, computed from `iterations`, is the ε of the steps that
+updated the weights. Gated at the end of a logical step (`step_end`),
+without a conditional under XLA (`_apply_then_undo`), and in cross-replica
+context under MirroredStrategy.
 """
 
 from __future__ import annotations
@@ -54,14 +72,43 @@ def _num_replicas() -> int:
   return tf.distribute.get_strategy().num_replicas_in_sync
 
 
-def _apply_then_undo(optimizer, grads, variables, keep, step_end):
-  """`_apply_or_skip` without a conditional, for XLA.
+# The step-limit variable's "no limit".
+NO_STEP_LIMIT = tf.int64.max
+
+
+def step_limit_variable(model) -> tf.Variable:
+  """The model's int64 step limit (made on first use, `NO_STEP_LIMIT`).
+
+  The train step applies an update only while `optimizer.iterations <
+  limit`. Made in an init scope (lifted out of a traced function), in the
+  strategy scope when there is one; not a Keras-tracked weight and not
+  saved: it is the budget of one `fit` (`PrivacyCallback` sets it at
+  `on_train_begin` and resets it at `on_train_end`), not model state. A
+  resumed run's callback sets it again from the restored `iterations`.
+  """
+  var = model.__dict__.get("_dp_step_limit")
+  if var is None:
+    with tf.init_scope():
+      var = tf.Variable(NO_STEP_LIMIT, dtype=tf.int64, trainable=False,
+                        name="dp_step_limit")
+    object.__setattr__(model, "_dp_step_limit", var)
+  return var
+
+
+def _within_limit(optimizer, limit) -> tf.Tensor:
+  """Whether another optimizer step is allowed: `iterations < limit`."""
+  return tf.less(tf.cast(optimizer.iterations, tf.int64),
+                 tf.cast(limit, tf.int64))
+
+
+def _apply_then_undo(optimizer, grads, variables, keep):
+  """`_apply_gated` without a conditional, for XLA.
 
   Under `jit_compile` on CPU a `tf.cond` around `optimizer.apply` costs
   several times a whole step. Instead the update is applied and, unless
-  `keep`, every weight and optimizer slot is selected back to its value
-  before the step (`tf.where`, which XLA fuses); `iterations` keeps its
-  increment only at `step_end`. The result is the same as skipping.
+  `keep`, every weight, optimizer slot and `iterations` is selected back to
+  its value before the step (`tf.where`, which XLA fuses). The result is
+  the same as not applying.
   """
   slots = [v for v in optimizer.variables if v is not optimizer.iterations]
   state = list(variables) + slots
@@ -71,16 +118,17 @@ def _apply_then_undo(optimizer, grads, variables, keep, step_end):
     optimizer.apply(grads, variables)
   for v, old in zip(state, before):
     v.assign(tf.where(keep, v.value, old))
-  if step_end is not None:
-    optimizer.iterations.assign(
-        tf.where(step_end, optimizer.iterations.value, it_before))
+  optimizer.iterations.assign(
+      tf.where(keep, optimizer.iterations.value, it_before))
 
 
-def _apply_or_skip(optimizer, grads, variables, finite, xla=False,
-                   step_end=None, transform=None):
-  """At `step_end`: applies `grads` if `finite`, else only counts the step.
+def _apply_gated(optimizer, grads, variables, limit, xla=False,
+                 step_end=None, transform=None):
+  """Applies `grads` at `step_end` if `optimizer.iterations < limit`.
 
-  `finite` and `step_end` (None: always) must be equal on all replicas.
+  Otherwise nothing changes (weights, slots, `iterations`). The gate is
+  data-independent: `step_end` (None: always) comes from the sampler's
+  schedule and `limit` from the budget, both equal on all replicas.
   `transform` (list -> list, e.g. the normalisation) is applied to `grads`
   just before `optimizer.apply`, inside the conditional where there is one
   in replica context, so physical batches that do not end a logical step
@@ -95,28 +143,24 @@ def _apply_or_skip(optimizer, grads, variables, finite, xla=False,
     optimizer.build(variables)
   transform = transform or (lambda g: g)
 
-  def skip():
-    optimizer.iterations.assign_add(1)
+  def gate(step_end):
+    go = _within_limit(optimizer, limit)
+    return go if step_end is None else tf.logical_and(step_end, go)
 
-  def at_step_end(end, fn):
-    if end is None:
-      fn()
-    else:
-      tf.cond(end, lambda: fn() and None, lambda: None)
+  def when(go, fn):
+    tf.cond(go, lambda: fn() and None, lambda: None)
 
   if tf.__internal__.distribute.strategy_supports_no_merge_call():
     if xla:
-      keep = finite if step_end is None else tf.logical_and(finite, step_end)
-      _apply_then_undo(optimizer, transform(grads), variables, keep,
-                       step_end)
+      _apply_then_undo(optimizer, transform(grads), variables,
+                       gate(step_end))
     else:
-      at_step_end(step_end, lambda: tf.cond(
-          finite, lambda: optimizer.apply(transform(grads), variables), skip))
+      when(gate(step_end),
+           lambda: optimizer.apply(transform(grads), variables))
     return
   grads = transform(grads)
 
-  def cross_replica(distribution, grads, finite, step_end):
-    finite = distribution.experimental_local_results(finite)[0]
+  def cross_replica(distribution, grads, step_end):
     if step_end is not None:
       step_end = distribution.experimental_local_results(step_end)[0]
 
@@ -124,10 +168,10 @@ def _apply_or_skip(optimizer, grads, variables, finite, xla=False,
       distribution.extended.call_for_each_replica(
           lambda g: optimizer.apply(g, variables), args=(grads,))
 
-    at_step_end(step_end, lambda: tf.cond(finite, apply, skip))
+    when(gate(step_end), apply)
 
   tf.distribute.get_replica_context().merge_call(
-      cross_replica, args=(grads, finite, step_end))
+      cross_replica, args=(grads, step_end))
 
 
 def _regularization(model, variables):
@@ -154,8 +198,6 @@ class ReplicaGradients(NamedTuple):
       already divided (the noise kernel divided them in its pass).
     reg_grads: the weight regularizers' gradients divided by R (None where
       a variable has none), added after normalisation.
-    non_finite: scalar int32, this replica's count of non-finite
-      per-example norms in the logical step so far (not all-reduced).
     step_end: scalar bool, or None for a plain (non-Poisson) batch, which
       is always a whole step.
     x, y, y_pred, sample_weight, losses, mask, reg_loss: for the loss and
@@ -164,7 +206,6 @@ class ReplicaGradients(NamedTuple):
   grads: list
   normalizer: tf.Tensor
   reg_grads: list
-  non_finite: tf.Tensor
   step_end: Optional[tf.Tensor]
   x: Any
   y: Any
@@ -221,14 +262,13 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # without an Input) creates its variables in its first call.
   variables = list(model.trainable_variables)
   _validation.check_no_data_dependent_losses(model)
-  sums, norms = tape.clipped_gradient_sum(losses, variables, l2_norm_clip)
+  # A non-finite example's clip factor is 0 there: nothing to check here.
+  sums, _ = tape.clipped_gradient_sum(losses, variables, l2_norm_clip)
   # An embedding's sum stays `IndexedSlices` up to the noise, which adds
   # its rows inside the fused noise loop (tf_pxg.dp.threefry).
   sums = [tf.zeros_like(v) if s is None else s
           for s, v in zip(sums, variables)]
   replicas = _num_replicas()
-  bad = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(norms)),
-                              tf.int32))
   # Data-independent weight regularizers: unclipped, un-noised, once per
   # logical step (divided by R: the all-reduce sums the replicas' copies).
   reg_loss, reg_grads = _regularization(model, variables)
@@ -239,9 +279,8 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   else:
     step_end = info[dp_data.STEP_END][0] > 0.5
     normalizer = info[dp_data.NORMALIZER][0]
-    sums, bad = accumulator_for(variables).step(
-        [dp_noise.densify(s) for s in sums], bad, step_end,
-        branchless=xla)
+    sums = accumulator_for(variables).step(
+        [dp_noise.densify(s) for s in sums], step_end, branchless=xla)
     mask = info[dp_data.MASK]
   draw = None if xla else step_end
   if noise_multiplier and (info is not None or replicas == 1):
@@ -256,29 +295,27 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # sigma = 0 leaves IndexedSlices.
   noisy = [dp_noise.densify(g) for g in noisy]
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
-  return ReplicaGradients(noisy, normalizer, reg_grads, bad, step_end, x, y,
+  return ReplicaGradients(noisy, normalizer, reg_grads, step_end, x, y,
                           y_pred, sample_weight, losses, mask, reg_loss)
 
 
 def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
-             skipped_tracker, xla: bool = False):
+             xla: bool = False):
   """The synchronising part of a DP step: all-reduce, apply, metrics.
 
-  All-reduces the non-finite count; at a logical step's end applies
-  `result.grads` with `optimizer` (whose all-reduce sums the replicas'
-  noisy shares) or, if any norm was non-finite, only counts the step;
-  updates the loss and metric trackers (padding rows excluded). Returns the
-  metric logs.
+  At a logical step's end, and while `optimizer.iterations` is below the
+  model's step limit (`step_limit_variable`), applies `result.grads` with
+  `optimizer` (whose all-reduce sums the replicas' noisy shares); updates
+  the loss and metric trackers (padding rows excluded). Returns the metric
+  logs. Nothing here depends on whether an example was non-finite (its
+  clip factor was 0).
   """
   variables = list(model.trainable_variables)
   if not optimizer.built:  # not inside a conditional
     optimizer.build(variables)
+  limit = step_limit_variable(model)
   replicas = _num_replicas()
-  bad = result.non_finite
   ctx = tf.distribute.get_replica_context()
-  if ctx is not None and replicas > 1:
-    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
-  finite = tf.equal(bad, 0)
   step_end = result.step_end
   normalizer = result.normalizer
   if (normalizer is not None and step_end is None and ctx is not None and
@@ -294,12 +331,8 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
     return [g if r is None else g + tf.cast(r, g.dtype)
             for g, r in zip(grads, result.reg_grads)]
 
-  _apply_or_skip(optimizer, result.grads, variables, finite, xla=xla,
-                 step_end=step_end, transform=normalise)
-  skipped = tf.logical_not(finite)
-  if step_end is not None:
-    skipped = tf.logical_and(skipped, step_end)
-  skipped_tracker.update_state(tf.cast(skipped, tf.float32) / replicas)
+  _apply_gated(optimizer, result.grads, variables, limit, xla=xla,
+               step_end=step_end, transform=normalise)
 
   x, y, y_pred, losses = result.x, result.y, result.y_pred, result.losses
   sample_weight, mask = result.sample_weight, result.mask
@@ -318,11 +351,11 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
 
 def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
                   noise_multiplier: float, generator: tf.random.Generator,
-                  optimizer, skipped_tracker, accumulator_for=None):
+                  optimizer, accumulator_for=None):
   """One DP-SGD (physical) step: `dp_gradients` then `dp_apply`."""
   result = dp_gradients(model, data, l2_norm_clip, noise_multiplier,
                         generator, accumulator_for)
-  return dp_apply(model, result, optimizer, skipped_tracker,
+  return dp_apply(model, result, optimizer,
                   xla=bool(getattr(model, "jit_compile", False)))
 
 

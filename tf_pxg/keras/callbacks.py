@@ -18,13 +18,29 @@ class PrivacyCallback(keras.callbacks.Callback):
   Gaussian, sampling rate `batch_size / num_examples`) from
   `model.optimizer.iterations`, the number of optimizer steps (logical
   steps, with gradient accumulation) taken so far —
-  including steps before a checkpoint restore and skipped (non-finite) steps,
-  so the figure survives save/resume and stays conservative.
+  including steps before a checkpoint restore, so the figure survives
+  save/resume. Every step that counts in `iterations` applied an update and
+  every update counts (a non-finite example does not skip a step: its clip
+  factor is 0).
 
   At each epoch end `logs["epsilon"]` is set (progress bar, `History`,
-  TensorBoard show it). With `target_epsilon`, after every batch the callback
-  checks whether one more step would exceed the budget and if so sets
-  `model.stop_training`, so training never spends more than `target_epsilon`.
+  TensorBoard show it).
+
+  Budget. With `target_epsilon`, `on_train_begin` sets the model's step
+  limit (`set_step_limit`) to `max_steps()`, the most logical steps whose ε
+  is within the target (an absolute `iterations` count, so a resumed run
+  with a restored `iterations` gets the rest of the budget). The compiled
+  train step applies an update only while `iterations` is below it: the
+  decision is made per physical batch inside the step, from the step
+  count alone (data-independent), so no `steps_per_execution`,
+  `accumulation_steps`, strategy or number of `fit` calls can take
+  training past the budget; `on_train_batch_end` then also stops `fit`
+  (Keras checks between executions; batches it still runs change
+  nothing). `on_train_end` removes the limit, so a later `fit` without
+  the callback is not silently frozen (a later `fit` with it sets it
+  again). For a model without `set_step_limit` (not a tf_pxg DP model),
+  only the per-execution stop remains, which may overshoot by up to
+  `steps_per_execution - 1` steps.
 
   Args:
     num_examples: training set size.
@@ -163,10 +179,18 @@ class PrivacyCallback(keras.callbacks.Callback):
           f"would be exceeded by the next step (ε after it: "
           f"{self.epsilon(self.steps() + 1):.4g}, {self.steps()} steps taken). "
           "Raise the budget or the noise_multiplier.")
+    if self.target_epsilon is not None and hasattr(self.model,
+                                                   "set_step_limit"):
+      self.model.set_step_limit(self.max_steps())
 
   def on_train_batch_end(self, batch, logs=None):
     if self._next_step_over_budget():
       self.model.stop_training = True
+
+  def on_train_end(self, logs=None):
+    if self.target_epsilon is not None and hasattr(self.model,
+                                                   "set_step_limit"):
+      self.model.set_step_limit(None)
 
   def on_epoch_end(self, epoch, logs=None):
     if logs is not None:

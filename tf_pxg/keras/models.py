@@ -52,11 +52,18 @@ class _DPTrainingMixin:
   plain batches, a batch is one step divided by its realised global size.
   See `fit` and `tf_pxg.data`.
 
-  Non-finite policy: if any example's gradient norm is NaN or inf, the whole
-  update is skipped (weights and optimizer slots untouched) but
-  `optimizer.iterations` still advances, so accounting stays conservative.
-  Skipped steps are counted by the `dp_skipped_steps` metric (per epoch in
-  the logs).
+  Non-finite examples: an example whose loss or gradient norm is NaN or inf
+  gets clip factor 0 (exactly zero contribution, by a select) and the step
+  is applied as usual: skipping it would make whether the weights move
+  depend on one example, an unbounded leak (see `tf_pxg.dp.clipping`). No
+  count of such examples is logged (it is data-dependent, not private).
+  Non-finite parameters or weight-regulariser gradients (not any example's)
+  propagate as in plain Keras. The logged loss is the mean of the
+  per-example losses, so it is NaN when an example's is.
+
+  Step limit: updates are applied only while `optimizer.iterations` is below
+  the model's step limit (`set_step_limit`; `PrivacyCallback(
+  target_epsilon=...)` sets it), decided inside the compiled step.
 
   Raises (at `compile`, or at the first training step, before any update):
     ValueError: trainable BatchNormalization layers (they mix examples:
@@ -76,7 +83,7 @@ class _DPTrainingMixin:
     self._dp_noise_multiplier = noise
     with tf.init_scope():
       self._dp_generator = dp_noise.make_generator(seed)
-    self._dp_skipped = keras.metrics.Sum(name="dp_skipped_steps")
+    _train_step.step_limit_variable(self)
 
   # Settings -----------------------------------------------------------------
 
@@ -150,8 +157,7 @@ class _DPTrainingMixin:
     if isinstance(optimizer, DPOptimizer):
       optimizer = optimizer.inner_optimizer
     return dp_train_step(self, data, clip, noise, self._dp_generator,
-                         optimizer, self._dp_skipped,
-                         accumulator_for=self._dp_accumulator_for)
+                         optimizer, accumulator_for=self._dp_accumulator_for)
 
   def dp_gradients(self, data):
     """The replica-local half of `train_step` (no synchronisation).
@@ -169,12 +175,38 @@ class _DPTrainingMixin:
                                      self._dp_accumulator_for)
 
   def dp_apply(self, result):
-    """The synchronising half of `train_step`: apply or skip, metrics."""
+    """The synchronising half of `train_step`: apply (within the step
+    limit), metrics."""
     optimizer = self.optimizer
     if isinstance(optimizer, DPOptimizer):
       optimizer = optimizer.inner_optimizer
-    return _train_step.dp_apply(self, result, optimizer, self._dp_skipped,
+    return _train_step.dp_apply(self, result, optimizer,
                                 xla=bool(getattr(self, "jit_compile", False)))
+
+  # Step limit (privacy budget) ------------------------------------------------
+
+  @property
+  def step_limit(self) -> Optional[int]:
+    """The step limit (an absolute `optimizer.iterations` count), or None."""
+    value = int(_train_step.step_limit_variable(self).numpy())
+    return None if value == _train_step.NO_STEP_LIMIT else value
+
+  def set_step_limit(self, limit: Optional[int]) -> None:
+    """Applies updates only while `optimizer.iterations < limit` (None: no
+    limit).
+
+    The check is inside the compiled train step (data-independent, per
+    physical batch, whatever `steps_per_execution`): a batch past the limit
+    changes no weight, optimizer slot or `iterations`. The limit is not
+    saved with the model. `PrivacyCallback(target_epsilon=...)` sets it at
+    `on_train_begin` and removes it at `on_train_end`.
+    """
+    if limit is not None and (isinstance(limit, bool) or
+                              int(limit) != limit or limit < 0):
+      raise ValueError(f"step limit must be a non-negative integer or None; "
+                       f"got {limit!r}.")
+    _train_step.step_limit_variable(self).assign(
+        _train_step.NO_STEP_LIMIT if limit is None else int(limit))
 
   def build_accumulator(self):
     """Creates the logical-step accumulator (custom loops).
@@ -305,11 +337,6 @@ class _DPTrainingMixin:
         **keras_kwargs)
     _poisson_fit.finish(self, feed, data)
     return history
-
-  def test_step(self, data):
-    logs = super().test_step(data)
-    logs.pop(self._dp_skipped.name, None)  # training-only count
-    return logs
 
   def get_config(self):
     config = super().get_config()

@@ -6,7 +6,9 @@
 // * TfPxgScaleRows: y[n, ...] = t[n, ...] c[n / k], k = N / len(c) rows per
 //   example (the clip factors applied to an output gradient before the
 //   weighted-sum matmul). TF's broadcasting Mul takes about 1.6 ns per
-//   element here; this is one streaming pass.
+//   element here; this is one streaming pass. A zero factor writes exact
+//   zeros (not t * 0, which is NaN for inf/NaN entries), so a non-finite
+//   example with clip factor 0 adds nothing to the weighted sum.
 //
 // TF's Square + Sum over the inner axes costs about 1.3 ns per element on
 // this project's CPU (two passes, and Eigen's inner-axis reduction); this
@@ -109,7 +111,11 @@ class ScaleRowsOp : public OpKernel {
         const T f = cs[r / k];
         const T* src = ts + r * row;
         T* dst = ys + r * row;
-        for (int64_t i = 0; i < row; ++i) dst[i] = src[i] * f;
+        if (f == T(0)) {
+          std::fill(dst, dst + row, T(0));
+        } else {
+          for (int64_t i = 0; i < row; ++i) dst[i] = src[i] * f;
+        }
       }
     };
     ShardOverThreads(ctx, rows, /*cost_per_unit=*/row, work);

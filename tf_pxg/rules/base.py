@@ -13,6 +13,16 @@ A rule has three forms (`Rule`):
 * `sq_norm(ctx)` -> `[B]`, the squared L2 norm of each example's gradient;
 * `weighted_sum(ctx, c)` -> `param.shape`, `sum_b c[b] * g_b`.
 
+An example whose clip factor is 0 must contribute exactly 0 to
+`weighted_sum`, even when its rows of the data operands, outputs or output
+gradients hold inf/NaN (a non-finite example: `tf_pxg.dp.clipping`): IEEE
+`0 * inf = NaN`, so scaling by `c[b] = 0` is not enough. `scale_examples`
+is a select for a zero factor (exact zeros), `Context.drop_examples` sets
+an example's rows of a tensor to zero, and the default `weighted_sum`
+applies both to what TF's gradient function reads (`Rule.drop_inputs`,
+`Rule.drop_outputs` say which). A rule overriding `weighted_sum` must do
+the same for the operands it contracts.
+
 The defaults derive `sq_norm` from `per_example` and compute `weighted_sum`
 as TensorFlow's own weight gradient with each example's output gradient
 scaled by `c[b]` (exactly `x^T diag(c) dz` for a MatMul), which costs the same
@@ -125,8 +135,29 @@ class Context:
     return split_batch(t, self.batch_size, axis, self.batch_minor)
 
   def scale_examples(self, t, c, axis: int = 0):
-    """Multiplies example b's rows of `t` (batch on `axis`) by `c[b]`."""
+    """Multiplies example b's rows of `t` (batch on `axis`) by `c[b]`;
+    exact zeros where `c[b] == 0`, even for inf/NaN rows."""
     return scale_examples(t, c, self.batch_size, axis, self.batch_minor)
+
+  def drop_examples(self, t, c, axis: int = 0):
+    """`t` with example b's rows (batch on `axis`) set to exactly 0 where
+    `c[b] == 0` (a select: inf/NaN rows become 0 too); other rows are
+    unchanged. Non-float tensors (indices) and scalars pass through."""
+    return drop_examples(t, c, self.batch_size, axis, self.batch_minor)
+
+  def dropped_io(self, c, inputs: bool = True, outputs: bool = True):
+    """`(inputs, outputs)` of the op with the data operands' (`inputs`) and
+    the outputs' (`outputs`) rows of examples with `c[b] == 0` set to 0,
+    for `tf_gradient(..., inputs=, outputs=)`; None where not asked."""
+    ins = outs = None
+    if inputs:
+      ins = list(self.inputs)
+      for i in self.data_indices:
+        ins[i] = self.drop_examples(ins[i], c)
+    if outputs:  # Those with a gradient carry examples on axis 0.
+      outs = [o if g is None else self.drop_examples(o, c)
+              for o, g in zip(self.outputs, self.output_grads)]
+    return ins, outs
 
   def tf_gradient(self, output_grads: Optional[Sequence[Any]] = None,
                   inputs=None, outputs=None):
@@ -176,9 +207,12 @@ def split_batch(t, batch_size, axis: int = 0, minor: bool = False):
 def scale_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
   """Multiplies the rows of each example of `t` (batch on `axis`) by `c[b]`.
 
-  With the examples on axis 0, contiguous, the native op `TfPxgScaleRows`
-  where it serves (float32/float64 on CPU outside XLA), else TF's
-  broadcasting multiply.
+  Where `c[b] == 0` the rows are exactly 0 even if they hold inf/NaN (a
+  select, not a multiply: `0 * inf = NaN`), so a non-finite example with
+  clip factor 0 contributes nothing. With the examples on axis 0,
+  contiguous, the native op `TfPxgScaleRows` where it serves
+  (float32/float64 on CPU outside XLA, same zero rule), else TF's
+  broadcasting `multiply_no_nan` (one fused op under XLA).
   """
   axis = axis % t.shape.rank
   c = tf.cast(c, t.dtype)
@@ -186,12 +220,24 @@ def scale_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
     return native.library().tf_pxg_scale_rows(t, c)  # Rows: one pass.
   shape = [1] * (t.shape.rank + 1)
   if isinstance(batch_size, int) and t.shape[axis] == batch_size:
-    return t * tf.reshape(c, shape[1:axis + 1] + [batch_size] + shape[axis + 2:])
+    return tf.math.multiply_no_nan(
+        t, tf.reshape(c, shape[1:axis + 1] + [batch_size] + shape[axis + 2:]))
   shape[axis + (1 if minor else 0)] = -1
   s = split_batch(t, batch_size, axis) if not minor else tf.reshape(
       t, tf.concat([tf.shape(t)[:axis], [-1, batch_size],
                     tf.shape(t)[axis + 1:]], 0))
-  return tf.reshape(s * tf.reshape(c, shape), tf.shape(t))
+  return tf.reshape(tf.math.multiply_no_nan(s, tf.reshape(c, shape)),
+                    tf.shape(t))
+
+
+def drop_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
+  """`t` with example b's rows (batch on `axis`) exactly 0 where `c[b] ==
+  0`, unchanged elsewhere: `scale_examples` by the 0/1 mask `c != 0` (one
+  pass). Tensors that are not floating point, or scalars, pass through."""
+  if t is None or not t.dtype.is_floating or not t.shape.rank:
+    return t
+  keep = tf.cast(tf.not_equal(c, tf.zeros_like(c)), t.dtype)
+  return scale_examples(t, keep, batch_size, axis, minor)
 
 
 def map_example_chunks(fn: Callable, tensors: Sequence[Any], batch_size,
@@ -370,9 +416,12 @@ def take_per_example(ctx: Context):
 
 
 def weighted_sum_of(g, c, dtype):
-  """`sum_b c[b] g[b]` of a `[B, ...]` tensor, in `dtype`."""
+  """`sum_b c[b] g[b]` of a `[B, ...]` tensor, in `dtype`; a row with
+  `c[b] == 0` adds exactly 0 even if it holds inf/NaN (`scale_examples`)."""
   trace_note(weighted_sum="from per-example")
-  return tf.cast(tf.tensordot(tf.cast(c, g.dtype), g, 1), dtype)
+  b = g.shape[0] if g.shape[0] is not None else tf.shape(g)[0]
+  scaled = scale_examples(g, tf.cast(c, g.dtype), b)
+  return tf.cast(tf.reduce_sum(scaled, axis=0), dtype)
 
 
 def vectorized_per_example(ctx: Context):
@@ -407,7 +456,19 @@ def vectorized_per_example(ctx: Context):
 
 
 class Rule:
-  """Base class of per-example rules. Override `per_example` at least."""
+  """Base class of per-example rules. Override `per_example` at least.
+
+  `drop_inputs` / `drop_outputs`: whether the default `weighted_sum` sets
+  the rows of examples with clip factor 0 to zero in the data operands /
+  outputs before TF's gradient function reads them (needed when that
+  function reads them: `x^T dz` with an inf row of `x` and a zero row of
+  `dz` is NaN). A rule whose gradient reads neither turns them off (in a
+  `tf.function` the unused selects are pruned anyway; eagerly they cost a
+  pass).
+  """
+
+  drop_inputs = True
+  drop_outputs = True
 
   def per_example(self, ctx: Context):
     """`[B, *param.shape]`: example b's gradient of the target's entry b."""
@@ -419,10 +480,14 @@ class Rule:
     return batch_sq_norm(self.per_example(ctx))
 
   def weighted_sum(self, ctx: Context, c):
-    """`param.shape`: sum_b c[b] g_b, via TF's gradient with scaled dz."""
+    """`param.shape`: sum_b c[b] g_b, via TF's gradient with scaled dz
+    (and, per `drop_inputs`/`drop_outputs`, the rows of examples with
+    `c[b] == 0` zeroed in what the gradient function reads, so that such
+    an example adds exactly 0 even when non-finite)."""
     grads = [None if g is None or not g.shape.rank else
              ctx.scale_examples(g, c) for g in ctx.output_grads]
-    return ctx.tf_gradient(grads)
+    inputs, outputs = ctx.dropped_io(c, self.drop_inputs, self.drop_outputs)
+    return ctx.tf_gradient(grads, inputs=inputs, outputs=outputs)
 
   def check(self, ctx: Context) -> None:
     """Raises ValueError if this op instance has no per-example gradient."""

@@ -377,14 +377,19 @@ class _Contraction(base.Rule):
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept (a
     sum over B instead of a weight gradient over B*R rows), else TF's
-    weight gradient with dz scaled per example."""
+    weight gradient with dz scaled per example and, since `x^T diag(c) dz`
+    is NaN when an example with `c_b = 0` has an inf row in `x`, that
+    example's data rows selected to 0 (both exact zeros: `scale_examples`)."""
     s = self.spec(ctx)
     g = base.take_per_example(ctx)
     if g is not None:
       w = base.weighted_sum_of(g, c, ctx.param_dtype)
       return w if s.param_keep is None else tf.reshape(w, ctx.param_shape)
     dz = ctx.scale_examples(ctx.dz, c, s.out_sub.index(s.batch))
-    return ctx.tf_gradient([dz] + list(ctx.output_grads[1:]))
+    inputs = list(ctx.inputs)
+    inputs[s.data_index] = ctx.drop_examples(
+        inputs[s.data_index], c, s.data_sub.index(s.batch))
+    return ctx.tf_gradient([dz] + list(ctx.output_grads[1:]), inputs=inputs)
 
 
 @register("MatMul")

@@ -120,7 +120,12 @@ class _PatchContraction(base.Rule):
   `[B, *spec.param_sub sizes]` is in whatever axis order is cheapest to
   compute (norms do not care); `to_param` reorders it to
   `[B, *param.shape]` when the gradient itself is asked for.
+
+  The filter gradient reads the inputs, not the output: the default
+  `weighted_sum` zeroes a dropped example's input rows only.
   """
+
+  drop_outputs = False
 
   def example_operands(self, ctx):
     """(patched, other), examples on axis 0 of both."""
@@ -203,6 +208,7 @@ class _PatchContraction(base.Rule):
     spec, data, dz, to_param = self.operands(ctx,
                                              *self.example_operands(ctx))
     dz = tf.cast(ctx.scale_examples(dz, c), data.dtype)
+    data = ctx.drop_examples(data, c)  # inf * 0 = NaN: select the rows to 0
     g = tf.einsum(f"{spec.data_sub},{spec.out_sub}->{spec.param_sub}", data,
                   dz)
     return tf.reshape(to_param(g[None]), ctx.param_shape)

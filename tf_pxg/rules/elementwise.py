@@ -36,6 +36,10 @@ def reduce_to_param(ctx, e):
 class _Broadcasting(base.Rule):
   """`per_example = reduce_to_param(dz * partial)`."""
 
+  # The parameter gradient reads dz (and, for Mul, the other operand).
+  drop_inputs = False
+  drop_outputs = False
+
   def partial(self, ctx):
     """df/dp times dz, shaped like the output."""
     raise NotImplementedError
@@ -63,6 +67,8 @@ class SubRule(_Broadcasting):
 @register("Mul")
 class MulRule(_Broadcasting):
 
+  drop_inputs = True  # dp = dz * other: a non-finite example's `other` rows
+
   def partial(self, ctx):
     other = ctx.inputs[1 - ctx.param_index]
     return ctx.dz * other
@@ -71,6 +77,9 @@ class MulRule(_Broadcasting):
 @register("BiasAdd")
 class BiasAddRule(base.Rule):
   """`BiasAdd(value, bias)`: sum dz over all but the batch and channel axes."""
+
+  drop_inputs = False  # the bias gradient reads dz only
+  drop_outputs = False
 
   def check(self, ctx):
     if ctx.param_index != 1:

@@ -24,6 +24,11 @@ from tf_pxg.rules import base
 class _GatherRule(base.Rule):
   """Gather with the parameter as the table (input 0) and batched indices."""
 
+  # The table's gradient is dz's rows at the indices: scaling dz (a select
+  # for a zero factor) is all a non-finite example needs.
+  drop_inputs = False
+  drop_outputs = False
+
   def check(self, ctx):
     if ctx.param_index != 0:
       raise NotImplementedError(

@@ -290,16 +290,28 @@ class GradientTape:
     Computed in one backward pass: norms first, then each interface's
     clip-weighted sum `sum_b c_b g_b` (Book-keeping, Bu et al. 2023).
 
+    Non-finite examples: an example whose gradient norm is NaN/inf, or
+    whose entry of a `[B]` target is NaN/inf (e.g. a NaN loss), gets
+    `c_b = 0` by a select, and every rule's weighted sum selects its rows
+    to exactly 0 (also in the data operands: `inf * 0 = NaN`). It adds
+    exactly 0 to the sums and the other examples' terms are unchanged, so
+    the sums stay finite and each example still moves them by at most
+    `l2_norm_clip`, whatever it holds (`tf_pxg.dp.clipping` gives the
+    privacy argument). Non-finite values that are not an example's (a
+    parameter, a scalar target) still propagate.
+
     Returns:
       `(sums, norms)`: the structure of `sources` with `sum_b c_b g_b` each
-      (None for unconnected sources), and the `[B]` unclipped norms.
-
-    A non-finite example gradient gives a non-finite norm and sum; check
-    `tf.math.is_finite(norms)` before applying (`tf_pxg.keras` skips such a
-    step without touching the weights).
+      (None for unconnected sources), and the `[B]` unclipped norms (NaN or
+      inf for a non-finite example; its factor was 0).
     """
     with self._computing():
       flat_sources, engine = self._per_example(target, sources)
       norms = tf.sqrt(engine.sq_norms())
-      sums = engine.weighted_sums(clip_factors(norms, l2_norm_clip))
+      c = clip_factors(norms, l2_norm_clip)
+      target = tf.convert_to_tensor(target)
+      if engine.vector_target and target.dtype.is_floating:
+        c = tf.where(tf.math.is_finite(target), c,
+                     tf.zeros_like(c))
+      sums = engine.weighted_sums(c)
     return tf.nest.pack_sequence_as(sources, sums), norms
