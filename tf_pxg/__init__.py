@@ -1,6 +1,8 @@
 """tf_pxg: per-example gradients and DP-SGD for TensorFlow 2 and Keras 3.
 
-Public API: `GradientTape`, `register`, `registered_op_types`, and the
+Public API: `GradientTape`, `register`, `registered_op_types`,
+`register_row_wise` and `row_wise_op_types` (the allowlist of ops that keep
+examples apart, `tf_pxg.batch_axis`), and the
 submodules `tf_pxg.keras`, `tf_pxg.data` (Poisson sampling), `tf_pxg.dp`,
 `tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`. TensorFlow is
 imported on first use of a name that needs it, so `tf_pxg.accounting` and
@@ -12,10 +14,13 @@ import importlib
 from tf_pxg.registry import register
 from tf_pxg.registry import registered_op_types
 
-__all__ = ["GradientTape", "register", "registered_op_types"]
+__all__ = ["GradientTape", "register", "register_row_wise",
+           "registered_op_types", "row_wise_op_types"]
 __version__ = "0.1.0"
 
-_LAZY = {"GradientTape": ("tf_pxg.tape.gradient_tape", "GradientTape")}
+_LAZY = {"GradientTape": ("tf_pxg.tape.gradient_tape", "GradientTape"),
+         "register_row_wise": ("tf_pxg.batch_axis", "register_row_wise"),
+         "row_wise_op_types": ("tf_pxg.batch_axis", "row_wise_op_types")}
 
 
 def __getattr__(name):

@@ -1,38 +1,67 @@
-"""Where the examples are: the batch axis of every data tensor.
+"""Where the examples are, and the allowlist of ops that keep them apart.
 
 A data tensor's *layout* is `(axis, minor)`: the examples are on `axis`,
 alone (`[B]`) or merged with neighbouring rows — examples contiguous
 (`minor=False`, a `[B, k]` merge as after reshaping `[B, T, d]` to
-`[B*T, d]`) or interleaved (`minor=True`, `[k, B]`, as after reshaping a
-time-major `[T, B, d]` to `[T*B, d]`, or `SpaceToBatchND`). `None` means
-unknown; the engine then keeps its default (examples on axis 0).
+`[B*T, d]`, or the ragged rows of a string split) or interleaved
+(`minor=True`, `[k, B]`, as after reshaping a time-major `[T, B, d]` to
+`[T*B, d]`, or `SpaceToBatchND`). `None` means the examples' position is
+lost.
 
-`propagate(entry, layouts)` maps the layouts of an op's data inputs to those
-of its outputs, through transposes, reshapes, expand/squeeze, slices,
-stack/unstack, concatenation, reductions over other axes, gathers and the
-operand order of contractions (MatMul, BatchMatMul, Einsum). It also says
-when the op *mixes* examples: it reduces, contracts, normalises or
-convolves along the batch axis. Ops without a rule keep the layout when
-their output has the input's rank, else the layout becomes unknown.
+**The allowlist contract.** DP-SGD clips each example's gradient, which
+bounds its influence only if example b's loss depends on example b alone.
+So every op on the data path — from the model's inputs to the per-example
+losses, before and after the first parameter — must be *known* to keep the
+rows of different examples apart. `_RULES` is that allowlist: op type ->
+`rule(entry, layouts) -> (output layouts, Mixing or None)`, which says where
+the op puts the batch axis (through transposes, reshapes, slices, gathers,
+the operand order of contractions...) and when it mixes examples (reduces,
+contracts, sorts, reverses, rolls, gathers or slices along the batch axis,
+pairs the examples of two operands, normalises with batch statistics).
+An op type that is not on the list mixes by definition: `propagate` reports
+it, and the engine (`tf_pxg.interface.check_examples_independent`) refuses
+it with an error naming the op and its Keras layer. A rule that cannot
+prove where the examples go (a permutation that is not static, say) reports
+that too, rather than guessing. Users add their own row-wise ops with
+`register_row_wise`; an op type with a per-example rule (`tf_pxg.register`)
+counts as elementwise unless it has a rule here.
 
-Rules are one function per op family in `_RULES` (keyed by op type), each
-`rule(entry, layouts) -> (output layouts, why-it-mixes or None)`.
+This module also moves the examples where a per-example rule expects them
+(`normalise_batch_axis`: axis 0 of the data operand and the output).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import dataclasses
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from tf_pxg.backprop import gradient_functions
+from tf_pxg.tape.recording import Entry
 
 Layout = Optional[Tuple[int, bool]]
 AXIS0: Layout = (0, False)
-Result = Tuple[List[Layout], Optional[str]]
 
-_RULES: Dict[str, Callable] = {}
+# Kinds of mixing. A sum over the batch is what a scalar per-example target
+# is (`tape.gradient(tf.reduce_sum(losses))`); every other kind is refused
+# whatever the target.
+REDUCES = "reduces"
+MIXES = "mixes"
+
+
+class Mixing(NamedTuple):
+  """Why an op mixes examples: `kind` (REDUCES or MIXES) and the reason,
+  a phrase that completes "<op> ..."."""
+  kind: str
+  why: str
+
+
+Result = Tuple[List[Layout], Optional[Mixing]]
+Rule = Callable[..., Result]
+
+_RULES: Dict[str, Rule] = {}
 
 
 def _rule(*op_types):
@@ -43,16 +72,49 @@ def _rule(*op_types):
   return deco
 
 
+def register_row_wise(*op_types: str, rule: Optional[Rule] = None,
+                      override: bool = False) -> None:
+  """Adds op types to the allowlist of ops that keep examples apart.
+
+  Args:
+    *op_types: TF op types (`tf.Operation.type`), e.g. "MyActivation".
+    rule: `rule(entry, layouts) -> (output layouts, Mixing or None)`, where
+      `layouts` maps the index of each input that carries examples to its
+      layout `(axis, minor)`; default `elementwise` (outputs keep the
+      inputs' layout, binary ops broadcasting from the right). Only register
+      an op whose output rows for example b depend on example b's input rows
+      alone.
+    override: replace an existing entry instead of raising.
+
+  Raises:
+    ValueError: an op type is already on the list and `override` is False.
+  """
+  rule = rule or elementwise
+  for t in op_types:
+    if t in _RULES and not override:
+      raise ValueError(
+          f"Op type '{t}' is already on tf_pxg's row-wise allowlist; pass "
+          "override=True to tf_pxg.register_row_wise to replace its rule.")
+  for t in op_types:
+    _RULES[t] = rule
+
+
+def row_wise_op_types() -> List[str]:
+  """Sorted op types on the allowlist."""
+  return sorted(_RULES)
+
+
 def _attr(entry, name, default=None):
   try:
     v = gradient_functions.get_attr(entry, name)
-  except (ValueError, KeyError, AttributeError, TypeError):
+  except (ValueError, KeyError, AttributeError, TypeError,
+          tf.errors.InvalidArgumentError):
     return default
   return default if v is None else v
 
 
-def _static(t):
-  v = tf.get_static_value(t)
+def _static(t, partial: bool = False):
+  v = tf.get_static_value(t, partial=partial)
   return None if v is None else np.asarray(v)
 
 
@@ -73,8 +135,110 @@ def _agree(layouts: Sequence[Layout]) -> Layout:
   return known.pop() if len(known) == 1 else None
 
 
-def _mixes(entry, why: str) -> Result:
-  return [None] * len(entry.outputs), why
+def _mixes(entry, why: str, kind: str = MIXES) -> Result:
+  return [None] * len(entry.outputs), Mixing(kind, why)
+
+
+def _lost(entry, why: str) -> Result:
+  return _mixes(entry, f"{why}, so tf_pxg cannot tell which rows belong to "
+                "which example")
+
+
+def _batch_slot(values, a: int) -> Optional[int]:
+  """`values[a]` of a static 1-D vector, None if unknown."""
+  if values is None or values.ndim != 1 or a >= values.shape[0]:
+    return None
+  v = values[a]
+  return None if v is None else int(v)
+
+
+# Elementwise -----------------------------------------------------------------
+
+
+def elementwise(entry, layouts) -> Result:
+  """Outputs keep the data inputs' layout (same rank), or the layout shifted
+  by broadcasting, ranks aligned from the right (binary ops). The default
+  rule of `register_row_wise`."""
+  out_rank = _rank(entry.outputs[0]) if entry.outputs else None
+  if out_rank is None:
+    return _lost(entry, "has an output of unknown rank")
+  moved = []
+  for i, lay in layouts.items():
+    rank = _rank(entry.inputs[i])
+    if lay is None:
+      return _all(entry, None), None
+    if rank is None:
+      return _lost(entry, f"has input {i} of unknown rank")
+    if rank == out_rank:
+      moved.append(lay)
+    elif len(entry.inputs) >= 2 and rank < out_rank:
+      moved.append((lay[0] + out_rank - rank, lay[1]))
+    else:
+      return _lost(entry, f"changes the rank of input {i}")
+  lay = _agree(moved)
+  if lay is None and moved:
+    return _mixes(entry, "combines data whose examples are on different "
+                  "axes (it pairs rows of different examples)")
+  return _all(entry, lay), None
+
+
+_ELEMENTWISE_OPS = (
+    # Unary math and activations.
+    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos",
+    "Cosh", "Digamma", "Elu", "Erf", "Erfc", "Erfinv", "Exp", "Expm1",
+    "Floor", "Inv", "IsFinite", "IsInf", "IsNan", "LeakyRelu", "Lgamma",
+    "Log", "Log1p", "LogicalNot", "Ndtri", "Neg", "Reciprocal", "Relu",
+    "Relu6", "Rint", "Round", "Rsqrt", "Selu", "Sigmoid", "Sign", "Sin",
+    "Sinh", "Softplus", "Softsign", "Sqrt", "Square", "Tan", "Tanh",
+    "Invert", "PopulationCount", "Real", "Imag", "Conj", "Angle",
+    "ComplexAbs", "Complex", "BesselI0e", "BesselI1e", "Polygamma", "Zeta",
+    "Betainc", "Igamma", "Igammac",
+    # Identities, casts and checks.
+    "Cast", "Bitcast", "Identity", "StopGradient", "PreventGradient",
+    "Snapshot", "EnsureShape", "CheckNumerics", "CheckNumericsV2",
+    "OnesLike", "ZerosLike", "DebugIdentity", "DebugIdentityV2",
+    "DebugIdentityV3",
+    # Binary (broadcasting) and ternary.
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan",
+    "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod", "Mod", "Maximum",
+    "Minimum", "Pow", "SquaredDifference", "Atan2", "Xdivy", "Xlogy",
+    "Xlog1py", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
+    "NotEqual", "ApproximateEqual", "LogicalAnd", "LogicalOr",
+    "BitwiseAnd", "BitwiseOr", "BitwiseXor", "LeftShift", "RightShift",
+    "SelectV2", "ClipByValue", "AddN", "BroadcastTo", "BiasAdd",
+    "BiasAddV1",
+    # Per-element string and lookup ops (keys keep their shape).
+    "StringLower", "StringUpper", "StaticRegexReplace", "RegexReplace",
+    "StringStrip", "StringToHashBucket", "StringToHashBucketFast",
+    "StringToHashBucketStrong", "StringToNumber", "AsString",
+    "LookupTableFindV2", "LookupTableFind", "Bucketize",
+    # Random draws with per-element parameters (e.g. a Beta draw per
+    # example): each output element depends on its own parameters.
+    "RandomGamma", "StatelessRandomGammaV2", "StatelessRandomGammaV3",
+    "RandomPoissonV2", "StatelessRandomPoisson", "StatelessRandomBinomial",
+    "ParameterizedTruncatedNormal", "StatelessParameterizedTruncatedNormal",
+)
+register_row_wise(*_ELEMENTWISE_OPS)
+
+
+@_rule("Select")
+def _select(entry, layouts):
+  """`Select(cond, x, y)`: a `[N]` condition picks rows of `x`/`y`."""
+  if 0 in layouts and _rank(entry.inputs[0]) == 1 and (
+      _rank(entry.inputs[1]) or 0) > 1:
+    rest = {i: l for i, l in layouts.items() if i}
+    if layouts[0] is None or any(l is None or l[0] != 0 for l in
+                                 rest.values()) or layouts[0][0] != 0:
+      return _lost(entry, "selects rows by a condition whose examples are "
+                   "not on the rows' axis")
+    return _all(entry, _agree([layouts[0]] + list(rest.values()))), None
+  return elementwise(entry, layouts)
+
+
+@_rule("IdentityN")
+def _identity_n(entry, layouts):
+  return [layouts.get(i) if i in layouts else AXIS0
+          for i in range(len(entry.outputs))], None
 
 
 # Axis permutations -----------------------------------------------------------
@@ -82,19 +246,23 @@ def _mixes(entry, why: str) -> Result:
 
 @_rule("Transpose", "ConjugateTranspose")
 def _transpose(entry, layouts):
-  (i, lay), = _data(layouts)[:1]
-  perm = _static(entry.inputs[1])
-  if i != 0 or lay is None or perm is None:
+  lay = layouts.get(0)
+  if lay is None:
     return _all(entry, None), None
+  perm = _static(entry.inputs[1])
+  if perm is None:
+    return _lost(entry, "permutes axes by a permutation that is not static")
   return _all(entry, (list(perm.ravel()).index(lay[0]), lay[1])), None
 
 
 @_rule("ExpandDims")
 def _expand_dims(entry, layouts):
   lay = layouts.get(0)
-  dim, rank = _static(entry.inputs[1]), _rank(entry.inputs[0])
-  if lay is None or dim is None or rank is None:
+  if lay is None:
     return _all(entry, None), None
+  dim, rank = _static(entry.inputs[1]), _rank(entry.inputs[0])
+  if dim is None or rank is None:
+    return _lost(entry, "inserts an axis whose position is not static")
   d = int(dim.ravel()[0]) % (rank + 1)
   return _all(entry, (lay[0] + (1 if d <= lay[0] else 0), lay[1])), None
 
@@ -102,14 +270,17 @@ def _expand_dims(entry, layouts):
 @_rule("Squeeze")
 def _squeeze(entry, layouts):
   lay = layouts.get(0)
-  shape = entry.inputs[0].shape
-  if lay is None or shape.rank is None:
+  if lay is None:
     return _all(entry, None), None
+  shape = entry.inputs[0].shape
+  if shape.rank is None:
+    return _lost(entry, "squeezes a tensor of unknown rank")
   dims = [d % shape.rank for d in _attr(entry, "squeeze_dims", [])]
   if not dims:
     dims = [a for a, n in enumerate(shape) if n == 1]
   if lay[0] in dims:
-    return _all(entry, None), None
+    return _mixes(entry, f"squeezes away the batch axis {lay[0]} (a batch "
+                  "of one example stops being a batch)")
   return _all(entry, (lay[0] - sum(d < lay[0] for d in dims), lay[1])), None
 
 
@@ -123,13 +294,16 @@ def _prod(dims) -> Optional[int]:
 @_rule("Reshape")
 def _reshape(entry, layouts, batch_size=None):
   lay = layouts.get(0)
-  src, dst = entry.inputs[0].shape, entry.outputs[0].shape
-  if lay is None or src.rank is None or dst.rank is None:
+  if lay is None:
     return _all(entry, None), None
+  src, dst = entry.inputs[0].shape, entry.outputs[0].shape
+  if src.rank is None or dst.rank is None:
+    return _lost(entry, "reshapes a tensor of unknown rank")
   a, minor = lay
   pre, post = _prod(src[:a]), _prod(src[a + 1:])
   if pre is None or post is None:
-    return _all(entry, None), None
+    return _lost(entry, "reshapes around the batch axis with sizes that are "
+                 "not static")
   for j in range(dst.rank):
     dpre, dpost = _prod(dst[:j]), _prod(dst[j + 1:])
     if dpre is None or dpost is None:
@@ -146,91 +320,241 @@ def _reshape(entry, layouts, batch_size=None):
         (not minor and dpre == pre and dpost > post and dpost % post == 0)):
       if dst[j] is None or dst[j] == batch_size:
         return _all(entry, (j, False)), None
-  return _all(entry, None), None
+  return _lost(entry, f"reshapes {src} to {dst} across the batch axis {a}")
 
 
-# Slicing, stacking, concatenation --------------------------------------------
+# Slicing, stacking, concatenation, padding -----------------------------------
+
+
+def _full_range(begin, end, stride, begin_full: bool, end_full: bool,
+                size) -> Optional[bool]:
+  """Whether a slice `begin:end:stride` covers an axis of `size` whole, in
+  order (None: not static)."""
+  if stride is None:
+    return None
+  if stride != 1:
+    return False
+  if not begin_full and begin is None:
+    return None
+  if not end_full and end is None:
+    return None
+  if not begin_full and begin not in (0,) and not (
+      size is not None and begin == -size):
+    return False
+  if end_full:
+    return True
+  if size is None:
+    return None
+  return end >= size
 
 
 @_rule("StridedSlice")
 def _strided_slice(entry, layouts):
+  """Maps the sparse slice spec onto the input's axes (ellipsis, new axes
+  and shrunk axes included); the batch axis must be kept whole, in order."""
   lay = layouts.get(0)
-  if lay is None or _attr(entry, "ellipsis_mask", 0) or _attr(
-      entry, "new_axis_mask", 0):
+  if lay is None:
     return _all(entry, None), None
-  shrink = int(_attr(entry, "shrink_axis_mask", 0))
+  rank = _rank(entry.inputs[0])
+  n = entry.inputs[1].shape[0] if entry.inputs[1].shape.rank == 1 else None
+  if rank is None or n is None:
+    return _lost(entry, "slices a tensor of unknown rank")
+  masks = {k: int(_attr(entry, f"{k}_mask", 0)) for k in
+           ("begin", "end", "ellipsis", "new_axis", "shrink_axis")}
+  begin, end, strides = (_static(entry.inputs[i], partial=True)
+                         for i in (1, 2, 3))
+  axis, out = 0, 0
+  out_of = {}  # input axis -> (output axis or None if shrunk, spec index)
+  for k in range(n):
+    bit = 1 << k
+    if masks["ellipsis"] & bit:
+      covered = rank - sum(1 for j in range(n) if j != k and not (
+          masks["new_axis"] & (1 << j)))
+      for _ in range(covered):
+        out_of[axis] = (out, None)
+        axis, out = axis + 1, out + 1
+    elif masks["new_axis"] & bit:
+      out += 1
+    elif masks["shrink_axis"] & bit:
+      out_of[axis] = (None, k)
+      axis += 1
+    else:
+      out_of[axis] = (out, k)
+      axis, out = axis + 1, out + 1
+  while axis < rank:  # Axes past the spec are kept whole.
+    out_of[axis] = (out, None)
+    axis, out = axis + 1, out + 1
   a = lay[0]
-  if shrink >> a & 1:
+  out_axis, k = out_of.get(a, (None, None))
+  if k is not None:
+    if out_axis is None:
+      return _mixes(entry, f"picks one row of the batch axis {a}")
+    size = entry.inputs[0].shape[a]
+    whole = _full_range(_batch_slot(begin, k), _batch_slot(end, k),
+                        _batch_slot(strides, k),
+                        bool(masks["begin"] >> k & 1),
+                        bool(masks["end"] >> k & 1), size)
+    if whole is None:
+      return _lost(entry, f"slices the batch axis {a} with bounds that are "
+                   "not static")
+    if not whole:
+      return _mixes(entry, f"slices the batch axis {a} (it drops or "
+                    "reorders examples)")
+  return _all(entry, (out_axis, lay[1])), None
+
+
+@_rule("Slice")
+def _slice(entry, layouts):
+  lay = layouts.get(0)
+  if lay is None:
     return _all(entry, None), None
-  return _all(entry, (a - bin(shrink & ((1 << a) - 1)).count("1"),
-                      lay[1])), None
+  a = lay[0]
+  begin = _batch_slot(_static(entry.inputs[1], partial=True), a)
+  size = _batch_slot(_static(entry.inputs[2], partial=True), a)
+  dim = entry.inputs[0].shape[a]
+  if begin is None or size is None:
+    return _lost(entry, f"slices the batch axis {a} with bounds that are not "
+                 "static")
+  if begin != 0 or not (size == -1 or (dim is not None and size == dim)):
+    return _mixes(entry, f"slices the batch axis {a} (it drops examples)")
+  return _all(entry, lay), None
 
 
 @_rule("Unpack")
 def _unpack(entry, layouts):
-  lay, rank = layouts.get(0), _rank(entry.inputs[0])
-  if lay is None or rank is None:
+  lay = layouts.get(0)
+  if lay is None:
     return _all(entry, None), None
+  rank = _rank(entry.inputs[0])
+  if rank is None:
+    return _lost(entry, "unstacks a tensor of unknown rank")
   axis = int(_attr(entry, "axis", 0)) % rank
   if axis == lay[0]:
-    return _all(entry, None), None
+    return _mixes(entry, f"unstacks the batch axis {axis} into separate "
+                  "tensors (use vectorized ops over the batch instead)")
   return _all(entry, (lay[0] - (axis < lay[0]), lay[1])), None
 
 
 @_rule("Pack")
 def _pack(entry, layouts):
-  lay = _agree(list(layouts.values()))
-  rank = _rank(entry.outputs[0])
-  if lay is None or rank is None or len(layouts) != len(entry.inputs):
+  known = [l for l in layouts.values() if l is not None]
+  if not known:
     return _all(entry, None), None
+  lay = _agree(known)
+  rank = _rank(entry.outputs[0])
+  if lay is None or len(known) != len(entry.inputs) or rank is None:
+    return _mixes(entry, "stacks tensors whose examples are not all on the "
+                  "same axis (or with tensors that hold no examples)")
   axis = int(_attr(entry, "axis", 0)) % rank
   return _all(entry, (lay[0] + (axis <= lay[0]), lay[1])), None
 
 
-def _along(entry, layouts, axis_index: int, tensors: Sequence[int]):
-  lay = _agree([layouts[i] for i in tensors if i in layouts])
+def _along(entry, layouts, axis_index: int, tensors: Sequence[int],
+           what: str):
+  known = [layouts[i] for i in tensors if i in layouts]
+  if all(l is None for l in known):
+    return _all(entry, None), None
+  lay = _agree(known)
   axis = _static(entry.inputs[axis_index])
   rank = _rank(entry.outputs[0])
-  if lay is None or axis is None or rank is None:
-    return _all(entry, None), None
+  if lay is None:
+    return _mixes(entry, f"{what}s tensors whose examples are on different "
+                  "axes")
+  if axis is None or rank is None:
+    return _lost(entry, f"{what}s along an axis that is not static")
   if int(axis.ravel()[0]) % rank == lay[0]:
-    return _all(entry, None), None
+    return _mixes(entry, f"{what}s along the batch axis {lay[0]}")
   return _all(entry, lay), None
 
 
 @_rule("ConcatV2")
 def _concat(entry, layouts):
   return _along(entry, layouts, len(entry.inputs) - 1,
-                range(len(entry.inputs) - 1))
+                range(len(entry.inputs) - 1), "concatenate")
 
 
 @_rule("Split")
 def _split(entry, layouts):
-  return _along(entry, layouts, 0, [1])
+  return _along(entry, layouts, 0, [1], "split")
 
 
 @_rule("SplitV")
 def _split_v(entry, layouts):
-  return _along(entry, layouts, 2, [0])
+  return _along(entry, layouts, 2, [0], "split")
+
+
+def _per_axis(entry, layouts, what: str, keeps: Callable):
+  """An op with a per-axis static argument (input 1): the batch axis's entry
+  must leave the examples in place (`keeps(row)`)."""
+  lay = layouts.get(0)
+  if lay is None:
+    return _all(entry, None), None
+  arg = _static(entry.inputs[1], partial=True)
+  a = lay[0]
+  if arg is None or arg.ndim < 1 or a >= arg.shape[0] or any(
+      v is None for v in np.ravel(arg[a])):
+    return _lost(entry, f"{what} with arguments that are not static")
+  if not keeps(np.ravel(arg[a]).astype(np.int64)):
+    return _mixes(entry, f"{what} along the batch axis {a}")
+  return _all(entry, lay), None
+
+
+@_rule("Tile")
+def _tile(entry, layouts):
+  return _per_axis(entry, layouts, "repeats rows",
+                   lambda m: int(m[0]) == 1)
+
+
+@_rule("Pad", "PadV2", "MirrorPad")
+def _pad(entry, layouts):
+  return _per_axis(entry, layouts, "pads rows", lambda p: not p.any())
+
+
+def _axes_arg(entry, layouts, what: str, index: int = 1):
+  """An op acting along the axes listed in input `index`: the batch axis
+  must not be one of them."""
+  lay, rank = layouts.get(0), _rank(entry.inputs[0])
+  if lay is None:
+    return _all(entry, None), None
+  axes = _static(entry.inputs[index])
+  if axes is None or rank is None:
+    return _lost(entry, f"{what} along axes that are not static")
+  if lay[0] in {int(x) % rank for x in np.ravel(axes)}:
+    return _mixes(entry, f"{what} along the batch axis {lay[0]}")
+  return _all(entry, lay), None
+
+
+@_rule("ReverseV2")
+def _reverse(entry, layouts):
+  return _axes_arg(entry, layouts, "reverses the order of rows")
+
+
+@_rule("Roll")
+def _roll(entry, layouts):
+  return _axes_arg(entry, layouts, "rolls rows", index=2)
 
 
 # Reductions and normalisations along an axis ---------------------------------
 
-_REDUCTIONS = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "All",
-               "Any")
+# The one list of reductions (input 1 holds the reduced axes).
+REDUCTIONS = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "All",
+              "Any")
 
 
-@_rule(*_REDUCTIONS)
+@_rule(*REDUCTIONS)
 def _reduction(entry, layouts):
   lay, rank = layouts.get(0), _rank(entry.inputs[0])
-  axes = _static(entry.inputs[1])
-  if lay is None or rank is None or axes is None:
+  if lay is None:
     return _all(entry, None), None
+  axes = _static(entry.inputs[1])
+  if rank is None or axes is None:
+    return _lost(entry, "reduces over axes that are not static")
   axes = {int(x) % rank for x in axes.ravel()} if rank else set()
   keep = _attr(entry, "keep_dims", False)
   if lay[0] in axes:
     return ([lay if keep else None] * len(entry.outputs),
-            f"reduces over the batch axis {lay[0]} (batch statistics)")
+            Mixing(REDUCES, f"reduces over the batch axis {lay[0]} (batch "
+                   "statistics)"))
   if keep:
     return _all(entry, lay), None
   return _all(entry, (lay[0] - sum(x < lay[0] for x in axes), lay[1])), None
@@ -239,9 +563,11 @@ def _reduction(entry, layouts):
 @_rule("Cumsum", "Cumprod", "CumulativeLogsumexp")
 def _cumulative(entry, layouts):
   lay, rank = layouts.get(0), _rank(entry.inputs[0])
-  axis = _static(entry.inputs[1])
-  if lay is None or rank is None or axis is None:
+  if lay is None:
     return _all(entry, None), None
+  axis = _static(entry.inputs[1])
+  if rank is None or axis is None:
+    return _lost(entry, "accumulates along an axis that is not static")
   if int(axis.ravel()[0]) % rank == lay[0]:
     return _mixes(entry, f"accumulates along the batch axis {lay[0]}")
   return _all(entry, lay), None
@@ -250,54 +576,122 @@ def _cumulative(entry, layouts):
 @_rule("ArgMax", "ArgMin")
 def _arg(entry, layouts):
   lay, rank = layouts.get(0), _rank(entry.inputs[0])
-  axis = _static(entry.inputs[1])
-  if lay is None or rank is None or axis is None:
+  if lay is None:
     return _all(entry, None), None
+  axis = _static(entry.inputs[1])
+  if rank is None or axis is None:
+    return _lost(entry, "compares along an axis that is not static")
   axis = int(axis.ravel()[0]) % rank
   if axis == lay[0]:
     return _mixes(entry, f"compares examples along the batch axis {lay[0]}")
   return _all(entry, (lay[0] - (axis < lay[0]), lay[1])), None
 
 
-@_rule("Softmax", "LogSoftmax")
-def _softmax(entry, layouts):
-  lay, rank = layouts.get(0), _rank(entry.inputs[0])
-  if lay is not None and rank and rank > 1 and lay[0] == rank - 1:
-    return _mixes(entry, "normalises along the batch axis")
+@_rule("Softmax", "LogSoftmax", "TopKV2", "TopK", "RGBToHSV", "HSVToRGB")
+def _last_axis(entry, layouts):
+  """Ops that act along the last axis: the examples must be elsewhere."""
+  known = [l for l in layouts.values() if l is not None]
+  if not known:
+    return _all(entry, None), None
+  lay, rank = _agree(known), _rank(entry.inputs[0])
+  if lay is None or rank is None or 0 not in layouts:
+    return _lost(entry, "acts along the last axis of data whose batch axis "
+                 "is unknown")
+  if rank > 0 and lay[0] == rank - 1:
+    return _mixes(entry, "compares or normalises along the batch axis (its "
+                  "last axis)")
   return _all(entry, lay), None
 
 
-# Ops whose data format fixes the batch on axis 0 (N of NHWC/NCHW).
+# Ops whose data format fixes the batch on axis 0 (N of NHWC/NCHW), or that
+# act on each row of axis 0 alone (the loss kernels).
 _BATCH_FIRST = (
     "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
     "Conv3DBackpropInputV2", "MaxPool", "MaxPoolV2", "MaxPool3D", "AvgPool",
     "AvgPool3D", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3",
     "ExtractImagePatches", "ExtractVolumePatches", "ResizeBilinear",
-    "ResizeNearestNeighbor")
+    "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea",
+    "ScaleAndTranslate", "ImageProjectiveTransformV2",
+    "ImageProjectiveTransformV3", "DepthToSpace", "SpaceToDepth",
+    "AdjustContrastv2", "AdjustSaturation", "AdjustHue", "LRN",
+    "MaxPoolWithArgmax", "Dilation2D", "FusedPadConv2D",
+    "FusedResizeAndPadConv2D", "SparseSoftmaxCrossEntropyWithLogits",
+    "SoftmaxCrossEntropyWithLogits")
 
 
 @_rule(*_BATCH_FIRST)
 def _batch_first(entry, layouts):
-  i = 2 if entry.op_type.startswith(("Conv2DBackpropInput",
-                                     "Conv3DBackpropInput")) else 0
-  lay = layouts.get(i)
-  if lay is not None and lay[0] != 0:
+  known = {i: l for i, l in layouts.items() if l is not None}
+  if not known:
+    return _all(entry, None), None
+  bad = [i for i, l in known.items() if l[0] != 0]
+  lay = _agree(list(known.values()))
+  if bad or lay is None:
+    i = bad[0] if bad else min(known)
     return _mixes(entry, f"takes the batch on axis 0 but the examples are "
-                  f"on axis {lay[0]} (it would convolve or pool across "
-                  "examples)")
+                  f"on axis {known[i][0]} of input {i} (it would convolve, "
+                  "pool or normalise across examples)")
   return _all(entry, lay), None
 
 
 @_rule("SpaceToBatchND", "SpaceToBatch")
 def _to_batch_minor(entry, layouts):
   lay = layouts.get(0)
+  if lay is not None and lay[0] != 0:
+    return _mixes(entry, "moves space into the batch axis while the examples "
+                  f"are on axis {lay[0]}")
   return _all(entry, None if lay is None else (0, True)), None
 
 
 @_rule("BatchToSpaceND", "BatchToSpace")
 def _from_batch_minor(entry, layouts):
   lay = layouts.get(0)
+  if lay is not None and lay != (0, True):
+    return _mixes(entry, "moves rows of the batch axis into space, but they "
+                  "were not put there by SpaceToBatchND")
   return _all(entry, None if lay is None else AXIS0), None
+
+
+# Ragged rows of strings (Keras' TextVectorization) ---------------------------
+
+
+@_rule("StringSplitV2")
+def _string_split(entry, layouts):
+  """`[N]` strings -> (indices `[M, 2]`, values `[M]`, dense shape `[2]`):
+  each example's tokens are consecutive rows of `indices` and `values`; the
+  dense shape holds no rows of examples (None)."""
+  lay = layouts.get(0)
+  if lay is None:
+    return _all(entry, None), None
+  if lay != AXIS0:
+    return _lost(entry, "splits strings whose examples are not on axis 0")
+  return [AXIS0, AXIS0, None], None
+
+
+@_rule("RaggedTensorToTensor")
+def _ragged_to_tensor(entry, layouts):
+  """(shape, values, default, row partitions...) -> dense `[N, ...]`: rows
+  come back to their example, as the row partition says."""
+  values = layouts.get(1)
+  partitions = [layouts.get(i) for i in range(3, len(entry.inputs))]
+  if values is None and all(p is None for p in partitions):
+    return _all(entry, None), None
+  if values != AXIS0 or any(p not in (None, AXIS0) for p in partitions):
+    return _lost(entry, "rebuilds a dense tensor from rows whose examples "
+                 "are not on axis 0")
+  return _all(entry, AXIS0), None
+
+
+@_rule("DenseBincount", "Bincount")
+def _bincount(entry, layouts):
+  """Counts per row of a `[B, n]` input (`binary_output` or not): each
+  example counts its own values; a 1-D input counts the whole batch."""
+  lay = layouts.get(0)
+  if lay is None:
+    return _all(entry, None), None
+  if _rank(entry.inputs[0]) == 2 and lay[0] == 0:
+    return _all(entry, lay), None
+  return _mixes(entry, "counts values over the whole batch")
 
 
 # Gathers ---------------------------------------------------------------------
@@ -305,24 +699,74 @@ def _from_batch_minor(entry, layouts):
 
 @_rule("GatherV2", "ResourceGather")
 def _gather(entry, layouts):
+  """`params` gathered by `indices` on `axis`, `batch_dims` leading axes
+  shared. The examples of `params` must not be on the gathered axis (that
+  moves rows across examples); those of `indices` become the output's."""
   axis = 0
   if entry.op_type == "GatherV2":
     a = _static(entry.inputs[2])
     if a is None:
-      return _all(entry, None), None
+      return _lost(entry, "gathers along an axis that is not static")
     axis = int(a.ravel()[0])
-  if _attr(entry, "batch_dims", 0):
-    return _all(entry, None), None
+  batch_dims = int(_attr(entry, "batch_dims", 0))
   params, ids = layouts.get(0), layouts.get(1)
-  if ids is not None and params is None:
-    return _all(entry, (axis + ids[0], ids[1])), None
-  if params is not None and ids is None and 1 not in layouts:
-    rank_ids = _rank(entry.inputs[1])
-    if rank_ids is None or params[0] == axis:
-      return _all(entry, None), None
-    shift = 0 if params[0] < axis else rank_ids - 1
-    return _all(entry, (params[0] + shift, params[1])), None
-  return _all(entry, None), None
+  rank_p, rank_i = _rank(entry.inputs[0]), _rank(entry.inputs[1])
+  if params is None and ids is None:
+    return _all(entry, None), None
+  if rank_p is None or rank_i is None:
+    return _lost(entry, "gathers from tensors of unknown rank")
+  axis = axis % rank_p if rank_p else 0  # ResourceGather: a handle.
+  if batch_dims < 0:
+    batch_dims += rank_i
+  if params is not None and ids is not None:
+    if params == ids and params[0] < batch_dims:
+      return _all(entry, params), None  # Row b gathers from row b.
+    return _mixes(entry, "gathers rows chosen by one example's values from "
+                  "other examples' rows (indices and params both carry "
+                  "examples, not on a shared batch_dims axis)")
+  if ids is not None:
+    # Output: params[:axis] + indices[batch_dims:] + params[axis+1:].
+    if ids[0] < batch_dims:
+      return _all(entry, ids), None
+    return _all(entry, (axis + ids[0] - batch_dims, ids[1])), None
+  if params[0] < batch_dims:
+    return _all(entry, params), None
+  if params[0] == axis:
+    return _mixes(entry, f"gathers along the batch axis {axis} (it moves "
+                  "rows across examples: a permutation or selection of the "
+                  "batch)")
+  shift = 0 if params[0] < axis else rank_i - batch_dims - 1
+  return _all(entry, (params[0] + shift, params[1])), None
+
+
+@_rule("GatherNd", "ResourceGatherNd")
+def _gather_nd(entry, layouts):
+  """`params` indexed on its first `indices.shape[-1]` axes (after
+  `batch_dims`): the examples of `params` must be on a kept axis."""
+  params, ids = layouts.get(0), layouts.get(1)
+  if params is None and ids is None:
+    return _all(entry, None), None
+  rank_i = _rank(entry.inputs[1])
+  depth = entry.inputs[1].shape[-1] if rank_i else None
+  batch_dims = int(_attr(entry, "batch_dims", 0))
+  if rank_i is None or depth is None:
+    return _lost(entry, "gathers with indices of unknown shape")
+  if params is not None and ids is not None:
+    if params == ids and params[0] < batch_dims:
+      return _all(entry, params), None
+    return _mixes(entry, "gathers rows chosen by one example's values from "
+                  "other examples' rows")
+  if ids is not None:
+    if ids[0] >= rank_i - 1:
+      return _lost(entry, "reads index tuples along the batch axis")
+    return _all(entry, ids), None
+  if params[0] < batch_dims:
+    return _all(entry, params), None
+  if params[0] < batch_dims + depth:
+    return _mixes(entry, f"gathers along the batch axis {params[0]} (it "
+                  "moves rows across examples)")
+  return _all(entry, (params[0] - batch_dims - depth + rank_i - 1,
+                      params[1])), None
 
 
 # Contractions ----------------------------------------------------------------
@@ -333,14 +777,17 @@ def _contract(entry, subs: Sequence[str], out: str, layouts) -> Result:
   found = set()
   for i, lay in layouts.items():
     if lay is None:
-      return _all(entry, None), None
+      continue  # Holds no rows of examples.
     if i >= len(subs) or lay[0] >= len(subs[i]):
-      return _all(entry, None), None
+      return _lost(entry, f"contracts operand {i} with subscripts that do "
+                   "not match its rank")
     letter = subs[i][lay[0]]
     if letter not in out:
       return _mixes(entry, f"contracts the batch axis {lay[0]} of operand "
                     f"{i} (a sum over examples)")
     found.add((out.index(letter), lay[1]))
+  if not found:
+    return _all(entry, None), None
   if len(found) != 1:
     return _mixes(entry, "pairs the examples of one operand with those of "
                   "another (an outer product over the batch)")
@@ -358,7 +805,7 @@ def _matmul(entry, layouts):
 def _batch_matmul(entry, layouts):
   rx, ry = _rank(entry.inputs[0]), _rank(entry.inputs[1])
   if rx is None or ry is None:
-    return _all(entry, None), None
+    return _lost(entry, "multiplies matrices of unknown rank")
   ro = max(rx, ry)
   letters = "abcdefgh"[:ro - 2]
   x = letters[ro - rx:] + ("ji" if _attr(entry, "adj_x", False) else "ij")
@@ -390,41 +837,23 @@ def _einsum(entry, layouts):
     eq = eq.decode()
   parsed = einsum_subscripts(eq or "", [_rank(t) for t in entry.inputs])
   if not eq or parsed is None:
-    return _all(entry, None), None
+    return _lost(entry, "has an equation whose ellipsis cannot be expanded")
   return _contract(entry, parsed[0], parsed[1], layouts)
 
 
-# Default ---------------------------------------------------------------------
+# Other ops --------------------------------------------------------------------
 
 
 @_rule("OneHot")
 def _one_hot(entry, layouts):
   lay, rank = layouts.get(0), _rank(entry.inputs[0])
-  if lay is None or rank is None:
+  if lay is None:
     return _all(entry, None), None
+  if rank is None:
+    return _lost(entry, "one-hot encodes a tensor of unknown rank")
   axis = int(_attr(entry, "axis", -1))
   axis = rank if axis == -1 else axis
   return _all(entry, (lay[0] + (axis <= lay[0]), lay[1])), None
-
-
-def _default(entry, layouts) -> Result:
-  """Same layout where the output has the input's rank; binary elementwise
-  ops broadcast (ranks aligned from the right); anything else: unknown."""
-  out_rank = _rank(entry.outputs[0]) if entry.outputs else None
-  if out_rank is None:
-    return _all(entry, None), None
-  moved = []
-  for i, lay in layouts.items():
-    rank = _rank(entry.inputs[i])
-    if lay is None or rank is None:
-      return _all(entry, None), None
-    if rank == out_rank:
-      moved.append(lay)
-    elif len(entry.inputs) >= 2 and rank < out_rank:
-      moved.append((lay[0] + out_rank - rank, lay[1]))
-    else:
-      return _all(entry, None), None
-  return _all(entry, _agree(moved)), None
 
 
 def propagate(entry, layouts: Dict[int, Layout],
@@ -437,11 +866,158 @@ def propagate(entry, layouts: Dict[int, Layout],
     batch_size: B if static (tells a split of merged rows from other splits).
 
   Returns:
-    (one layout per output, None or the reason the op mixes examples).
+    (one layout per output, None or the `Mixing` that says why the op
+    mixes examples — or may: an op type off the allowlist, or a rule that
+    cannot follow the batch axis).
   """
   rule = _RULES.get(entry.op_type)
   if rule is _reshape:
     return rule(entry, layouts, batch_size)
   if rule is not None:
     return rule(entry, layouts)
-  return _default(entry, layouts)
+  from tf_pxg import registry  # noqa: PLC0415  (avoids an import cycle)
+  if registry.lookup(entry.op_type) is not None:
+    return elementwise(entry, layouts)  # A per-example rule: row-wise.
+  return _mixes(entry, "is not on tf_pxg's allowlist of ops known to keep "
+                "the rows of different examples apart, so it may mix them")
+
+
+# Batch axis at the interface -------------------------------------------------
+
+# Ops for which moving the batch axis of the data operand and of the output
+# to 0 gives the same op on permuted tensors (the parameter is broadcast
+# along every axis that moves), and the checks that make it so.
+_ELEMENTWISE_INTERFACES = ("AddV2", "Add", "Sub", "Mul")
+_PERMUTABLE = _ELEMENTWISE_INTERFACES + (
+    "BiasAdd", "BatchMatMulV2", "BatchMatMulV3", "GatherV2", "ResourceGather")
+
+
+def expected_axes(itf):
+  """(data axis, output axis) where the rule expects the examples."""
+  entry = itf.entry
+  if entry.op_type == "MatMul":
+    ta = gradient_functions.get_attr(entry, "transpose_a") or False
+    tb = gradient_functions.get_attr(entry, "transpose_b") or False
+    if itf.param_index == 1:
+      return (1 if ta else 0), 0
+    return (0 if tb else 1), 1
+  if entry.op_type == "Einsum":
+    return 0, None  # The rule finds the output's batch letter itself.
+  return 0, 0
+
+
+def _move_to_front(t, axis: int):
+  perm = [axis] + [a for a in range(t.shape.rank) if a != axis]
+  return tf.transpose(t, perm)
+
+
+def _permutable(itf, axis: int) -> bool:
+  entry = itf.entry
+  out_rank = entry.outputs[0].shape.rank
+  p_rank = itf.param.shape.rank
+  if out_rank is None or p_rank is None or entry.op_type not in _PERMUTABLE:
+    return False
+  if entry.op_type in ("GatherV2", "ResourceGather"):
+    return itf.param_index == 0
+  if entry.op_type == "BiasAdd":
+    fmt = gradient_functions.get_attr(entry, "data_format") or b"NHWC"
+    return fmt in (b"NHWC", "NHWC") and axis < out_rank - 1
+  if entry.op_type.startswith("BatchMatMul"):
+    return p_rank == 2 and axis < out_rank - 2
+  # Elementwise: the parameter is broadcast (size 1 or absent) on the batch
+  # axis; size-1 axes move with it (a reshape of the parameter).
+  padded = [1] * (out_rank - p_rank) + itf.param.shape.as_list()
+  return p_rank <= out_rank and padded[axis] == 1 and all(
+      entry.inputs[i].shape.rank == out_rank for i in itf.data_indices)
+
+
+def normalise_batch_axis(itf, layout_of: Callable[[int], Layout]):
+  """`itf` (a `tf_pxg.interface.Interface`) with the examples where its
+  rule expects them.
+
+  Rules take the examples on axis 0 of the data operand and the output (a
+  MatMul's on the rows of the matrix that holds them). Where the tracked
+  batch axis differs — time-major data, say — the data operand, the
+  outputs and their gradients are transposed to put it first, for ops that
+  stay the same op under that permutation.
+
+  Args:
+    itf: the interface.
+    layout_of: tensor id -> layout of that data tensor.
+
+  Raises:
+    ValueError: the examples are on another axis of an op that cannot be
+      permuted that way, or their position in a data operand is unknown.
+  """
+  entry = itf.entry
+  lays = [layout_of(entry.input_ids[i]) for i in itf.data_indices]
+  if any(l is None for l in lays):
+    raise ValueError(
+        f"{entry.describe()} consumes a parameter and data that holds no "
+        "rows of single examples (a value computed from the whole batch, "
+        "such as a batch statistic or a dense shape), so its per-example "
+        "gradient is undefined. Compute that value from each example alone.")
+  outs = [layout_of(t) for t in entry.output_ids]
+  minor = any(l[1] for l in lays)
+  want_data, want_out = expected_axes(itf)
+  if (all(l[0] == want_data for l in lays) and
+      all(l is None or want_out is None or l[0] == want_out for l in outs)):
+    itf.batch_minor = itf.batch_minor or minor
+    return itf
+  axis = lays[0][0] if lays else None
+  if entry.op_type == "Einsum" and len(lays) == 1:
+    return _batch_letter_first(itf, axis, minor)
+  if (len({l[0] for l in lays}) != 1 or want_data != 0 or
+      not _permutable(itf, axis)):
+    raise ValueError(
+        f"{entry.describe()} consumes a parameter with the examples on axis "
+        f"{axis} of its data operand, which its per-example rule cannot take "
+        "(it expects them on axis 0). Transpose the data so the batch is "
+        "axis 0 before this op, or use tf.einsum with the batch letter "
+        "first.")
+  inputs = list(entry.inputs)
+  for i in itf.data_indices:
+    inputs[i] = _move_to_front(inputs[i], axis)
+  out_axes = [axis if l is None else l[0] for l in outs]
+  outputs = [_move_to_front(o, a) for o, a in zip(entry.outputs, out_axes)]
+  grads = [g if g is None else _move_to_front(g, a)
+           for g, a in zip(itf.output_grads, out_axes)]
+  original_id = original_shape = None
+  p = itf.param
+  out_rank = entry.outputs[0].shape.rank
+  if (entry.op_type in _ELEMENTWISE_INTERFACES and p.shape.rank == out_rank
+      and p.shape.rank and p.shape[axis] == 1 and axis):
+    original_id, original_shape = itf.param_id, p.shape
+    moved_shape = [p.shape[axis]] + [n for a, n in enumerate(p.shape)
+                                     if a != axis]
+    inputs[itf.param_index] = tf.reshape(p, moved_shape)
+  moved = Entry(entry.op_type, tuple(inputs), tuple(outputs), entry.attrs,
+                entry.op, entry.scope, entry.index)
+  return dataclasses.replace(
+      itf, entry=moved, output_grads=grads, batch_minor=minor,
+      original_param_id=original_id, original_param_shape=original_shape)
+
+
+def _batch_letter_first(itf, axis: int, minor: bool):
+  """An Einsum whose data operand has the examples on `axis`: the operand is
+  transposed to put them first and the equation rewritten to match."""
+  entry = itf.entry
+  eq = gradient_functions.get_attr(entry, "equation")
+  eq = eq.decode() if isinstance(eq, bytes) else eq
+  parsed = einsum_subscripts(eq, [t.shape.rank for t in entry.inputs])
+  if parsed is None or len(entry.inputs) != 2:
+    raise ValueError(
+        f"{entry.describe()}: the examples are on axis {axis} of its data "
+        "operand and the equation could not be rewritten; put the batch "
+        "letter first.")
+  subs, out = parsed
+  d = itf.data_indices[0]
+  sub = subs[d]
+  subs = list(subs)
+  subs[d] = sub[axis] + sub[:axis] + sub[axis + 1:]
+  inputs = list(entry.inputs)
+  inputs[d] = _move_to_front(inputs[d], axis)
+  rewritten = Entry(entry.op_type, tuple(inputs), entry.outputs, entry.attrs,
+                    entry.op, entry.scope, entry.index,
+                    attr_overrides={"equation": f"{','.join(subs)}->{out}"})
+  return dataclasses.replace(itf, entry=rewritten, batch_minor=minor)

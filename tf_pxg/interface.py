@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from tf_pxg import batch_axis
@@ -41,7 +40,8 @@ PARAM, CONST, DATA = "param", "const", "data"
 
 # Where a non-floating input made outside the tape carries examples (token
 # ids, string keys): indices of gathers and one-hot, casts (Keras casts
-# token ids to the input layer's dtype and back), table lookups.
+# token ids to the input layer's dtype and back), table lookups, string
+# ops, and the reshapes and slices that Keras applies to its inputs.
 # Non-floating tensors made on the tape carry examples iff their inputs do.
 INTEGER_DATA_INPUTS = {
     "Cast": (0,),
@@ -57,6 +57,19 @@ INTEGER_DATA_INPUTS = {
     "StringToHashBucketStrong": (0,),
     "StringToHashBucket": (0,),
     "Bucketize": (0,),
+    "Identity": (0,),
+    "Reshape": (0,),
+    "ExpandDims": (0,),
+    "Squeeze": (0,),
+    "Transpose": (0,),
+    "StridedSlice": (0,),
+    "StringLower": (0,),
+    "StringUpper": (0,),
+    "StaticRegexReplace": (0,),
+    "RegexReplace": (0,),
+    "StringStrip": (0,),
+    "StringSplitV2": (0,),
+    "StringToNumber": (0,),
 }
 
 _NON_DATA_DTYPES = (tf.resource, tf.variant)
@@ -68,6 +81,17 @@ _SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "VariableShape")
 # for the examples' initial RNN state, say), judged like an external tensor.
 # Ops without inputs (graph constants, placeholders) are judged the same way.
 _FILLS = ("Fill", "BroadcastTo")
+
+
+# Ops whose non-floating inputs are shapes, seeds or ranges, never the token
+# ids of examples (a `[4]` shape of a rank-4 tensor must not pass for a
+# batch of 4 examples).
+_SHAPE_CONSUMERS = ("BroadcastArgs", "BroadcastGradientArgs", "Range",
+                    "Empty", "Fill")
+
+
+def _takes_shapes(op_type: str) -> bool:
+  return "Random" in op_type or op_type in _SHAPE_CONSUMERS
 
 
 def _is_float(dtype) -> bool:
@@ -124,6 +148,10 @@ class Classifier:
     self.mixing: Dict[int, str] = {}  # id(entry) -> why it mixes examples.
     # Non-floating tensors holding values of examples (not shapes).
     self._values: set = set()
+    # Constants and fills of a batch-like shape (a zero state [B, units],
+    # a time-major [T, B, u] zeros): data by shape, but every row is the
+    # same, so they take any layout and never pair rows of examples.
+    self._fills: set = set()
     for entry in recorder.entries:
       st = CONST
       layouts = {}
@@ -132,7 +160,8 @@ class Classifier:
         s = self.input_status(entry, i, tid, t)
         if s == DATA:
           st = DATA
-          layouts[i] = self.layout(tid)
+          if tid not in self._fills:  # Identical rows: any layout agrees.
+            layouts[i] = self.layout(tid)
           values = values or (
               _is_float(t.dtype) or tid in self._values or
               i in INTEGER_DATA_INPUTS.get(entry.op_type, ()))
@@ -140,13 +169,23 @@ class Classifier:
           st = PARAM
       if entry.op_type in _SHAPE_OPS:
         st = CONST
+      elif entry.op_type == "Const" and entry.outputs and not _is_float(
+          entry.outputs[0].dtype):
+        st = CONST  # A shape vector or indices, not token ids of examples.
       elif (entry.op_type in _FILLS or not entry.inputs) and st == CONST:
         st = self._external(entry.outputs[0])  # A zero state [B, units]?
+        if st == DATA:
+          self._fills.update(entry.output_ids)
       out_layouts = [batch_axis.AXIS0] * len(entry.outputs)
       if st == DATA and layouts:
         out_layouts, why = batch_axis.propagate(entry, layouts,
                                                  batch_size)
-        if why:
+        if batch_size == 1:
+          # One example cannot mix with another; where a rule loses the
+          # batch axis (a squeeze of every size-1 axis, say) it is axis 0.
+          out_layouts = [batch_axis.AXIS0 if l is None else l
+                         for l in out_layouts]
+        elif why:
           self.mixing[id(entry)] = why
       for tid, lay in zip(entry.output_ids, out_layouts):
         self.status[tid] = PARAM if tid in self._sources else st
@@ -171,6 +210,8 @@ class Classifier:
       return CONST  # Shape arithmetic (or a mask) feeding a float op.
     if tid in self.status:
       return self.status[tid]
+    if not _is_float(t.dtype) and _takes_shapes(entry.op_type):
+      return CONST  # A shape vector or seed made outside the tape.
     return self._external(t)
 
   def _external(self, t) -> str:
@@ -233,194 +274,92 @@ class Classifier:
     return {t for t, s in self.status.items() if s == PARAM} | self._sources
 
 
-# Ops that, along axis 0 of a per-example tensor (their input 1), mix examples.
-_REDUCTIONS = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "Cumsum",
-               "Cumprod")
+
+# Examples never mix ----------------------------------------------------------
+
 _BATCH_NORMS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 
 
-def check_examples_independent(entry: Entry, classifier: Classifier,
-                               vector_target: bool) -> None:
-  """Raises if `entry` mixes the examples of a per-example computation.
+def data_path(recorder: Recorder, target_id: int,
+              classifier: Classifier) -> List[Entry]:
+  """The entries, in program order, that produce data the target depends on:
+  every op from the model's inputs to the per-example target, before and
+  after the first parameter (preprocessing included)."""
+  producer = recorder.producer
+  seen, stack = set(), [target_id]
+  while stack:
+    entry = producer.get(stack.pop())
+    if entry is None or id(entry) in seen:
+      continue
+    seen.add(id(entry))
+    stack.extend(t for t in entry.input_ids
+                 if classifier.status.get(t) == DATA)
+  return [e for e in recorder.entries if id(e) in seen and any(
+      classifier.status.get(t) == DATA for t in e.output_ids)]
 
-  Raises:
-    ValueError: for batch-normalisation in training mode, or (when the target
-      has one entry per example) a reduction over the batch axis of data.
-  """
-  why = None
+
+def _mixing(entry: Entry, classifier: Classifier):
   if entry.op_type in _BATCH_NORMS:
     try:
       training = gradient_functions.get_attr(entry, "is_training")
     except (ValueError, KeyError):
       training = True
     if training:
-      why = "normalises with statistics of the whole batch"
-  elif vector_target:
-    why = _mixes_along_batch(entry, classifier)
-  if why:
-    hint = (" BatchNormalization in training does this; use "
+      return batch_axis.Mixing(
+          batch_axis.MIXES, "normalises with statistics of the whole batch")
+  return classifier.mixing.get(id(entry))
+
+
+def _hint(entry: Entry, mixing) -> str:
+  why = mixing.why
+  if "statistics" in why:
+    return (" BatchNormalization in training does this; use "
             "keras.layers.GroupNormalization or "
             "keras.layers.LayerNormalization instead (or freeze the layer "
-            "and call it with training=False)." if "statistics" in why else
-            " Check which axis holds the examples: tf_pxg follows the batch "
-            "axis through transposes, reshapes and contractions, and an op "
-            "may reduce or contract any other axis.")
-    raise ValueError(
-        f"{entry.describe()} mixes examples: it {why}, so "
-        "an example's gradient depends on the other examples and has no "
-        f"per-example value.{hint}")
+            "and call it with training=False); standardise each example "
+            "with its own statistics, or with constants computed beforehand.")
+  if "allowlist" in why:
+    return (" If this op acts on each example's rows alone, add it with "
+            f"tf_pxg.register_row_wise('{entry.op_type}') (a rule says how "
+            "it moves the batch axis; see tf_pxg.batch_axis).")
+  if "gathers along the batch axis" in why or "rows" in why:
+    return (" Augmentations that combine examples (keras.layers.MixUp, "
+            "keras.layers.CutMix) and ops that permute, sort, roll, reverse "
+            "or select examples make an example's loss depend on others; "
+            "use per-example augmentations (RandomFlip, RandomCrop, "
+            "RandomRotation, ...) and per-example computations.")
+  if "pairs" in why or "contracts" in why:
+    return (" A loss that compares an example with the other examples of "
+            "its batch (in-batch negatives, logits z_a @ z_b^T, contrastive "
+            "losses) is not a per-example loss; use fixed or per-example "
+            "negatives.")
+  return (" Check which axis holds the examples: tf_pxg follows the batch "
+          "axis through transposes, reshapes and contractions, and an op "
+          "may reduce or contract any other axis.")
 
 
-def _mixes_along_batch(entry: Entry, classifier: Classifier):
-  """Why `entry` mixes examples along the tracked batch axis, or None.
+def check_examples_independent(entries: Sequence[Entry],
+                               classifier: Classifier,
+                               vector_target: bool) -> None:
+  """Raises at the first of `entries` that mixes examples.
 
-  Reductions of `[B]` vectors are left alone (a loss may be averaged); where
-  the batch axis of a reduction's input is unknown it is taken to be 0.
-  """
-  data = entry.inputs[0] if entry.inputs else None
-  rank = data.shape.rank if data is not None else None
-  if entry.op_type in _REDUCTIONS and not (rank and rank >= 2):
-    return None
-  why = classifier.mixing.get(id(entry))
-  if why or entry.op_type not in _REDUCTIONS:
-    return why
-  if (classifier.status.get(entry.input_ids[0]) != DATA or
-      classifier.layout(entry.input_ids[0]) is not None):
-    return None
-  axis = tf.get_static_value(entry.inputs[1])
-  if axis is not None and 0 in {int(a) % rank for a in np.reshape(axis, [-1])}:
-    return "reduces over the batch axis 0 (batch statistics)"
-  return None
-
-
-# Batch axis at the interface -------------------------------------------------
-
-# Ops for which moving the batch axis of the data operand and of the output
-# to 0 gives the same op on permuted tensors (the parameter is broadcast
-# along every axis that moves), and the checks that make it so.
-_ELEMENTWISE = ("AddV2", "Add", "Sub", "Mul")
-_PERMUTABLE = _ELEMENTWISE + ("BiasAdd", "BatchMatMulV2", "BatchMatMulV3",
-                              "GatherV2", "ResourceGather")
-
-
-def expected_axes(itf: Interface):
-  """(data axis, output axis) where the rule expects the examples."""
-  entry = itf.entry
-  if entry.op_type == "MatMul":
-    ta = gradient_functions.get_attr(entry, "transpose_a") or False
-    tb = gradient_functions.get_attr(entry, "transpose_b") or False
-    if itf.param_index == 1:
-      return (1 if ta else 0), 0
-    return (0 if tb else 1), 1
-  if entry.op_type == "Einsum":
-    return 0, None  # The rule finds the output's batch letter itself.
-  return 0, 0
-
-
-def _move_to_front(t, axis: int):
-  perm = [axis] + [a for a in range(t.shape.rank) if a != axis]
-  return tf.transpose(t, perm)
-
-
-def _permutable(itf: Interface, axis: int) -> bool:
-  entry = itf.entry
-  out_rank = entry.outputs[0].shape.rank
-  p_rank = itf.param.shape.rank
-  if out_rank is None or p_rank is None or entry.op_type not in _PERMUTABLE:
-    return False
-  if entry.op_type in ("GatherV2", "ResourceGather"):
-    return itf.param_index == 0
-  if entry.op_type == "BiasAdd":
-    fmt = gradient_functions.get_attr(entry, "data_format") or b"NHWC"
-    return fmt in (b"NHWC", "NHWC") and axis < out_rank - 1
-  if entry.op_type.startswith("BatchMatMul"):
-    return p_rank == 2 and axis < out_rank - 2
-  # Elementwise: the parameter is broadcast (size 1 or absent) on the batch
-  # axis; size-1 axes move with it (a reshape of the parameter).
-  padded = [1] * (out_rank - p_rank) + itf.param.shape.as_list()
-  return p_rank <= out_rank and padded[axis] == 1 and all(
-      entry.inputs[i].shape.rank == out_rank for i in itf.data_indices)
-
-
-def normalise_batch_axis(itf: Interface, classifier: Classifier) -> Interface:
-  """`itf` with the examples where its rule expects them.
-
-  Rules take the examples on axis 0 of the data operand and the output (a
-  MatMul's on the rows of the matrix that holds them). Where the tracked
-  batch axis differs — time-major data, say — the data operand, the
-  outputs and their gradients are transposed to put it first, for ops that
-  stay the same op under that permutation.
+  `entries` should be `data_path(...)`: the allowlist contract of
+  `tf_pxg.batch_axis` is checked on every op from the inputs to the target.
+  A reduction over the batch axis is allowed only for a scalar target
+  (which is a sum over examples); everything else that mixes, or may (an
+  op off the allowlist), raises whatever the target.
 
   Raises:
-    ValueError: the examples are on another axis of an op that cannot be
-      permuted that way.
+    ValueError: naming the op, its name scope (the Keras layer), why it
+      mixes examples and what to do instead.
   """
-  entry = itf.entry
-  lays = [classifier.layout(entry.input_ids[i]) for i in itf.data_indices]
-  outs = [classifier.layout(t) for t in entry.output_ids]
-  known = [l for l in lays if l is not None]
-  minor = any(l[1] for l in known)
-  want_data, want_out = expected_axes(itf)
-  if (all(l[0] == want_data for l in known) and
-      all(l is None or want_out is None or l[0] == want_out for l in outs)):
-    itf.batch_minor = itf.batch_minor or minor
-    return itf
-  axis = known[0][0] if known else None
-  if entry.op_type == "Einsum" and len(known) == 1:
-    return _batch_letter_first(itf, axis, minor)
-  if (len({l[0] for l in known}) != 1 or want_data != 0 or
-      not _permutable(itf, axis)):
+  for entry in entries:
+    mixing = _mixing(entry, classifier)
+    if mixing is None or (mixing.kind == batch_axis.REDUCES and
+                          not vector_target):
+      continue
     raise ValueError(
-        f"{entry.describe()} consumes a parameter with the examples on axis "
-        f"{axis} of its data operand, which its per-example rule cannot take "
-        "(it expects them on axis 0). Transpose the data so the batch is "
-        "axis 0 before this op, or use tf.einsum with the batch letter "
-        "first.")
-  inputs = list(entry.inputs)
-  for i in itf.data_indices:
-    inputs[i] = _move_to_front(inputs[i], axis)
-  out_axes = [axis if l is None else l[0] for l in outs]
-  outputs = [_move_to_front(o, a) for o, a in zip(entry.outputs, out_axes)]
-  grads = [g if g is None else _move_to_front(g, a)
-           for g, a in zip(itf.output_grads, out_axes)]
-  original_id = original_shape = None
-  p = itf.param
-  out_rank = entry.outputs[0].shape.rank
-  if (entry.op_type in _ELEMENTWISE and p.shape.rank == out_rank and
-      p.shape.rank and p.shape[axis] == 1 and axis):
-    original_id, original_shape = itf.param_id, p.shape
-    moved_shape = [p.shape[axis]] + [n for a, n in enumerate(p.shape)
-                                     if a != axis]
-    inputs[itf.param_index] = tf.reshape(p, moved_shape)
-  moved = Entry(entry.op_type, tuple(inputs), tuple(outputs), entry.attrs,
-                entry.op, entry.scope, entry.index)
-  return Interface(moved, itf.param_index, grads, itf.data_indices, minor,
-                   itf.rule, original_param_id=original_id,
-                   original_param_shape=original_shape)
-
-
-def _batch_letter_first(itf: Interface, axis: int, minor: bool) -> Interface:
-  """An Einsum whose data operand has the examples on `axis`: the operand is
-  transposed to put them first and the equation rewritten to match."""
-  entry = itf.entry
-  eq = gradient_functions.get_attr(entry, "equation")
-  eq = eq.decode() if isinstance(eq, bytes) else eq
-  parsed = batch_axis.einsum_subscripts(
-      eq, [t.shape.rank for t in entry.inputs])
-  if parsed is None or len(entry.inputs) != 2:
-    raise ValueError(
-        f"{entry.describe()}: the examples are on axis {axis} of its data "
-        "operand and the equation could not be rewritten; put the batch "
-        "letter first.")
-  subs, out = parsed
-  d = itf.data_indices[0]
-  sub = subs[d]
-  subs = list(subs)
-  subs[d] = sub[axis] + sub[:axis] + sub[axis + 1:]
-  inputs = list(entry.inputs)
-  inputs[d] = _move_to_front(inputs[d], axis)
-  rewritten = Entry(entry.op_type, tuple(inputs), entry.outputs, entry.attrs,
-                    entry.op, entry.scope, entry.index,
-                    attr_overrides={"equation": f"{','.join(subs)}->{out}"})
-  return Interface(rewritten, itf.param_index, itf.output_grads,
-                   itf.data_indices, minor, itf.rule)
+        f"{entry.describe()} mixes examples: it {mixing.why}, so an "
+        "example's loss and gradient would depend on the other examples of "
+        "the batch and clipping its gradient would not bound its influence "
+        f"(no per-example gradient, no DP guarantee).{_hint(entry, mixing)}")

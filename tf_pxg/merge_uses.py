@@ -31,7 +31,8 @@ from typing import Callable, Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.interface import Classifier, Interface, expected_axes
+from tf_pxg.batch_axis import expected_axes
+from tf_pxg.interface import Classifier, Interface
 from tf_pxg.rules import base
 from tf_pxg.tape.recording import Entry
 

@@ -4,9 +4,13 @@
 
 1. phase 1 backpropagates the target down to the interface entries
    (`tf_pxg.interface`), computing data gradients with TF's gradient
-   functions and skipping the parameter inputs. Each interface is then put in the form its rule expects: examples first
-   (`tf_pxg.interface.normalise_batch_axis`, for data whose batch axis
-   `tf_pxg.batch_axis` tracked elsewhere), and the uses of one parameter
+   functions and skipping the parameter inputs. Before it, every op on the
+   data path, from the inputs to the target, is checked against the
+   allowlist of ops that keep examples apart (`tf_pxg.batch_axis`), so a
+   per-example result is never computed for examples that mix. Each
+   interface is then put in the form its rule expects: examples first
+   (`tf_pxg.batch_axis.normalise_batch_axis`, for data whose batch axis
+   was tracked elsewhere), and the uses of one parameter
    value by one kind of op (the T steps of an unrolled loop, a layer called
    twice) merged into one interface (`tf_pxg.merge_uses`);
 2. each interface's rule (`tf_pxg.registry`) gives per-example gradients,
@@ -35,9 +39,9 @@ from tf_pxg import merge_uses
 from tf_pxg import registry
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop.imperative_grad import imperative_grad
+from tf_pxg import batch_axis
 from tf_pxg.interface import (PARAM, Classifier, Interface,
-                              check_examples_independent,
-                              normalise_batch_axis)
+                              check_examples_independent, data_path)
 from tf_pxg.rules import base
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
@@ -105,14 +109,10 @@ class PerExampleBackprop:
     found: List[Interface] = []
 
     def backward(entry, out_grads, skip):
-      check_examples_independent(entry, classifier, self.vector_target)
       if not classifier.is_interface(entry):
         return gradient_functions.call_gradient_function(entry, out_grads, skip)
       params = classifier.param_inputs(entry)
-      if (control_flow.is_opaque(entry) and
-          registry.lookup(entry.op_type) is None):
-        raise control_flow.opaque_op_error(entry, self._names(
-            entry.input_ids[i] for i in params))
+      self._check_visible(entry)
       data = classifier.data_inputs(entry)
       minor = classifier.is_batch_minor(entry)
       for i in params:
@@ -128,9 +128,14 @@ class PerExampleBackprop:
           "examples, so it has no per-example gradients. Pass the batch as a "
           "tf.function argument (captured eager tensors become constants) and "
           "the target as a [B] vector of per-example values.")
+    path = data_path(self._recorder, target_id, classifier)
+    for entry in path:  # Loops and calls the tape cannot see into first.
+      self._check_visible(entry)
+    check_examples_independent(path, classifier, self.vector_target)
     imperative_grad(self._producer, {target_id: [output_gradient]}, param_ids,
                     backward)
-    found = [normalise_batch_axis(itf, classifier) for itf in found]
+    found = [batch_axis.normalise_batch_axis(itf, classifier.layout)
+             for itf in found]
     for itf in found:
       itf.rule = registry.lookup(itf.entry.op_type) or _FALLBACK
       try:
@@ -138,6 +143,15 @@ class PerExampleBackprop:
       except NotImplementedError:  # This instance is outside the rule's scope.
         itf.rule = _FALLBACK
     return found
+
+  def _check_visible(self, entry: Entry) -> None:
+    """Raises for a loop or call whose body the tape did not record and
+    that uses a parameter, naming the function and the variables."""
+    params = self._classifier.param_inputs(entry)
+    if (params and control_flow.is_opaque(entry) and
+        registry.lookup(entry.op_type) is None):
+      raise control_flow.opaque_op_error(entry, self._names(
+          entry.input_ids[i] for i in params))
 
   def _names(self, param_ids) -> list:
     """Names of the sources the PARAM tensors `param_ids` come from."""
@@ -301,7 +315,7 @@ def _one_chunk_set(itfs: List[Interface]) -> bool:
 
 def _reshape_back(itf: Interface, form: str, result):
   """A rule's result for a reshaped parameter operand, in the original shape
-  (`tf_pxg.interface.normalise_batch_axis` moves size-1 axes)."""
+  (`tf_pxg.batch_axis.normalise_batch_axis` moves size-1 axes)."""
   shape = itf.original_param_shape
   if shape is None or form == "sq_norm":
     return result

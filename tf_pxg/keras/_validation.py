@@ -51,13 +51,24 @@ def validate_dp_params(l2_norm_clip, noise_multiplier,
           validate_noise_multiplier(noise_multiplier))
 
 
-def check_no_batch_mixing_layers(model: keras.Model) -> None:
-  """Raises for trainable BatchNormalization layers (they mix examples).
+def _mixing_augmentations() -> tuple:
+  """Keras' augmentation layers that combine examples of a batch."""
+  return tuple(getattr(keras.layers, name) for name in ("MixUp", "CutMix")
+               if hasattr(keras.layers, name))
 
-  A BatchNormalization layer with `trainable=False` runs in inference mode
-  (moving statistics), so each example's output depends on that example only;
-  it is allowed.
+
+def check_no_batch_mixing_layers(model: keras.Model) -> None:
+  """Raises for layers known to mix examples, naming the layer.
+
+  Trainable BatchNormalization layers (batch statistics in training), and
+  MixUp / CutMix (each example is blended with another of the batch). A
+  BatchNormalization layer with `trainable=False` runs in inference mode
+  (moving statistics), so each example's output depends on that example
+  only; it is allowed. Other mixing ops are refused by the engine's
+  allowlist (`tf_pxg.batch_axis`) at the first training step, before any
+  update.
   """
+  mixers = _mixing_augmentations()
   for layer in model._flatten_layers(include_self=False):
     if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
       raise ValueError(
@@ -68,6 +79,15 @@ def check_no_batch_mixing_layers(model: keras.Model) -> None:
           "influence (no DP guarantee). Replace it with "
           "keras.layers.GroupNormalization or keras.layers.LayerNormalization "
           "(or freeze it with `layer.trainable = False`).")
+    if mixers and isinstance(layer, mixers):
+      raise ValueError(
+          f"Layer {layer.name!r} of model {model.name!r} is a "
+          f"{type(layer).__name__} layer: in training it blends each example "
+          "with another example of the batch, so an example's loss depends "
+          "on other examples and per-example clipping cannot bound its "
+          "influence (no DP guarantee). Remove it, and augment each example "
+          "on its own (RandomFlip, RandomCrop, RandomTranslation, "
+          "RandomRotation, ...).")
 
 
 def check_no_data_dependent_losses(model: keras.Model) -> None:
