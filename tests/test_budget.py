@@ -10,11 +10,16 @@ let `steps_per_execution=8` run 16 logical steps on a 10-step budget (and
 The target ε is the ε of exactly 10 logical steps; the model trains with
 sigma = 0 (the callback is told sigma = 1 for the accounting) and a fixed
 sampling seed, so its weights after the budget must equal a reference run's
-weights after its 10th logical step.
+weights after its 10th logical step. Also: two `fit` calls sharing one
+callback, a resumed `iterations`, XLA, and MirroredStrategy over 2 logical
+CPUs (`iterations` only: Keras' fit there needs `steps_per_execution=1`).
 """
 
 import math
+import os
+import textwrap
 
+import _multi_worker as multi_worker
 import dp_accounting
 import keras
 import numpy as np
@@ -184,3 +189,34 @@ def test_max_steps_is_consistent_with_compute_epsilon():
   m = callback.max_steps()
   assert callback.epsilon(m) <= TARGET < callback.epsilon(m + 1)
   assert math.isfinite(TARGET)
+
+
+_MIRRORED = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    """) + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import test_budget as t
+    x, y = t._data()
+    with strategy.scope():
+      model = t._model()
+    history = model.fit(x, y, batch_size=t.BATCH, epochs=4, verbose=0,
+                        callbacks=[t._callback()], accumulation_steps=2,
+                        physical_batch_size=8, sampling_seed=1)
+    print("RESULT", json.dumps(dict(
+        iterations=int(model.optimizer.iterations.numpy()),
+        epsilon=history.history["epsilon"][-1],
+        replicas=strategy.num_replicas_in_sync)))
+    """)
+
+
+def test_budget_under_mirrored_strategy():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = multi_worker.run_script(f"ROOT = {root!r}\n" + _MIRRORED,
+                                   timeout=300)
+  assert result["replicas"] == 2
+  assert result["iterations"] == STEPS
+  assert result["epsilon"] <= TARGET

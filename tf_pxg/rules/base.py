@@ -42,6 +42,7 @@ import tensorflow as tf
 from tensorflow.python.framework import indexed_slices
 
 from tf_pxg import native
+from tf_pxg import xla
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.tape.recording import Entry
 
@@ -232,12 +233,24 @@ def scale_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
 
 def drop_examples(t, c, batch_size, axis: int = 0, minor: bool = False):
   """`t` with example b's rows (batch on `axis`) exactly 0 where `c[b] ==
-  0`, unchanged elsewhere: `scale_examples` by the 0/1 mask `c != 0` (one
-  pass). Tensors that are not floating point, or scalars, pass through."""
+  0`, unchanged elsewhere: `scale_examples` by the 0/1 mask `c != 0`.
+  Tensors that are not floating point, or scalars, pass through.
+
+  Outside XLA the pass over `t` runs only when some `c[b]` is 0 (a
+  conditional on the `[B]` factors; either branch gives the same values);
+  under XLA, where a conditional copies the tensors it passes, always (a
+  select XLA fuses)."""
   if t is None or not t.dtype.is_floating or not t.shape.rank:
     return t
-  keep = tf.cast(tf.not_equal(c, tf.zeros_like(c)), t.dtype)
-  return scale_examples(t, keep, batch_size, axis, minor)
+  nonzero = tf.not_equal(c, tf.zeros_like(c))
+
+  def drop():
+    return scale_examples(t, tf.cast(nonzero, t.dtype), batch_size, axis,
+                          minor)
+
+  if xla.in_xla_context():
+    return drop()
+  return tf.cond(tf.reduce_all(nonzero), lambda: tf.identity(t), drop)
 
 
 def map_example_chunks(fn: Callable, tensors: Sequence[Any], batch_size,
