@@ -26,6 +26,21 @@ from tf_pxg.keras.optimizers import DPOptimizer
 _DP_CONFIG_KEYS = ("l2_norm_clip", "noise_multiplier")
 
 
+def _check_secure_mode(secure_mode, seed, where: str) -> bool:
+  """`secure_mode` as a bool; raises if it is not one or comes with a
+  seed."""
+  if not isinstance(secure_mode, bool):
+    raise TypeError(f"{where}: secure_mode must be True or False; got "
+                    f"{secure_mode!r}.")
+  if secure_mode and seed is not None:
+    raise ValueError(
+        f"{where}: secure_mode=True draws every noise key (and the "
+        f"sampler's randomness) from the OS CSPRNG, so it cannot be "
+        f"reproducible; got seed={seed!r}. Drop the seed, or use "
+        "secure_mode=False for reproducible tests.")
+  return secure_mode
+
+
 class _DPTrainingMixin:
   """DP-SGD `train_step` and DP settings for a Keras model class.
 
@@ -42,6 +57,13 @@ class _DPTrainingMixin:
     seed: seeds the noise generator (tests only); by default it is seeded
       from OS entropy. The seed is not saved with the model, so a reloaded
       model never replays the noise of a previous run.
+    secure_mode: draw every step's noise keys from the OS CSPRNG (no
+      generator state, nothing to replay) and sum four Gaussians per
+      coordinate against floating-point attacks (`tf_pxg.dp.secure`); the
+      Poisson sampler of `fit` reads `_dp_secure_mode` too. Works eagerly
+      and in `tf.function`, not under XLA: `jit_compile="auto"` then
+      compiles without XLA and `jit_compile=True` raises. Saved in the
+      config. A `DPOptimizer(secure_mode=True)` turns it on at `compile`.
 
   Data: `fit` samples Poisson batches by default (each example joins each
   logical step with probability `q = batch_size / N`, the sampling that
@@ -65,6 +87,9 @@ class _DPTrainingMixin:
   the model's step limit (`set_step_limit`; `PrivacyCallback(
   target_epsilon=...)` sets it), decided inside the compiled step.
 
+  Raises at construction: ValueError if `secure_mode=True` and `seed` are
+  both given.
+
   Raises (at `compile`, or at the first training step, before any update):
     ValueError: trainable BatchNormalization layers (they mix examples:
       use GroupNormalization/LayerNormalization), activity regularizers,
@@ -74,13 +99,17 @@ class _DPTrainingMixin:
 
   def __init__(self, *args, l2_norm_clip: Optional[float] = None,
                noise_multiplier: Optional[float] = None,
-               seed: Optional[int] = None, **kwargs):
+               seed: Optional[int] = None, secure_mode: bool = False,
+               **kwargs):
     clip, noise = _validation.validate_dp_params(
         l2_norm_clip, noise_multiplier, type(self).__name__)
+    secure_mode = _check_secure_mode(secure_mode, seed, type(self).__name__)
     super().__init__(*args, **kwargs)
     from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
     self._dp_l2_norm_clip = clip
     self._dp_noise_multiplier = noise
+    self._dp_secure_mode = secure_mode
+    self._dp_seed_given = seed is not None
     with tf.init_scope():
       self._dp_generator = dp_noise.make_generator(seed)
     _train_step.step_limit_variable(self)
@@ -91,6 +120,30 @@ class _DPTrainingMixin:
   def l2_norm_clip(self) -> Optional[float]:
     """The effective clip (the model's, else its DPOptimizer's)."""
     return self._resolve_dp_params(getattr(self, "optimizer", None))[0]
+
+  @property
+  def secure_mode(self) -> bool:
+    """Whether the noise keys come from the OS CSPRNG (`tf_pxg.dp.secure`)."""
+    return bool(getattr(self, "_dp_secure_mode", False))
+
+  def _dp_noise_source(self):
+    """The noise source of the train step: the model's generator, or a
+    `SecureNoiseSource` in secure mode (fresh OS keys at every draw)."""
+    if self.secure_mode:
+      from tf_pxg.dp import secure  # noqa: PLC0415
+      return secure.SecureNoiseSource()
+    return self._dp_generator
+
+  def _adopt_secure_mode(self, optimizer):
+    """A `DPOptimizer(secure_mode=True)` turns the model's secure mode on."""
+    if (isinstance(optimizer, DPOptimizer) and optimizer.secure_mode and
+        not self.secure_mode):
+      if getattr(self, "_dp_seed_given", False):
+        raise ValueError(
+            f"Model {self.name!r} was created with a noise seed, but its "
+            "DPOptimizer has secure_mode=True, which cannot be "
+            "reproducible. Create the model without `seed`.")
+      self._dp_secure_mode = True
 
   @property
   def noise_multiplier(self) -> Optional[float]:
@@ -124,6 +177,7 @@ class _DPTrainingMixin:
           "optimizer would unscale unscaled gradients. Use the float32 or "
           "mixed_bfloat16 dtype policy.")
     self._resolve_dp_params(optimizer, strict=True)
+    self._adopt_secure_mode(optimizer)
     inner = (optimizer.inner_optimizer if isinstance(optimizer, DPOptimizer)
              else optimizer)
     if getattr(inner, "gradient_accumulation_steps", None):
@@ -142,6 +196,12 @@ class _DPTrainingMixin:
   def compile(self, optimizer="rmsprop", *args, **kwargs):
     optimizer = keras.optimizers.get(optimizer)
     self._check_trainable_for_dp(optimizer)
+    if self.secure_mode:
+      jit = kwargs.get("jit_compile", "auto")
+      if jit is True:
+        from tf_pxg.dp import secure  # noqa: PLC0415
+        raise secure.xla_error(f"Model {self.name!r} with secure_mode=True")
+      kwargs["jit_compile"] = False
     super().compile(optimizer, *args, **kwargs)
 
   def compile_from_config(self, config):
@@ -156,7 +216,7 @@ class _DPTrainingMixin:
     optimizer = self.optimizer
     if isinstance(optimizer, DPOptimizer):
       optimizer = optimizer.inner_optimizer
-    return dp_train_step(self, data, clip, noise, self._dp_generator,
+    return dp_train_step(self, data, clip, noise, self._dp_noise_source(),
                          optimizer, accumulator_for=self._dp_accumulator_for)
 
   def dp_gradients(self, data):
@@ -171,7 +231,7 @@ class _DPTrainingMixin:
     self._check_trainable_for_dp(self.optimizer)
     clip, noise = self._resolve_dp_params(self.optimizer, strict=True)
     return _train_step.dp_gradients(self, data, clip, noise,
-                                     self._dp_generator,
+                                     self._dp_noise_source(),
                                      self._dp_accumulator_for)
 
   def dp_apply(self, result):
@@ -342,13 +402,16 @@ class _DPTrainingMixin:
     config = super().get_config()
     config["l2_norm_clip"] = self._dp_l2_norm_clip
     config["noise_multiplier"] = self._dp_noise_multiplier
+    config["secure_mode"] = self.secure_mode
     return config
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
     dp = {k: config.pop(k, None) for k in _DP_CONFIG_KEYS}
+    secure_mode = bool(config.pop("secure_mode", False))
     model = super().from_config(config, custom_objects=custom_objects)
+    model._dp_secure_mode = secure_mode
     clip, noise = _validation.validate_dp_params(
         dp["l2_norm_clip"], dp["noise_multiplier"], cls.__name__)
     model._dp_l2_norm_clip = clip
@@ -380,7 +443,8 @@ _DP_CLASSES = {keras.Model: DPModel, keras.Sequential: DPSequential}
 def make_dp_model_class(cls: type) -> type:
   """A subclass of the Keras model class `cls` that trains with DP-SGD.
 
-  The new class takes `l2_norm_clip`, `noise_multiplier` and `seed` keyword
+  The new class takes `l2_norm_clip`, `noise_multiplier`, `seed` and
+  `secure_mode` keyword
   arguments in addition to `cls`'s own, and is registered as
   `tf_pxg>DP<cls.__name__>` for `keras.models.load_model` (pass it in
   `custom_objects` if another class of that name was registered first).
@@ -408,8 +472,11 @@ def make_dp_model_class(cls: type) -> type:
 
 def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                  noise_multiplier: Optional[float] = None,
-                 seed: Optional[int] = None) -> keras.Model:
+                 seed: Optional[int] = None,
+                 secure_mode: bool = False) -> keras.Model:
   """A DP model sharing `model`'s layers and weights.
+
+  `secure_mode`: see `_DPTrainingMixin` (raises with a `seed`).
 
   Works for functional and `Sequential` models (the result is a `DPModel` or
   `DPSequential` over the same layer objects: training one trains the
@@ -425,7 +492,8 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
   clip, noise = _validation.validate_dp_params(l2_norm_clip, noise_multiplier,
                                                "make_private")
   _validation.check_no_batch_mixing_layers(model)
-  kwargs = dict(l2_norm_clip=clip, noise_multiplier=noise, seed=seed)
+  kwargs = dict(l2_norm_clip=clip, noise_multiplier=noise, seed=seed,
+                secure_mode=secure_mode)
   if isinstance(model, keras.Sequential):
     return DPSequential(model.layers, name=f"dp_{model.name}", **kwargs)
   if isinstance(model, Functional):

@@ -34,6 +34,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
       clipping.
     noise_multiplier: Gaussian noise of std `noise_multiplier * l2_norm_clip`
       is added to the sum of clipped gradients once per global step.
+    secure_mode: the model that compiles with this optimizer draws its
+      noise keys (and sampler randomness) from the OS CSPRNG every step and
+      sums four Gaussians per coordinate (`tf_pxg.dp.secure`); the model
+      must not have a `seed`. Saved in the config.
     name: optimizer name.
 
   Raises:
@@ -50,7 +54,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
   """
 
   def __init__(self, inner_optimizer, l2_norm_clip, noise_multiplier,
-               name=None, **kwargs):
+               name=None, secure_mode=False, **kwargs):
     if kwargs:
       raise ValueError(
           f"DPOptimizer does not take `{'`, `'.join(kwargs)}`; set them on "
@@ -63,10 +67,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
           f"got {inner_optimizer!r}.")
     clip = _validation.validate_l2_norm_clip(l2_norm_clip)
     noise = _validation.validate_noise_multiplier(noise_multiplier)
+    if not isinstance(secure_mode, bool):
+      raise TypeError("DPOptimizer: secure_mode must be True or False; got "
+                      f"{secure_mode!r}.")
     super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
     self.inner_optimizer = inner_optimizer
     self.l2_norm_clip = clip
     self.noise_multiplier = noise
+    self.secure_mode = secure_mode
 
   @tracking.no_automatic_dependency_tracking
   def build(self, var_list):
@@ -113,6 +121,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             serialization_lib.serialize_keras_object(self.inner_optimizer),
         "l2_norm_clip": self.l2_norm_clip,
         "noise_multiplier": self.noise_multiplier,
+        "secure_mode": self.secure_mode,
     }
 
   @classmethod
@@ -124,14 +133,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
 
 def DPSGD(l2_norm_clip: float, noise_multiplier: float,
+          secure_mode: bool = False,
           **sgd_kwargs) -> DPOptimizer:  # noqa: N802  (optimizer-class style)
   """DP-SGD: `DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), ...)`."""
   return DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), l2_norm_clip,
-                     noise_multiplier)
+                     noise_multiplier, secure_mode=secure_mode)
 
 
 def DPAdam(l2_norm_clip: float, noise_multiplier: float,
+           secure_mode: bool = False,
            **adam_kwargs) -> DPOptimizer:  # noqa: N802
   """DP-Adam: `DPOptimizer(keras.optimizers.Adam(**adam_kwargs), ...)`."""
   return DPOptimizer(keras.optimizers.Adam(**adam_kwargs), l2_norm_clip,
-                     noise_multiplier)
+                     noise_multiplier, secure_mode=secure_mode)
