@@ -17,15 +17,18 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg.data import poisson
+from tf_pxg.data import sampling_ops
 
 
-def _as_numpy_tree(data, name):
+def _as_tensor_tree(data, name):
+  """`data`'s arrays as tensors (held once; strings become tf.string)."""
   def convert(a):
-    a = np.asarray(a)
-    if a.ndim == 0:
+    t = a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(
+        a if np.asarray(a).dtype != object else np.asarray(a).astype(bytes))
+    if t.shape.rank == 0:
       raise ValueError(f"`{name}` holds a scalar; every array needs a "
                        "leading example axis.")
-    return a
+    return t
   data = tf.nest.map_structure(convert, data)
   # tf.data treats lists as tensors to stack; model inputs given as a list
   # are passed on as a tuple (Keras accepts both).
@@ -52,72 +55,89 @@ def num_examples(*structures) -> int:
 def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
                     sample_weight=None, repeat: bool = False,
                     batches: Optional[Callable[[], Iterable[
-                        poisson.PhysicalBatch]]] = None
+                        poisson.PhysicalBatch]]] = None,
+                    start_step: Optional[int] = None,
+                    num_parallel_calls=tf.data.AUTOTUNE
                     ) -> tf.data.Dataset:
-  """`sampler`'s physical batches of `(x, y)` as a dataset.
+  """`sampler`'s physical batches of `(x, y)` as a dataset, all TF ops.
+
+  Sampling (`tf_pxg.data.sampling_ops`: geometric skips, stateless RNG
+  keyed per step, O(B) per step) and gathering (`tf.gather` on tensors
+  held once in the dataset, as Keras' own array adapter does) run inside
+  `tf.data`: no Python generator, no GIL in the hot path, and the same
+  stream from a `tf.data` service or under `tf.distribute`.
 
   Args:
-    sampler: a `PoissonSampler` over `num_examples(x, y)` examples.
-    x: model inputs: an array or a nest (dict, tuple, list) of arrays with a
-      leading example axis, held in host memory.
+    sampler: a `PoissonSampler` over `num_examples(x, y)` examples; its
+      seed (or `secure_mode`) keys the stream.
+    x: model inputs: an array or tensor, or a nest (dict, tuple, list) of
+      them, with a leading example axis; any dtype, strings included.
     y: labels, same conventions.
     sample_weight: optional `[N]` (or `[N, ...]`) per-example weights; then
       `info` has a `dp_weight` entry.
-    repeat: draw logical steps forever instead of one epoch.
-    batches: optional; called at each iteration, returns the
-      `PhysicalBatch`es to feed instead of drawing from `sampler` (e.g. a
-      recorded stream, or the rest of a logical step).
+    repeat: draw logical steps forever instead of `sampler.steps_per_epoch`.
+    batches: optional; called once, here, and returns the `PhysicalBatch`es
+      to feed instead of sampling (e.g. a recorded stream).
+    start_step: key the stream's steps `start_step, start_step + 1, ...`
+      (each a pure function of `(seed, step)`): every iteration yields those
+      same steps, and a stream is resumed by starting where it stopped
+      (`fit` starts at `optimizer.iterations`). None (default): each
+      iteration draws fresh steps (a per-iteration nonce from the seeded
+      stream), reproducibly given the seed.
+    num_parallel_calls: for the gather map.
 
   Returns:
-    A `tf.data.Dataset` of `(x, y, info)` (see the module docstring). It is
-    re-iterable; each iteration draws `sampler.steps_per_epoch` fresh
-    logical steps (forever with `repeat`) from the sampler's stream.
+    A `tf.data.Dataset` of `(x, y, info)` (see the module docstring), `x`
+    and `y` with leading dimension P and their own dtypes.
 
   Raises:
     ValueError: sizes disagree with each other or with the sampler.
   """
-  x = _as_numpy_tree(x, "x")
-  y = _as_numpy_tree(y, "y")
+  x = _as_tensor_tree(x, "x")
+  y = _as_tensor_tree(y, "y")
   n = num_examples(x, y, sample_weight)
   if n != sampler.num_examples:
     raise ValueError(f"The sampler is for {sampler.num_examples} examples; "
                      f"the data has {n}.")
   weight = (None if sample_weight is None else
-            np.asarray(sample_weight, np.float32))
-  normalizer = np.full(sampler.physical_batch_size, sampler.expected_batch_size,
-                       np.float32)
+            tf.cast(tf.convert_to_tensor(sample_weight), tf.float32))
   p = sampler.physical_batch_size
+  if batches is not None:
+    recorded = list(batches())
+    index = tf.data.Dataset.from_tensor_slices((
+        np.stack([b.indices for b in recorded]).astype(np.int64)
+        if recorded else np.zeros((0, p), np.int64),
+        np.stack([b.mask for b in recorded]).astype(np.float32)
+        if recorded else np.zeros((0, p), np.float32),
+        np.array([b.step_end for b in recorded], bool)))
+  else:
+    index = sampling_ops.index_stream(
+        sampler, start_step=start_step,
+        num_steps=None if repeat else sampler.steps_per_epoch)
+  normalizer = tf.constant(sampler.expected_batch_size, tf.float32)
+  held = (x, y, weight)
 
-  def spec(a):
-    return tf.TensorSpec((p,) + a.shape[1:], tf.as_dtype(a.dtype))
+  def gather(batch, data):
+    idx, mask, step_end = batch
+    xs, ys, w = data
+    take = lambda a: tf.gather(a, idx)  # noqa: E731
+    info = {poisson.MASK: mask,
+            poisson.STEP_END: tf.fill([p], tf.cast(step_end, tf.float32)),
+            poisson.NORMALIZER: tf.fill([p], normalizer)}
+    if w is not None:
+      info[poisson.WEIGHT] = take(w)
+    return tf.nest.map_structure(take, xs), tf.nest.map_structure(take, ys), info
 
-  info_spec = {poisson.MASK: tf.TensorSpec((p,), tf.float32),
-               poisson.STEP_END: tf.TensorSpec((p,), tf.float32),
-               poisson.NORMALIZER: tf.TensorSpec((p,), tf.float32)}
-  if weight is not None:
-    info_spec[poisson.WEIGHT] = spec(weight)
-  signature = (tf.nest.map_structure(spec, x), tf.nest.map_structure(spec, y),
-               info_spec)
+  def fix_shapes(xs, ys, info):
+    def static(t):
+      return tf.ensure_shape(t, [p] + t.shape[1:].as_list())
+    return (tf.nest.map_structure(static, xs),
+            tf.nest.map_structure(static, ys), info)
 
-  def stream():
-    while True:
-      yield from sampler.epoch()
-      if not repeat:
-        return
-
-  def generate():
-    for batch in (stream() if batches is None else batches()):
-      take = lambda a, i=batch.indices: a[i]  # noqa: E731
-      info = {poisson.MASK: batch.mask,
-              poisson.STEP_END: np.full(p, float(batch.step_end), np.float32),
-              poisson.NORMALIZER: normalizer}
-      if weight is not None:
-        info[poisson.WEIGHT] = weight[batch.indices]
-      yield (tf.nest.map_structure(take, x), tf.nest.map_structure(take, y),
-             info)
-
-  return tf.data.Dataset.from_generator(
-      generate, output_signature=signature).prefetch(2)
+  data = tf.data.Dataset.from_tensors(held).repeat()
+  return tf.data.Dataset.zip((index, data)).map(
+      gather, num_parallel_calls=num_parallel_calls,
+      deterministic=True).map(fix_shapes).prefetch(tf.data.AUTOTUNE)
 
 
 def shard_batch(batch, num_shards: int, index):

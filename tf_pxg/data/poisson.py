@@ -43,15 +43,43 @@ is sampled once and each physical batch is split into R equal slices
 (`P` is a multiple of R): real rows are dealt round-robin over the slices,
 so every replica holds `ceil` or `floor` of its share.
 
-The sampler draws from `numpy.random.Generator` (PCG64), seeded from OS
-entropy unless a seed is given (tests, or to agree on one stream across the
-workers of a multi-worker job: then draw the seed from OS entropy on one
-worker and broadcast it).
+O(B) per step: geometric skips. Poisson sampling includes each index
+independently with probability q, i.e. it is a Bernoulli process on
+0, 1, ..., N-1. In a Bernoulli process the gaps between consecutive
+included indices are i.i.d. Geometric(q) (the number of failures before a
+success, `P(G = g) = (1-q)^g q`) and independent of everything before them
+(memorylessness). So the sample is exactly
+`{p_1 < p_2 < ... : p_i < N}` with `p_1 = G_1`, `p_{i+1} = p_i + 1 + G_{i+1}`,
+and drawing the gaps costs O(n + 1) = O(B) in expectation instead of the N
+uniforms of `U_i < q`. A gap is drawn by inversion,
+`G = floor(log(U) / log(1 - q))` with `U` uniform on (0, 1]:
+`P(G >= g) = P(U <= (1-q)^g) = (1-q)^g`. (With float64 `U` of 53 random
+bits the law is exact up to that resolution, the same as comparing a
+float64 uniform with q.) Equivalently: `n ~ Binomial(N, q)` and, given n,
+a uniformly random n-subset; the realised batch sizes and inclusions pass
+the same tests as the N-uniform sampler (`tests/test_sampling.py`).
+
+Randomness. Logical step t of a seeded sampler is a pure function of
+`(seed, t)`: the numpy sampler seeds a PCG64 generator with the key
+`[seed, t]`, the `tf.data` stream (`tf_pxg.data.poisson_dataset`) keys
+TensorFlow's stateless Philox with `fold_in(seed, t)`. So a stream can be
+resumed at any step (`fit` continues at `optimizer.iterations`) and agrees
+across the workers of a multi-worker job given the same seed (draw it from
+OS entropy on one worker and broadcast it). Without a seed, the seed is
+drawn from OS entropy (`secrets`). With `secure_mode=True` there is no seed
+at all: every logical step takes fresh randomness from the operating
+system's CSPRNG (`os.urandom` for the numpy sampler: every uniform is 53
+bits read from it; the `tf.data` stream reads a fresh 128-bit key per step
+from `/dev/urandom` and expands only that step's draws from it with
+stateless Philox), so no step can be predicted from another and two runs
+never repeat; a `seed` with `secure_mode=True` raises.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import secrets
 from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
@@ -111,17 +139,27 @@ class PoissonSampler:
       normally spans (more only on overflow, see the module docstring).
     num_replicas: R; rows are dealt round-robin over R equal slices.
     steps_per_epoch: logical steps per epoch; default `ceil(N / B)`.
-    seed: an int for a reproducible stream; None draws from OS entropy.
+    seed: a non-negative int for a reproducible stream (step t is a pure
+      function of `(seed, t)`); None draws the seed from OS entropy.
+    secure_mode: draw every step's randomness from the OS CSPRNG
+      (`os.urandom`) instead of a seeded stream; see the module docstring.
+    start_step: the index of the first logical step `logical_step` /
+      `sample_indices` draw (to resume a seeded stream).
+
+  Attributes:
+    seed: the stream's seed (None in secure mode).
+    next_step: the index of the next logical step the stateful methods draw.
 
   Raises:
-    ValueError: invalid sizes (named).
+    ValueError: invalid sizes (named); `seed` together with `secure_mode`.
   """
 
   def __init__(self, num_examples: int, expected_batch_size: float,
                physical_batch_size: Optional[int] = None,
                accumulation_steps: int = 1, num_replicas: int = 1,
                steps_per_epoch: Optional[int] = None,
-               seed: Optional[int] = None):
+               seed: Optional[int] = None, secure_mode: bool = False,
+               start_step: int = 0):
     _check_positive_int(num_examples, "num_examples")
     _check_positive(expected_batch_size, "expected_batch_size")
     _check_positive_int(accumulation_steps, "accumulation_steps")
@@ -149,12 +187,36 @@ class PoissonSampler:
     self.accumulation_steps = int(accumulation_steps)
     self.num_replicas = int(num_replicas)
     self.steps_per_epoch = int(steps_per_epoch)
-    self._rng = np.random.default_rng(seed)
+    self.secure_mode = bool(secure_mode)
+    self.seed = resolve_seed(seed, self.secure_mode)
+    if isinstance(start_step, bool) or not isinstance(
+        start_step, (int, np.integer)) or start_step < 0:
+      raise ValueError(
+          f"`start_step` must be a non-negative integer; got {start_step!r}.")
+    self.next_step = int(start_step)
+
+  def indices_for_step(self, step: int) -> np.ndarray:
+    """The sorted indices of logical step `step` (O(B) work, see module doc).
+
+    A pure function of `(seed, step)`; in secure mode every call draws
+    fresh OS randomness (there is no stream to index).
+
+    Returns:
+      `[n]` int64, sorted, distinct, in `[0, N)`; `n ~ Binomial(N, q)`.
+    """
+    if self.secure_mode:
+      uniforms = _os_uniforms
+    else:
+      rng = np.random.default_rng([self.seed, int(step)])
+      uniforms = lambda size: 1.0 - rng.random(size)  # noqa: E731  (0, 1]
+    return geometric_skip_indices(uniforms, self.num_examples,
+                                  self.sampling_rate)
 
   def sample_indices(self) -> np.ndarray:
-    """The indices of one Poisson sample (sorted; size ~ Binomial(N, q))."""
-    keep = self._rng.random(self.num_examples) < self.sampling_rate
-    return np.flatnonzero(keep).astype(np.int64)
+    """The indices of the next Poisson sample (sorted; ~ Binomial(N, q))."""
+    step = self.next_step
+    self.next_step += 1
+    return self.indices_for_step(step)
 
   def layout(self, indices: np.ndarray) -> list:
     """Lays a logical batch's `indices` out as `PhysicalBatch`es.
@@ -186,6 +248,71 @@ class PoissonSampler:
     """The physical batches of `steps_per_epoch` fresh logical steps."""
     for _ in range(self.steps_per_epoch):
       yield from self.logical_step()
+
+
+def resolve_seed(seed, secure_mode: bool) -> Optional[int]:
+  """The sampler seed: `seed`, or 63 bits of OS entropy, or None (secure).
+
+  Raises:
+    ValueError: `seed` given with `secure_mode=True`, or not an int >= 0.
+  """
+  if secure_mode:
+    if seed is not None:
+      raise ValueError(
+          f"A sampling seed ({seed!r}) was given together with "
+          "secure_mode=True: secure mode draws every step's randomness from "
+          "the OS CSPRNG, so a seed would be ignored (or, if honoured, make "
+          "the sample predictable). Drop the seed, or turn secure_mode off "
+          "for a reproducible (test) run.")
+    return None
+  if seed is None:
+    return secrets.randbits(63)
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or (
+      seed < 0):
+    raise ValueError(f"`seed` must be a non-negative integer or None; got "
+                     f"{seed!r}.")
+  return int(seed)
+
+
+def _os_uniforms(size: int) -> np.ndarray:
+  """`size` float64 uniforms on (0, 1], 53 bits each from `os.urandom`."""
+  bits = np.frombuffer(os.urandom(8 * size), np.uint64) >> np.uint64(11)
+  return (bits.astype(np.float64) + 1.0) * 2.0 ** -53
+
+
+def gap_chunk_size(num_examples: int, sampling_rate: float) -> int:
+  """Gaps drawn per round: `Nq + 6 sqrt(Nq) + 16` (one round ~always)."""
+  mean = num_examples * sampling_rate
+  return int(min(num_examples + 1, math.ceil(mean + 6 * math.sqrt(mean) + 16)))
+
+
+def geometric_skip_indices(uniforms, num_examples: int,
+                           sampling_rate: float) -> np.ndarray:
+  """A Poisson sample of `range(num_examples)` by geometric skips.
+
+  Args:
+    uniforms: `uniforms(size)` returns `[size]` float64 uniforms on (0, 1].
+    num_examples: N.
+    sampling_rate: q in (0, 1].
+
+  Returns:
+    `[n]` sorted distinct int64 indices; each index included independently
+    with probability q (module docstring: the gaps of a Bernoulli process
+    are i.i.d. Geometric(q)). Expected work O(Nq + 1).
+  """
+  n, q = int(num_examples), float(sampling_rate)
+  if q >= 1.0:
+    return np.arange(n, dtype=np.int64)
+  log1mq = math.log1p(-q)
+  chunk = gap_chunk_size(n, q)
+  parts, last = [], -1
+  while last < n:
+    gaps = np.floor(np.log(uniforms(chunk)) / log1mq)
+    gaps = np.minimum(gaps, n).astype(np.int64)  # anything >= N ends it
+    positions = last + np.cumsum(gaps + 1)
+    parts.append(positions[positions < n])
+    last = int(positions[-1])
+  return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def _check_positive(value, name):

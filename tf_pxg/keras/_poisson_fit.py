@@ -1,20 +1,38 @@
 """The Poisson data path of a DP model's `fit` (see `tf_pxg.data.poisson`).
 
-`prepare` turns `fit`'s arrays into an endless `tf.data` stream of masked
-physical batches, builds the model and its `LogicalStepAccumulator`;
-Keras' epochs then count `k * steps_per_epoch` physical batches. A logical
-step that overflowed into extra physical batches shifts the later steps'
-boundaries, so when `fit` ends, the last logical step may be unfinished:
-`finish` feeds its remaining physical batches (recorded by `_Feed`, so the
-same examples), so every logical step that was started is completed, the
-same data as if the epoch had been longer. If training was stopped early
-(e.g. `PrivacyCallback`'s budget), the unfinished step is discarded instead:
-nothing of it was released, and completing it could exceed the budget.
+`prepare` turns `fit`'s arrays or tensors (any dtype, strings included)
+into an endless `tf.data` stream of masked physical batches, sampled and
+gathered by TF ops (`tf_pxg.data.poisson_dataset`: no Python generator),
+and builds the model and its `LogicalStepAccumulator`. Keras' epochs then
+count `k * steps_per_epoch` physical batches.
+
+The stream is keyed by logical step: it starts at the model's
+`optimizer.iterations` (0 for a fresh optimizer), so a run resumed from a
+checkpoint (weights and optimizer restored) with the same `sampling_seed`
+draws exactly the steps the uninterrupted run would have drawn from there
+(a checkpoint holds no partial logical step: the accumulator is not model
+state, so the step is redone from its first physical batch). Without a
+seed, a fresh OS-entropy seed is drawn per `fit`: the law (independent
+Poisson steps) is the same, the draws differ.
+
+`secure_mode`: when the model has `_dp_secure_mode` True (set by the DP
+models' `secure_mode=True`), every step's sampling randomness comes from the
+OS CSPRNG (`tf_pxg.data.sampling_ops.urandom_keys`) and `sampling_seed`
+raises.
+
+A logical step that overflowed into extra physical batches shifts the
+later steps' boundaries, so when `fit` ends the last logical step may be
+unfinished: `finish` recomputes its remaining physical batches (the step is
+a pure function of the seed and its index,
+`start + optimizer.iterations - iterations at start`) and feeds them, so
+every logical step that was started is completed, the same data as if the
+epoch had been longer. If training was stopped early (e.g.
+`PrivacyCallback`'s budget), or in secure mode (a step cannot be redrawn),
+the unfinished step is discarded instead: nothing of it was released, and
+`optimizer.iterations` (hence ε) counts only applied steps.
 """
 
 from __future__ import annotations
-
-import collections
 
 import keras
 import numpy as np
@@ -23,37 +41,26 @@ from keras.src.trainers.data_adapters import array_slicing
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tf_pxg import data as dp_data
-
-# Logical steps of history kept to finish a step (prefetching runs ahead of
-# training by a few physical batches only).
-_HISTORY_STEPS = 256
+from tf_pxg.data import sampling_ops
 
 
 class _Feed:
-  """Endless physical batches of a sampler, remembering recent steps."""
+  """The sampler of a `fit`, where its stream started, and how to finish."""
 
-  def __init__(self, sampler):
+  def __init__(self, sampler, start_step: int):
     self.sampler = sampler
-    self._history = collections.deque()
+    self.start_step = int(start_step)
 
-  def stream(self):
-    # Each iteration records into its own history (an abandoned iterator's
-    # prefetching thread may still run); the newest one is the training's.
-    history = collections.deque(maxlen=_HISTORY_STEPS)
-    self._history = history
-    position = 0
-    while True:
-      step = self.sampler.logical_step()
-      history.append((position, step))
-      position += len(step)
-      yield from step
-
-  def remaining(self, consumed: int) -> list:
-    """The physical batches left of the step holding batch `consumed - 1`."""
-    for start, step in self._history:
-      if start < consumed < start + len(step):
-        return step[consumed - start:]
-    return []
+  def remaining(self, model, in_step: int) -> list:
+    """The `PhysicalBatch`es left of the unfinished step (`in_step` fed)."""
+    if self.sampler.secure_mode or in_step <= 0:
+      return []
+    done = int(model.optimizer.iterations.numpy()) - self.start_step
+    stream = sampling_ops.index_stream(
+        self.sampler, start_step=self.start_step + done, num_steps=1)
+    batches = [dp_data.PhysicalBatch(i, m, bool(e))
+               for i, m, e in stream.as_numpy_iterator()]
+    return batches[in_step:]
 
 
 def _to_arrays(dataset: tf.data.Dataset):
@@ -82,6 +89,16 @@ def _to_arrays(dataset: tf.data.Dataset):
                for parts in zip(*items))
 
 
+def _tensors(tree):
+  """Arrays (numpy, lists, object arrays of str/bytes) as tensors."""
+  def convert(a):
+    if isinstance(a, tf.Tensor):
+      return a
+    a = np.asarray(a)
+    return tf.convert_to_tensor(a.astype(bytes) if a.dtype == object else a)
+  return None if tree is None else tf.nest.map_structure(convert, tree)
+
+
 def prepare(model, x, y, sample_weight, class_weight, batch_size,
             validation_split, validation_data, accumulation_steps,
             physical_batch_size, steps_per_epoch, seed):
@@ -89,9 +106,21 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
 
   Returns:
     `(dataset, feed, data, validation_data)`: the endless dataset, its
-    `_Feed`, the training `(x, y, sample_weight)` arrays, and the
+    `_Feed`, the training `(x, y, sample_weight)` tensors, and the
     validation data (split off with `validation_split`).
+
+  Raises:
+    ValueError: data that cannot be Poisson-sampled (named, with the fix);
+      `sampling_seed` given to a model in secure mode.
   """
+  secure = bool(getattr(model, "_dp_secure_mode", False))
+  if secure and seed is not None:
+    raise ValueError(
+        f"fit got sampling_seed={seed!r} for a model created with "
+        "secure_mode=True: secure mode draws every step's sampling "
+        "randomness from the OS CSPRNG, so a seed cannot apply. Drop "
+        "`sampling_seed`, or create the model without secure_mode for a "
+        "reproducible (test) run.")
   if isinstance(x, tf.data.Dataset):
     parts = _to_arrays(x)
     x, y = parts[0], parts[1]
@@ -115,22 +144,26 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
       raise ValueError("Pass `sample_weight` or `class_weight`, not both.")
     sample_weight = data_adapter_utils.class_weight_to_sample_weights(
         np.asarray(y), class_weight)
+  x, y, sample_weight = _tensors(x), _tensors(y), _tensors(sample_weight)
   strategy = model.distribute_strategy
   n = dp_data.num_examples(x, y, sample_weight)
+  start = (int(model.optimizer.iterations.numpy())
+           if getattr(model, "optimizer", None) is not None else 0)
   sampler = dp_data.PoissonSampler(
       n, min(32, n) if batch_size is None else batch_size,
       physical_batch_size=physical_batch_size,
       accumulation_steps=accumulation_steps,
       num_replicas=strategy.num_replicas_in_sync,
-      steps_per_epoch=steps_per_epoch, seed=seed)
-  feed = _Feed(sampler)
+      steps_per_epoch=steps_per_epoch, seed=seed, secure_mode=secure,
+      start_step=start)
+  feed = _Feed(sampler, start)
   dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,
-                                    batches=feed.stream)
+                                    repeat=True, start_step=start)
   # Build what is unbuilt (model, optimizer, compiled loss and metrics) on
-  # plain arrays: Keras would otherwise build them under a strategy from
+  # plain tensors: Keras would otherwise build them under a strategy from
   # the first element of the stream, whose `sample_weight` slot is `info`.
   sample = tf.nest.map_structure(
-      lambda a: np.asarray(a)[:sampler.physical_batch_size], (x, y))
+      lambda a: a[:sampler.physical_batch_size], (x, y))
   with strategy.scope():
     model._symbolic_build(data_batch=(sample[0], sample[1], None))
   with strategy.scope():
@@ -141,8 +174,8 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
 def finish(model, feed, data):
   """Completes (or, after an early stop, discards) an unfinished step."""
   accumulator = model._dp_accumulator_for(list(model.trainable_variables))
-  consumed = int(accumulator.position.read_value())
-  rest = [] if model.stop_training else feed.remaining(consumed)
+  in_step = int(accumulator.in_step.read_value())
+  rest = [] if model.stop_training else feed.remaining(model, in_step)
   if rest:
     dataset = dp_data.poisson_dataset(feed.sampler, *data,
                                       batches=lambda: rest)

@@ -1,0 +1,179 @@
+"""Poisson sampling and layout as TensorFlow ops (no Python per step).
+
+The `tf.data` stream of `tf_pxg.data.poisson_dataset` is built from these:
+
+- `step_indices(key, N, q)`: one logical step's sorted indices by geometric
+  skips (the O(B) algorithm and its derivation: `tf_pxg.data.poisson`),
+  drawn with stateless RNG ops from a `[2]` int64 key.
+- `step_key(seed, step)` / `urandom_keys()`: the per-step key, a pure
+  function of `(seed, step)`, or (secure mode) 128 fresh bits per step read
+  from the OS CSPRNG (`/dev/urandom`) by a `tf.data` file reader.
+- `layout(indices, ...)`: the step's `[m, P]` index and mask matrices, the
+  same layout as `PoissonSampler.layout`.
+- `index_stream(...)`: a dataset of `(indices [P], mask [P], step_end)`
+  physical batches, to be gathered from tensors held once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import tensorflow as tf
+
+from tf_pxg.data import poisson
+
+_URANDOM = "/dev/urandom"
+
+
+def step_key(seed: int, step) -> tf.Tensor:
+  """The `[2]` int64 stateless key of logical step `step` under `seed`."""
+  base = tf.constant([seed >> 32, seed & 0xFFFFFFFF], tf.int64)
+  return tf.cast(tf.random.experimental.stateless_fold_in(
+      base, tf.cast(step, tf.int64)), tf.int64)
+
+
+def urandom_keys() -> tf.data.Dataset:
+  """An endless dataset of `[2]` int64 keys, 128 bits each from the OS CSPRNG.
+
+  `/dev/urandom` read as a text file (it never ends) gives random lines;
+  dropping each line's last byte (the reader strips a `\\r` before `\\n`)
+  leaves i.i.d. bytes uniform on the 255 values other than `\\n`, so a key
+  of 16 such bytes carries 16 log2(255) = 127.9 bits of OS entropy. No
+  Python runs per element.
+
+  Raises:
+    ValueError: no `/dev/urandom` on this system (then use the numpy
+      `PoissonSampler(secure_mode=True)`, which reads `os.urandom`).
+  """
+  if not os.path.exists(_URANDOM):
+    raise ValueError(
+        "secure_mode's tf.data stream reads the OS CSPRNG from /dev/urandom, "
+        "which this system does not have. Use PoissonSampler(secure_mode="
+        "True) with your own input pipeline (it reads os.urandom).")
+  lines = tf.data.TextLineDataset(_URANDOM).filter(
+      lambda line: tf.strings.length(line) >= 17)
+
+  def to_key(line):
+    raw = tf.io.decode_raw(tf.strings.substr(line, 0, 16), tf.uint8)
+    words = tf.reshape(tf.cast(raw, tf.int64), [2, 8])
+    shifts = tf.constant([56, 48, 40, 32, 24, 16, 8, 0], tf.int64)
+    # Two 64-bit words (wrapping into int64 is fine for a key).
+    return tf.reduce_sum(tf.bitwise.left_shift(words, shifts), axis=1)
+
+  return lines.map(to_key)
+
+
+def step_indices(key, num_examples: int, sampling_rate: float,
+                 alg: str = "philox") -> tf.Tensor:
+  """One Poisson sample of `range(N)` by geometric skips, as TF ops.
+
+  Args:
+    key: `[2]` int64 stateless key of the step.
+    num_examples: N.
+    sampling_rate: q in (0, 1].
+    alg: the stateless RNG algorithm (TensorFlow's name, e.g. "philox").
+
+  Returns:
+    `[n]` int64 sorted distinct indices, each included independently with
+    probability q (see `tf_pxg.data.poisson`). Expected work O(Nq + 1):
+    `gap_chunk_size` gaps per round, one round except with probability
+    below 1e-8.
+  """
+  n, q = int(num_examples), float(sampling_rate)
+  if q >= 1.0:
+    return tf.range(n, dtype=tf.int64)
+  chunk = poisson.gap_chunk_size(n, q)
+  log1mq = tf.constant(math.log1p(-q), tf.float64)
+  key = tf.cast(key, tf.int64)
+
+  def body(round_, last, found):
+    seed = tf.random.experimental.stateless_fold_in(key, round_, alg=alg)
+    u = 1.0 - tf.random.stateless_uniform([chunk], seed, dtype=tf.float64,
+                                          alg=alg)  # (0, 1]
+    gaps = tf.minimum(tf.floor(tf.math.log(u) / log1mq), float(n))
+    positions = last + tf.cumsum(tf.cast(gaps, tf.int64) + 1)
+    found = tf.concat([found, tf.boolean_mask(positions, positions < n)], 0)
+    return round_ + 1, positions[-1], found
+
+  _, _, found = tf.while_loop(
+      lambda r, last, f: last < n, body,
+      (tf.constant(0, tf.int64), tf.constant(-1, tf.int64),
+       tf.zeros([0], tf.int64)),
+      shape_invariants=(tf.TensorShape([]), tf.TensorShape([]),
+                        tf.TensorShape([None])))
+  return found
+
+
+def layout(indices, physical_batch_size: int, accumulation_steps: int,
+           num_replicas: int):
+  """A step's `[m, P]` indices and mask, `PoissonSampler.layout`'s layout.
+
+  `m = max(k, ceil(n / P))`; example `c` goes to physical batch `c mod m`,
+  slot `(j mod R) * P/R + j div R` with `j = c div m`. Padding rows hold
+  index 0 and mask 0.
+
+  Returns:
+    `(indices [m, P] int64, mask [m, P] float32, step_end [m] bool)`.
+  """
+  p, k, r = physical_batch_size, accumulation_steps, num_replicas
+  indices = tf.cast(indices, tf.int64)
+  n = tf.shape(indices, out_type=tf.int64)[0]
+  m = tf.maximum(tf.constant(k, tf.int64), (n + p - 1) // p)
+  c = tf.range(n)
+  j = c // m
+  slot = (j % r) * (p // r) + j // r
+  where = tf.stack([c % m, slot], axis=1)
+  shape = tf.stack([m, tf.constant(p, tf.int64)])
+  idx = tf.scatter_nd(where, indices, shape)
+  mask = tf.scatter_nd(where, tf.ones([n], tf.float32), shape)
+  return idx, mask, tf.equal(tf.range(m), m - 1)
+
+
+def index_stream(sampler: "poisson.PoissonSampler",
+                 start_step: Optional[int] = None,
+                 num_steps: Optional[int] = None) -> tf.data.Dataset:
+  """Physical batches of indices: `(indices [P], mask [P], step_end)`.
+
+  Args:
+    sampler: gives N, q, P, k, R, the seed and `secure_mode`.
+    start_step: key the steps `start_step, start_step + 1, ...` (a pure
+      function of `(seed, step)`: every iteration yields the same steps,
+      and a stream can be resumed at any step). None: each iteration draws
+      a fresh epoch nonce (from a seeded `tf.data` random stream that
+      re-randomises per iteration), so re-iterating yields fresh steps,
+      reproducibly given the seed.
+    num_steps: logical steps per iteration; None for endless.
+
+  In secure mode every step's 128-bit key is read from the OS CSPRNG (no
+  seed, nothing shared between steps); `start_step` then only counts.
+  """
+  n, q = sampler.num_examples, sampler.sampling_rate
+  p, k, r = (sampler.physical_batch_size, sampler.accumulation_steps,
+             sampler.num_replicas)
+  alg = "philox"
+  steps = (tf.data.Dataset.range(num_steps) if num_steps is not None else
+           tf.data.Dataset.range(2 ** 62))
+  if sampler.secure_mode:
+    keys = tf.data.Dataset.zip((steps, urandom_keys())).map(
+        lambda t, key: key)
+  elif start_step is not None:
+    keys = steps.map(lambda t: step_key(sampler.seed, t + start_step))
+  else:
+    nonces = tf.data.Dataset.random(
+        seed=sampler.seed % (2 ** 63), rerandomize_each_iteration=True
+    ).batch(2).take(1)
+
+    def epoch(nonce):
+      base = step_key(sampler.seed, 0) + nonce
+      return steps.map(lambda t: tf.cast(
+          tf.random.experimental.stateless_fold_in(base, t), tf.int64))
+
+    keys = nonces.flat_map(epoch)
+
+  def physical_batches(key):
+    idx, mask, end = layout(step_indices(key, n, q, alg), p, k, r)
+    return tf.data.Dataset.from_tensor_slices((idx, mask, end))
+
+  return keys.flat_map(physical_batches)
