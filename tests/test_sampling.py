@@ -28,27 +28,24 @@ def _sizes_and_counts(sampler, steps):
   return sizes, counts
 
 
-def test_realised_batch_sizes_follow_binomial():
-  sampler = dpd.PoissonSampler(N, B, seed=0)
-  q = sampler.sampling_rate
-  sizes, _ = _sizes_and_counts(sampler, STEPS)
-  mean, var = N * q, N * q * (1 - q)
-  assert abs(sizes.mean() / mean - 1) < 0.05, (sizes.mean(), mean)
-  assert abs(sizes.var(ddof=1) / var - 1) < 0.05, (sizes.var(ddof=1), var)
-  # Chi-square goodness of fit on bins holding >= 5 expected counts each
-  # (tails pooled), against Binomial(N, q).
-  edges = np.arange(int(stats.binom.ppf(0.005, N, q)),
-                    int(stats.binom.ppf(0.995, N, q)) + 1)
+def binomial_chi_square_p(sizes, n, q):
+  """p-value of a chi-square test of `sizes` against Binomial(n, q).
+
+  Bins between the 0.5% and 99.5% quantiles, tails pooled, adjacent bins
+  merged until each expects >= 5.
+  """
+  steps = len(sizes)
+  edges = np.arange(int(stats.binom.ppf(0.005, n, q)),
+                    int(stats.binom.ppf(0.995, n, q)) + 1)
   observed = [np.sum(sizes < edges[0])]
-  expected = [stats.binom.cdf(edges[0] - 1, N, q)]
+  expected = [stats.binom.cdf(edges[0] - 1, n, q)]
   for k in edges:
     observed.append(np.sum(sizes == k))
-    expected.append(stats.binom.pmf(k, N, q))
+    expected.append(stats.binom.pmf(k, n, q))
   observed.append(np.sum(sizes > edges[-1]))
-  expected.append(stats.binom.sf(edges[-1], N, q))
-  expected = np.array(expected) * STEPS
+  expected.append(stats.binom.sf(edges[-1], n, q))
+  expected = np.array(expected) * steps
   observed = np.array(observed, float)
-  # Merge adjacent bins until each expects >= 5.
   obs_m, exp_m, o, e = [], [], 0.0, 0.0
   for oi, ei in zip(observed, expected):
     o, e = o + oi, e + ei
@@ -59,7 +56,33 @@ def test_realised_batch_sizes_follow_binomial():
   obs_m[-1] += o
   exp_m[-1] += e
   _, p = stats.chisquare(obs_m, np.array(exp_m) * sum(obs_m) / sum(exp_m))
+  return p
+
+
+def check_binomial_sizes(sizes, n, q):
+  """Mean and variance within 5% of Binomial(n, q)'s, chi-square p > 1e-3."""
+  mean, var = n * q, n * q * (1 - q)
+  assert abs(sizes.mean() / mean - 1) < 0.05, (sizes.mean(), mean)
+  assert abs(sizes.var(ddof=1) / var - 1) < 0.05, (sizes.var(ddof=1), var)
+  p = binomial_chi_square_p(sizes, n, q)
   assert p > 1e-3, p
+
+
+def check_inclusion(counts, steps, q):
+  """Each example's count over `steps` steps is Binomial(steps, q)."""
+  freq = counts / steps
+  sd = math.sqrt(q * (1 - q) / steps)
+  assert abs(freq.mean() - q) < 4 * sd / math.sqrt(len(counts))
+  # Every example: within 5 sd of q (N = 1000 tests, two-sided 5.7e-7 each).
+  assert np.all(np.abs(freq - q) < 5 * sd), np.abs(freq - q).max() / sd
+  # The counts' spread is Binomial(T, q)'s.
+  assert abs(counts.var(ddof=1) / (steps * q * (1 - q)) - 1) < 0.15
+
+
+def test_realised_batch_sizes_follow_binomial():
+  sampler = dpd.PoissonSampler(N, B, seed=0)
+  sizes, _ = _sizes_and_counts(sampler, STEPS)
+  check_binomial_sizes(sizes, N, sampler.sampling_rate)
 
 
 def test_fixed_size_batches_fail_the_binomial_check():
@@ -71,15 +94,8 @@ def test_fixed_size_batches_fail_the_binomial_check():
 
 def test_each_example_included_with_probability_q():
   sampler = dpd.PoissonSampler(N, B, seed=1)
-  q = sampler.sampling_rate
   _, counts = _sizes_and_counts(sampler, STEPS)
-  freq = counts / STEPS
-  sd = math.sqrt(q * (1 - q) / STEPS)
-  assert abs(freq.mean() - q) < 4 * sd / math.sqrt(N)
-  # Every example: within 5 sd of q (N = 1000 tests, two-sided 5.7e-7 each).
-  assert np.all(np.abs(freq - q) < 5 * sd), np.abs(freq - q).max() / sd
-  # The counts' spread is Binomial(T, q)'s.
-  assert abs(counts.var(ddof=1) / (STEPS * q * (1 - q)) - 1) < 0.15
+  check_inclusion(counts, STEPS, sampler.sampling_rate)
 
 
 def test_unseeded_samplers_differ_and_seeded_repeat():
