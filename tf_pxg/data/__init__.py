@@ -6,7 +6,10 @@ per-row mask; `poisson_dataset` turns them into a `tf.data.Dataset` of
 `(x, y, info)` that a DP model's `fit` and custom loops consume;
 `for_input_pipeline` splits global batches for
 `strategy.distribute_datasets_from_function`.
-See `tf_pxg.data.poisson` for the semantics and the overflow rule.
+`PoissonShards` reads the step-ordered TFRecord shards that the Apache
+Beam pipeline `tf_pxg.data.beam` (optional extra `tf_pxg[beam]`) writes for
+data beyond memory. See `tf_pxg.data.poisson` for the semantics and the
+overflow rule, `docs/sampling.md` for which path to use at which size.
 """
 
 from tf_pxg.data.dataset import dp_batch_info
@@ -22,12 +25,14 @@ from tf_pxg.data.poisson import PhysicalBatch
 from tf_pxg.data.poisson import PoissonSampler
 from tf_pxg.data.poisson import STEP_END
 from tf_pxg.data.poisson import WEIGHT
+from tf_pxg.data.shards import PoissonShards
 
 __all__ = [
     "MASK",
     "NORMALIZER",
     "PhysicalBatch",
     "PoissonSampler",
+    "PoissonShards",
     "STEP_END",
     "WEIGHT",
     "default_physical_batch_size",

@@ -225,20 +225,8 @@ class PoissonSampler:
     batch `c mod m` and, within it, to replica slice `j mod R` (j its rank
     in that batch), so physical batches and replica slices are balanced.
     """
-    n, p, r = len(indices), self.physical_batch_size, self.num_replicas
-    m = max(self.accumulation_steps, -(-n // p))
-    rows = p // r
-    batches = []
-    for i in range(m):
-      chunk = indices[i::m]
-      j = np.arange(len(chunk))
-      pos = (j % r) * rows + j // r
-      idx = np.zeros(p, np.int64)
-      mask = np.zeros(p, np.float32)
-      idx[pos] = chunk
-      mask[pos] = 1.0
-      batches.append(PhysicalBatch(idx, mask, i == m - 1))
-    return batches
+    return layout(indices, self.physical_batch_size, self.accumulation_steps,
+                  self.num_replicas)
 
   def logical_step(self) -> list:
     """Samples one logical step: its list of `PhysicalBatch`es."""
@@ -248,6 +236,31 @@ class PoissonSampler:
     """The physical batches of `steps_per_epoch` fresh logical steps."""
     for _ in range(self.steps_per_epoch):
       yield from self.logical_step()
+
+
+def layout(indices: np.ndarray, physical_batch_size: int,
+           accumulation_steps: int = 1, num_replicas: int = 1) -> list:
+  """`PoissonSampler.layout` as a function (also used by `tf_pxg.data.beam`).
+
+  Returns:
+    `m = max(k, ceil(n / P))` `PhysicalBatch`es holding `indices`: entry
+    `c` in batch `c mod m`, slot `(j mod R) * P/R + j div R`, `j = c div m`.
+  """
+  indices = np.asarray(indices, np.int64)
+  n, p, r = len(indices), physical_batch_size, num_replicas
+  m = max(accumulation_steps, -(-n // p))
+  rows = p // r
+  batches = []
+  for i in range(m):
+    chunk = indices[i::m]
+    j = np.arange(len(chunk))
+    pos = (j % r) * rows + j // r
+    idx = np.zeros(p, np.int64)
+    mask = np.zeros(p, np.float32)
+    idx[pos] = chunk
+    mask[pos] = 1.0
+    batches.append(PhysicalBatch(idx, mask, i == m - 1))
+  return batches
 
 
 def resolve_seed(seed, secure_mode: bool) -> Optional[int]:
