@@ -254,10 +254,14 @@ def _check_dynamic_batch(case, dtype, jit, batches=(5, 1)):
     (clipped,), _ = tape.clipped_gradient_sum(losses, [w], 1.0)
     return norms, clipped
 
+  # The labels' rank is known (a None batch): with a label tensor of
+  # unknown rank the engine cannot follow the batch axis through the loss
+  # and refuses (tf_pxg.batch_axis).
+  out_rank = model(tf.zeros([1, *case.input_shape], dtype)).shape.rank
   compute = tf.function(
       compute, jit_compile=jit, autograph=False,
       input_signature=[tf.TensorSpec([None, *case.input_shape], dtype),
-                       tf.TensorSpec(None, dtype)])
+                       tf.TensorSpec([None] * out_rank, dtype)])
   traced = None
   for batch in batches:
     x, labels = _data(case, dtype, batch, model)

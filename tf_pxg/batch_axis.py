@@ -126,10 +126,6 @@ def _all(entry, layout: Layout) -> List[Layout]:
   return [layout] * len(entry.outputs)
 
 
-def _data(layouts: Dict[int, Layout]) -> List[Tuple[int, Layout]]:
-  return sorted(layouts.items())
-
-
 def _agree(layouts: Sequence[Layout]) -> Layout:
   known = {l for l in layouts}
   return known.pop() if len(known) == 1 else None
@@ -292,7 +288,7 @@ def _prod(dims) -> Optional[int]:
 
 
 @_rule("Reshape")
-def _reshape(entry, layouts, batch_size=None):
+def _reshape(entry, layouts, batch_size=None, layout_of=None):
   lay = layouts.get(0)
   if lay is None:
     return _all(entry, None), None
@@ -320,7 +316,31 @@ def _reshape(entry, layouts, batch_size=None):
         (not minor and dpre == pre and dpost > post and dpost % post == 0)):
       if dst[j] is None or dst[j] == batch_size:
         return _all(entry, (j, False)), None
+  if a == 0 and dst.rank and _keeps_leading_dim(entry, lay, layout_of):
+    return _all(entry, (0, minor)), None  # reshape(x, [tf.shape(x)[0], ...])
   return _lost(entry, f"reshapes {src} to {dst} across the batch axis {a}")
+
+
+def _keeps_leading_dim(entry, lay: Layout, layout_of) -> bool:
+  """Whether a graph Reshape's target shape starts with `tf.shape(t)[0]`
+  of a data tensor `t` with the reshaped tensor's layout (examples on axis
+  0): a dynamic batch kept on axis 0."""
+  try:
+    pack = entry.inputs[1].op
+    if pack.type != "Pack":
+      return False
+    first = pack.inputs[0].op
+    if first.type != "StridedSlice" or first.inputs[0].op.type != "Shape":
+      return False
+    t = first.inputs[0].op.inputs[0]
+    if t.name != entry.inputs[0].name and (
+        layout_of is None or layout_of(t) != lay):
+      return False
+    begin = tf.get_static_value(first.inputs[1])
+    return begin is not None and int(np.ravel(begin)[0]) == 0 and bool(
+        first.get_attr("shrink_axis_mask") & 1)
+  except (AttributeError, ValueError, TypeError, IndexError):
+    return False
 
 
 # Slicing, stacking, concatenation, padding -----------------------------------
@@ -857,13 +877,16 @@ def _one_hot(entry, layouts):
 
 
 def propagate(entry, layouts: Dict[int, Layout],
-              batch_size: Optional[int] = None) -> Result:
+              batch_size: Optional[int] = None,
+              layout_of: Optional[Callable] = None) -> Result:
   """Layouts of `entry`'s outputs from those of its data inputs.
 
   Args:
     entry: a recorded op.
     layouts: input index -> layout, for the inputs that carry examples.
     batch_size: B if static (tells a split of merged rows from other splits).
+    layout_of: tensor -> its layout, or None where it holds no examples
+      (a reshape to `[tf.shape(t)[0], -1]` with a dynamic batch).
 
   Returns:
     (one layout per output, None or the `Mixing` that says why the op
@@ -872,7 +895,7 @@ def propagate(entry, layouts: Dict[int, Layout],
   """
   rule = _RULES.get(entry.op_type)
   if rule is _reshape:
-    return rule(entry, layouts, batch_size)
+    return rule(entry, layouts, batch_size, layout_of)
   if rule is not None:
     return rule(entry, layouts)
   from tf_pxg import registry  # noqa: PLC0415  (avoids an import cycle)

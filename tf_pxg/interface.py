@@ -30,11 +30,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_pxg import batch_axis
 from tf_pxg.backprop import gradient_functions
-from tf_pxg.tape.recording import Entry, Recorder
+from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
 PARAM, CONST, DATA = "param", "const", "data"
 
@@ -92,6 +93,18 @@ _SHAPE_CONSUMERS = ("BroadcastArgs", "BroadcastGradientArgs", "Range",
 
 def _takes_shapes(op_type: str) -> bool:
   return "Random" in op_type or op_type in _SHAPE_CONSUMERS
+
+
+def _uniform(entry: Entry) -> bool:
+  """Whether the entry (a fill, or a constant made without inputs) has the
+  same value in every element, so no row belongs to one example."""
+  if entry.op_type in _FILLS:
+    return True
+  value = tf.get_static_value(entry.outputs[0]) if entry.outputs else None
+  if value is None:
+    return False
+  value = np.asarray(value)
+  return value.size == 0 or bool(np.all(value == value.flat[0]))
 
 
 def _is_float(dtype) -> bool:
@@ -174,12 +187,13 @@ class Classifier:
         st = CONST  # A shape vector or indices, not token ids of examples.
       elif (entry.op_type in _FILLS or not entry.inputs) and st == CONST:
         st = self._external(entry.outputs[0])  # A zero state [B, units]?
-        if st == DATA:
+        if st == DATA and _uniform(entry):
           self._fills.update(entry.output_ids)
       out_layouts = [batch_axis.AXIS0] * len(entry.outputs)
       if st == DATA and layouts:
         out_layouts, why = batch_axis.propagate(entry, layouts,
-                                                 batch_size)
+                                                 batch_size,
+                                                 self._layout_of_tensor)
         if batch_size == 1:
           # One example cannot mix with another; where a rule loses the
           # batch axis (a squeeze of every size-1 axis, say) it is axis 0.
@@ -255,6 +269,10 @@ class Classifier:
   def is_interface(self, entry: Entry) -> bool:
     return (any(self.status.get(t) == DATA for t in entry.output_ids) and
             bool(self.param_inputs(entry)))
+
+  def _layout_of_tensor(self, t) -> batch_axis.Layout:
+    tid = tensor_id(t)
+    return self.layout(tid) if self.status.get(tid) == DATA else None
 
   def layout(self, tid: int) -> batch_axis.Layout:
     """`(batch axis, minor)` of a DATA tensor; None if unknown."""
