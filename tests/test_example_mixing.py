@@ -374,3 +374,48 @@ def test_allowlist_lists_row_wise_ops_and_no_mixers():
   for mixer in ("TensorScatterUpdate", "UnsortedSegmentSum", "DynamicStitch",
                 "Unique", "Where", "CropAndResize"):
     assert mixer not in ops
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_dynamic_batch_reshape_is_followed_and_a_wrong_one_refused(jit):
+  """`reshape(h, [tf.shape(h)[0], -1])` with a `None` batch keeps the
+  examples on axis 0 (exact Jacobian rows); reshaping by another axis's
+  size, which moves rows across examples when sizes differ, raises."""
+  w = tf.Variable(np.random.default_rng(4).standard_normal((2, 3)),
+                  dtype=tf.float32)
+  x = tf.constant(np.random.default_rng(5).standard_normal((B, 4, 2)),
+                  tf.float32)
+
+  def make(by_axis):
+    def per_example(x):
+      with tf_pxg.GradientTape() as tape:
+        losses = tf.reduce_sum(tf.reshape(
+            tf.square(tf.tanh(tf.einsum("bti,io->bto", x, w))),
+            [tf.shape(x)[by_axis], -1]), axis=1)
+      return tape.per_example_gradient(losses, [w])[0]
+    return tf.function(per_example, jit_compile=jit, input_signature=[
+        tf.TensorSpec([None, 4, 2], tf.float32)])
+
+  with tf.GradientTape() as tape:
+    jac = tape.jacobian(tf.reduce_sum(tf.square(tf.tanh(
+        tf.einsum("bti,io->bto", x, w))), axis=[1, 2]), w).numpy()
+  got = make(0)(x).numpy()
+  np.testing.assert_allclose(got, jac, rtol=0, atol=1e-5 * np.abs(jac).max())
+  with pytest.raises(ValueError, match="reshapes"):
+    make(1)(x)
+
+
+def test_batch_of_one_cannot_mix():
+  """With one example, ops that drop the batch axis (a squeeze of every
+  size-1 axis) are fine: the per-example gradient is the gradient."""
+  w = _weights()
+  x = _inputs()[:1]
+  with tf_pxg.GradientTape() as tape:
+    losses = tf.reshape(tf.reduce_sum(tf.squeeze(tf.tanh(tf.matmul(x, w)))),
+                        [1])
+  got = tape.per_example_gradient(losses, [w])[0].numpy()
+  with tf.GradientTape() as ref:
+    total = tf.reduce_sum(tf.tanh(tf.matmul(x, w)))
+  want = ref.gradient(total, w).numpy()
+  np.testing.assert_allclose(got[0], want, rtol=0,
+                             atol=1e-6 * np.abs(want).max())

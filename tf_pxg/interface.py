@@ -272,7 +272,8 @@ class Classifier:
 
   def _layout_of_tensor(self, t) -> batch_axis.Layout:
     tid = tensor_id(t)
-    return self.layout(tid) if self.status.get(tid) == DATA else None
+    status = self.status.get(tid) or self._external(t)
+    return self.layout(tid) if status == DATA else None
 
   def layout(self, tid: int) -> batch_axis.Layout:
     """`(batch axis, minor)` of a DATA tensor; None if unknown."""
