@@ -2,6 +2,21 @@
 
     python benchmarks/sampling_benchmark.py                 # MLP and CNN, B=256
     python benchmarks/sampling_benchmark.py --models=mlp --rounds=9
+    python benchmarks/sampling_benchmark.py --mode=indices  # sampler cost
+    python benchmarks/sampling_benchmark.py --mode=fit      # Poisson/shuffled
+
+`--mode=indices`: time per logical step of drawing one Poisson sample at
+B = 1024 for N = 1e5, 1e7, 1e9 (indices only): the numpy
+`PoissonSampler.sample_indices` and the `tf.data` index stream
+(`sampling_ops.index_stream`, sampling + layout, k = 1), each the median of
+`--rounds` rounds of 200 steps; and the old N-uniform draw
+(`random(N) < q`) for N <= 1e7.
+
+`--mode=fit`: wall time of one-epoch `fit` calls of a data-bound tiny model
+(784 -> Dense(10), DP, sigma = 1) on 200k x 784 float32 examples, B = 1024,
+with Poisson sampling (default) and `sampling="shuffled"`, alternated in
+`--rounds` rounds in one process after one warm-up fit each; reports the
+median of the per-round ratios.
 
 Each variant is a compiled `train_step` called on a prepared batch (no input
 pipeline), timed in interleaved rounds in one process by the suite's
@@ -44,6 +59,8 @@ import tf_pxg.keras as dpk  # noqa: E402
 _BATCH = flags.DEFINE_integer("batch_size", 256, "Physical batch size P.")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Interleaved rounds.")
 _MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models.")
+_MODE = flags.DEFINE_enum("mode", "steps", ["steps", "indices", "fit"],
+                          "What to measure (module docstring).")
 
 
 def _data(name, p):
@@ -125,8 +142,91 @@ def measure(name, p, rounds):
   return {k: r["ms"] for k, r in results.items()}, ratios
 
 
+def measure_indices(rounds, b=1024, steps=200):
+  """ms per logical step: numpy sampler, tf.data stream, old O(N) draw."""
+  import time  # noqa: PLC0415
+  from tf_pxg.data import sampling_ops  # noqa: PLC0415
+  rows = []
+  for n in (10 ** 5, 10 ** 7, 10 ** 9):
+    sampler = dp_data.PoissonSampler(n, b, accumulation_steps=1, seed=0)
+    it = iter(sampling_ops.index_stream(sampler, start_step=0))
+    next(it)
+    rng = np.random.default_rng(0)
+    numpy_ms, tf_ms, old_ms = [], [], []
+    for _ in range(rounds):
+      t0 = time.perf_counter()
+      for _ in range(steps):
+        sampler.sample_indices()
+      t1 = time.perf_counter()
+      done = 0
+      while done < steps:
+        done += bool(next(it)[2])
+      t2 = time.perf_counter()
+      numpy_ms.append((t1 - t0) / steps * 1e3)
+      tf_ms.append((t2 - t1) / steps * 1e3)
+      if n <= 10 ** 7:
+        k = max(1, steps // (n // 10 ** 5))
+        t3 = time.perf_counter()
+        for _ in range(k):
+          np.flatnonzero(rng.random(n) < b / n)
+        old_ms.append((time.perf_counter() - t3) / k * 1e3)
+    rows.append((n, float(np.median(numpy_ms)), float(np.median(tf_ms)),
+                 float(np.median(old_ms)) if old_ms else None))
+  return rows
+
+
+def measure_fit(rounds, n=200_000, b=1024):
+  """Per-round Poisson/shuffled ratios of one-epoch fit wall times."""
+  import time  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((n, 784), dtype=np.float32)
+  y = rng.integers(0, 10, n)
+
+  def tiny():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((784,))
+    model = dpk.make_private(keras.Model(inp, keras.layers.Dense(10)(inp)),
+                             l2_norm_clip=1.0, noise_multiplier=1.0)
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+  models_ = {"poisson": tiny(), "shuffled": tiny()}
+
+  def run(kind):
+    t = time.perf_counter()
+    models_[kind].fit(x, y, batch_size=b, epochs=1, verbose=0,
+                      sampling=kind)
+    return time.perf_counter() - t
+
+  for kind in models_:
+    run(kind)  # warm-up: tracing
+  times = {k: [] for k in models_}
+  for r in range(rounds):
+    for kind in (("poisson", "shuffled") if r % 2 == 0 else
+                 ("shuffled", "poisson")):
+      times[kind].append(run(kind))
+  ratios = np.array(times["poisson"]) / np.array(times["shuffled"])
+  return times, ratios
+
+
 def main(argv):
   del argv
+  if _MODE.value == "indices":
+    print("N | numpy ms/step | tf.data ms/step | old random(N)<q ms/step")
+    for n, a, t, old in measure_indices(_ROUNDS.value):
+      print(f"{n:.0e} | {a:.3f} | {t:.3f} | "
+            f"{'-' if old is None else f'{old:.2f}'}", flush=True)
+    return
+  if _MODE.value == "fit":
+    times, ratios = measure_fit(_ROUNDS.value)
+    for k, v in times.items():
+      print(f"{k}: epoch seconds " + ", ".join(f"{t:.2f}" for t in v))
+    print("poisson/shuffled per round: " +
+          ", ".join(f"{r:.3f}" for r in ratios) +
+          f"; median {np.median(ratios):.3f}", flush=True)
+    return
   p = _BATCH.value
   for name in _MODELS.value:
     ms, r = measure(name, p, _ROUNDS.value)

@@ -120,24 +120,21 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
   def gather(batch, data):
     idx, mask, step_end = batch
     xs, ys, w = data
+    idx = tf.ensure_shape(idx, [p])
     take = lambda a: tf.gather(a, idx)  # noqa: E731
     info = {poisson.MASK: mask,
             poisson.STEP_END: tf.fill([p], tf.cast(step_end, tf.float32)),
             poisson.NORMALIZER: tf.fill([p], normalizer)}
     if w is not None:
       info[poisson.WEIGHT] = take(w)
-    return tf.nest.map_structure(take, xs), tf.nest.map_structure(take, ys), info
-
-  def fix_shapes(xs, ys, info):
-    def static(t):
-      return tf.ensure_shape(t, [p] + t.shape[1:].as_list())
-    return (tf.nest.map_structure(static, xs),
-            tf.nest.map_structure(static, ys), info)
+    info[poisson.MASK] = tf.ensure_shape(mask, [p])
+    return (tf.nest.map_structure(take, xs), tf.nest.map_structure(take, ys),
+            info)
 
   data = tf.data.Dataset.from_tensors(held).repeat()
   return tf.data.Dataset.zip((index, data)).map(
       gather, num_parallel_calls=num_parallel_calls,
-      deterministic=True).map(fix_shapes).prefetch(tf.data.AUTOTUNE)
+      deterministic=True).prefetch(tf.data.AUTOTUNE)
 
 
 def shard_batch(batch, num_shards: int, index):

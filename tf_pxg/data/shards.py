@@ -55,6 +55,9 @@ class PoissonShards:
   Args:
     output_dir: the pipeline's output directory (any path `tf.io.gfile`
       reads: local, `gs://`, ...).
+    parse_fn: optional default for `dataset(parse_fn)`; needed to pass the
+      shards to a DP model's `fit` (`model.fit(PoissonShards(dir, parse),
+      epochs=E)`, E at most the pipeline's epochs).
 
   Attributes: those of the manifest (`num_examples`, `expected_batch_size`,
   `sampling_rate`, `steps_per_epoch`, `epochs`, `physical_batch_size`,
@@ -64,7 +67,7 @@ class PoissonShards:
     ValueError: no manifest (the pipeline did not finish) in `output_dir`.
   """
 
-  def __init__(self, output_dir: str):
+  def __init__(self, output_dir: str, parse_fn: Optional[Callable] = None):
     path = os.path.join(output_dir, MANIFEST)
     if not tf.io.gfile.exists(path):
       raise ValueError(
@@ -73,16 +76,17 @@ class PoissonShards:
     with tf.io.gfile.GFile(path) as f:
       self.manifest = json.load(f)
     self.output_dir = output_dir
+    self.parse_fn = parse_fn
     for key, value in self.manifest.items():
       setattr(self, key, value)
 
-  def files(self, replica: int) -> list:
-    """Replica `replica`'s shard files, in step order."""
+  def files(self, replica: int, first_shard: int = 0) -> list:
+    """Replica `replica`'s shard files from `first_shard`, in step order."""
     return [os.path.join(self.output_dir, shard_file_name(
         s, self.num_shards, replica, self.num_replicas))
-            for s in range(self.num_shards)]
+            for s in range(first_shard, self.num_shards)]
 
-  def _replica_dataset(self, replica, parse_fn):
+  def _replica_dataset(self, replica, parse_fn, start_step=0):
     rows = self.physical_batch_size // self.num_replicas
     spec = {RECORDS: tf.io.FixedLenFeature([rows], tf.string),
             MASK: tf.io.FixedLenFeature([rows], tf.float32),
@@ -90,8 +94,7 @@ class PoissonShards:
             STEP_END: tf.io.FixedLenFeature([], tf.int64)}
     normalizer = float(self.expected_batch_size)
 
-    def parse(serialized):
-      f = tf.io.parse_single_example(serialized, spec)
+    def parse(f):
       x, y = parse_fn(f[RECORDS])
       info = {poisson.MASK: f[MASK],
               poisson.STEP_END: tf.fill([rows], tf.cast(f[STEP_END],
@@ -99,12 +102,20 @@ class PoissonShards:
               poisson.NORMALIZER: tf.fill([rows], normalizer)}
       return x, y, info
 
-    return tf.data.TFRecordDataset(self.files(replica)).map(
-        parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    first = start_step // self.steps_per_shard
+    if first >= self.num_shards:
+      raise ValueError(f"start_step={start_step}: the shards hold steps "
+                       f"0..{self.total_steps - 1}.")
+    ds = tf.data.TFRecordDataset(self.files(replica, first)).map(
+        lambda r: tf.io.parse_single_example(r, spec))
+    if start_step % self.steps_per_shard:
+      ds = ds.filter(lambda f: f[STEP] >= start_step)
+    return ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE,
+                  deterministic=True)
 
-  def dataset(self, parse_fn: Callable,
-              input_context: Optional[tf.distribute.InputContext] = None
-              ) -> tf.data.Dataset:
+  def dataset(self, parse_fn: Optional[Callable] = None,
+              input_context: Optional[tf.distribute.InputContext] = None,
+              start_step: int = 0) -> tf.data.Dataset:
     """The stream of `(x, y, info)` physical batches, in step order.
 
     Args:
@@ -118,14 +129,22 @@ class PoissonShards:
         pipeline's replicas' slices of each global batch, P/R rows each,
         in the order the strategy hands them to its local replicas; only
         those replicas' files are read.
+      start_step: the first global logical step to read (to resume); the
+        files before its shard are not opened.
 
     Raises:
+      ValueError: no `parse_fn` here or at construction.
       ValueError: `input_context` with a replica count other than the
         pipeline's R, or not divisible by the pipeline count.
     """
+    parse_fn = parse_fn or self.parse_fn
+    if parse_fn is None:
+      raise ValueError("PoissonShards.dataset needs parse_fn (records -> "
+                       "(x, y)), here or in the constructor.")
     r = self.num_replicas
     if input_context is None:
-      parts = [self._replica_dataset(i, parse_fn) for i in range(r)]
+      parts = [self._replica_dataset(i, parse_fn, start_step)
+               for i in range(r)]
       if r == 1:
         return parts[0].prefetch(tf.data.AUTOTUNE)
       return tf.data.Dataset.zip(tuple(parts)).map(
@@ -143,7 +162,7 @@ class PoissonShards:
                        "pipelines.")
     local = r // w
     first = input_context.input_pipeline_id * local
-    parts = [self._replica_dataset(first + j, parse_fn)
+    parts = [self._replica_dataset(first + j, parse_fn, start_step)
              for j in range(local)]
     if local == 1:
       return parts[0].prefetch(tf.data.AUTOTUNE)

@@ -89,6 +89,66 @@ def _to_arrays(dataset: tf.data.Dataset):
                for parts in zip(*items))
 
 
+class _ShardFeed:
+  """`fit` on `PoissonShards`: the stream from `start_step`, and the rest."""
+
+  def __init__(self, shards, start_step: int):
+    self.sampler = shards
+    self.start_step = int(start_step)
+
+  def rest(self, model, in_step: int):
+    """`(dataset, count)` of the unfinished step's remaining batches."""
+    if in_step <= 0:
+      return None, 0
+    step = int(model.optimizer.iterations.numpy())  # the unfinished one
+    ds = self.sampler.dataset(start_step=step)
+    count = sum(1 for _ in ds.map(lambda x, y, i: i).take_while(
+        lambda i: tf.equal(i[dp_data.STEP_END][0], 0.0)))
+    return ds.skip(in_step).take(count + 1 - in_step), count + 1 - in_step
+
+
+def _prepare_shards(model, shards, y, sample_weight, class_weight,
+                    batch_size, validation_split, accumulation_steps,
+                    physical_batch_size, steps_per_epoch, seed):
+  """`prepare` for `PoissonShards` (Beam output) given as `x`."""
+  given = {"y": y, "sample_weight": sample_weight,
+           "class_weight": class_weight, "validation_split":
+           validation_split or None, "physical_batch_size":
+           physical_batch_size, "steps_per_epoch": steps_per_epoch,
+           "sampling_seed": seed}
+  bad = [k for k, v in given.items() if v is not None]
+  if bad:
+    raise ValueError(
+        f"fit on PoissonShards takes the sampling from the shards; do not "
+        f"pass {bad} (labels come from the shards' parse_fn).")
+  if batch_size is not None and batch_size != shards.expected_batch_size:
+    raise ValueError(f"batch_size={batch_size}, but the shards were sampled "
+                     f"with B={shards.expected_batch_size}; omit batch_size.")
+  if accumulation_steps != shards.accumulation_steps:
+    raise ValueError(
+        f"accumulation_steps={accumulation_steps}, but the shards were laid "
+        f"out with k={shards.accumulation_steps}; pass "
+        f"accumulation_steps={shards.accumulation_steps}.")
+  strategy = model.distribute_strategy
+  if strategy.num_replicas_in_sync != shards.num_replicas:
+    raise ValueError(
+        f"The shards were laid out for {shards.num_replicas} replicas; this "
+        f"model's strategy has {strategy.num_replicas_in_sync}. Rerun the "
+        "pipeline with the matching num_replicas.")
+  if shards.parse_fn is None:
+    raise ValueError("fit on PoissonShards needs PoissonShards(dir, "
+                     "parse_fn=...) to turn records into (x, y).")
+  start = (int(model.optimizer.iterations.numpy())
+           if getattr(model, "optimizer", None) is not None else 0)
+  dataset = shards.dataset(start_step=start)
+  x, y, _ = next(iter(dataset.take(1)))
+  with strategy.scope():
+    model._symbolic_build(data_batch=(x, y, None))
+  with strategy.scope():
+    model._dp_accumulator_for(list(model.trainable_variables)).reset()
+  return dataset, _ShardFeed(shards, start), None, None
+
+
 def _tensors(tree):
   """Arrays (numpy, lists, object arrays of str/bytes) as tensors."""
   def convert(a):
@@ -121,6 +181,10 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
         "randomness from the OS CSPRNG, so a seed cannot apply. Drop "
         "`sampling_seed`, or create the model without secure_mode for a "
         "reproducible (test) run.")
+  if isinstance(x, dp_data.PoissonShards):
+    return _prepare_shards(model, x, y, sample_weight, class_weight,
+                           batch_size, validation_split, accumulation_steps,
+                           physical_batch_size, steps_per_epoch, seed)
   if isinstance(x, tf.data.Dataset):
     parts = _to_arrays(x)
     x, y = parts[0], parts[1]
@@ -175,13 +239,19 @@ def finish(model, feed, data):
   """Completes (or, after an early stop, discards) an unfinished step."""
   accumulator = model._dp_accumulator_for(list(model.trainable_variables))
   in_step = int(accumulator.in_step.read_value())
-  rest = [] if model.stop_training else feed.remaining(model, in_step)
-  if rest:
-    dataset = dp_data.poisson_dataset(feed.sampler, *data,
-                                      batches=lambda: rest)
+  if model.stop_training:
+    dataset, count = None, 0
+  elif isinstance(feed, _ShardFeed):
+    dataset, count = feed.rest(model, in_step)
+  else:
+    rest = feed.remaining(model, in_step)
+    dataset, count = (dp_data.poisson_dataset(
+        feed.sampler, *data, batches=lambda: rest), len(rest)) if rest else (
+            None, 0)
+  if count:
     iterator = iter(
         model.distribute_strategy.experimental_distribute_dataset(dataset))
-    for _ in range(len(rest)):
+    for _ in range(count):
       try:
         model.train_function(iterator)
       except StopIteration:
