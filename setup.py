@@ -27,6 +27,9 @@ setuptools.setup(
     extras_require={
         "test": ["pytest>=7"],
         "examples": ["scikit-learn>=1.0"],
+        # tf_pxg.data.beam: Poisson sampling of data beyond memory. The
+        # [tfrecord] extra brings the CRC32C that TFRecord files need.
+        "beam": ["apache-beam[tfrecord]>=2.50"],
     },
     entry_points={"console_scripts": ["tf-pxg=tf_pxg.cli:run"]},
 )

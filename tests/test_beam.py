@@ -236,6 +236,60 @@ def test_model_trained_from_shards_equals_in_memory(tmp_path):
   assert moved > 1e-3  # the test trains something
 
 
+def test_dp_fit_on_shards_equals_custom_loop(tmp_path):
+  import keras  # noqa: PLC0415
+  import tf_pxg.keras as dpk  # noqa: PLC0415
+  records = _records(96, dim=4, seed=2)
+  # P = 8 < B + 4 sqrt(B): overflow happens, and fit must finish the step.
+  shards = _run(records, tmp_path, expected_batch_size=8, epochs=3,
+                physical_batch_size=8, steps_per_shard=5, seed=9)
+  assert sum(shards.physical_batches) > shards.total_steps  # overflowed
+
+  def model():
+    keras.utils.set_random_seed(0)
+    inp = {"x": keras.Input((4,), name="x"),
+           "id": keras.Input((), dtype="int64", name="id")}
+    m = dpk.DPModel(inp, keras.layers.Dense(3)(inp["x"]), l2_norm_clip=0.5,
+                    noise_multiplier=0.0)
+    m.compile(optimizer=keras.optimizers.SGD(0.3),
+              loss=keras.losses.SparseCategoricalCrossentropy(
+                  from_logits=True))
+    return m
+
+  fitted = model()
+  fitted.fit(dpd.PoissonShards(shards.output_dir, _parse_xy), epochs=2,
+             verbose=0)
+  # Keras counts 2 epochs of k T = 12 physical batches; overflowing steps
+  # take 2, so fewer than 24 logical steps run, the last one finished
+  # from the shards by `finish`.
+  target = int(fitted.optimizer.iterations.numpy())
+  assert 12 <= target <= 24
+  loop = model()
+  loop.optimizer.build(loop.trainable_variables)
+  loop.build_accumulator()
+  step = tf.function(loop.train_step)
+  for batch in shards.dataset(_parse_xy):
+    step(batch)
+    if int(loop.optimizer.iterations.numpy()) == target:
+      break
+  assert int(loop.optimizer.iterations.numpy()) == target
+  for a, b in zip(fitted.trainable_variables, loop.trainable_variables):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+  with pytest.raises(ValueError, match="accumulation_steps"):
+    model().fit(dpd.PoissonShards(shards.output_dir, _parse_xy),
+                accumulation_steps=2, verbose=0)
+  # Resuming at a step reads from that step on.
+  later = list(shards.dataset(_parse_xy, start_step=7))
+  whole = list(shards.dataset(_parse_xy))
+  ends = np.cumsum([float(b[2][dpd.STEP_END][0]) for b in whole])
+  tail = [b for b, e in zip(whole, np.concatenate([[0], ends[:-1]]))
+          if e >= 7]
+  assert len(later) == len(tail) < len(whole)
+  for a, b in zip(later, tail):
+    np.testing.assert_array_equal(a[0]["id"], b[0]["id"])
+    np.testing.assert_array_equal(a[2][dpd.MASK], b[2][dpd.MASK])
+
+
 def test_multi_worker_reading_splits_replica_rows(tmp_path):
   records = _records(80)
   shards = _run(records, tmp_path, expected_batch_size=8, epochs=1,
