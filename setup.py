@@ -16,8 +16,10 @@ setuptools.setup(
     package_data={"tf_pxg": ["kernels/*.cc", "kernels/*.h"]},
     python_requires=">=3.10",
     install_requires=[
-        "tensorflow>=2.16",
-        "keras>=3.0",
+        # The tested range (README "Supported versions", tf_pxg/_versions.py):
+        # the lowest pair runs a subset in .ci/run, the newest the full suite.
+        "tensorflow>=2.16,<2.22",
+        "keras>=3.7,<3.16",
         # TFP needs tf-keras importable; the [tf] extra pins a compatible one.
         "tensorflow-probability[tf]>=0.24",
         "absl-py>=1.0",

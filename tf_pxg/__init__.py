@@ -11,14 +11,18 @@ the `tf-pxg` command start without it.
 
 import importlib
 
-from tf_pxg.registry import register
-from tf_pxg.registry import registered_op_types
+from tf_pxg import _versions
+
+_versions.check()
 
 __all__ = ["GradientTape", "register", "register_row_wise",
            "registered_op_types", "row_wise_op_types"]
 __version__ = "0.1.0"
 
 _LAZY = {"GradientTape": ("tf_pxg.tape.gradient_tape", "GradientTape"),
+         # Through tf_pxg.rules, so the built-in rules are registered first.
+         "register": ("tf_pxg.rules", "register"),
+         "registered_op_types": ("tf_pxg.rules", "registered_op_types"),
          "register_row_wise": ("tf_pxg.batch_axis", "register_row_wise"),
          "row_wise_op_types": ("tf_pxg.batch_axis", "row_wise_op_types")}
 

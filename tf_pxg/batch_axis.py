@@ -898,7 +898,8 @@ def propagate(entry, layouts: Dict[int, Layout],
     return rule(entry, layouts, batch_size, layout_of)
   if rule is not None:
     return rule(entry, layouts)
-  from tf_pxg import registry  # noqa: PLC0415  (avoids an import cycle)
+  from tf_pxg import registry  # noqa: PLC0415
+  import tf_pxg.rules  # noqa: F401, PLC0415  (registers the built-in rules)
   if registry.lookup(entry.op_type) is not None:
     return elementwise(entry, layouts)  # A per-example rule: row-wise.
   return _mixes(entry, "is not on tf_pxg's allowlist of ops known to keep "

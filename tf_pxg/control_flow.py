@@ -45,11 +45,12 @@ References:
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 from typing import Optional, Sequence
 
 import tensorflow as tf
+
+from tf_pxg import _compat
 
 _local = threading.local()
 _install_lock = threading.Lock()
@@ -91,28 +92,14 @@ def leave(recorder) -> None:
 # Nested tf.function calls ----------------------------------------------------
 
 
-def _inline_call(function, args, kwargs):
-  """Runs a `tf.function`'s Python function in the caller's context."""
-  fn = function._python_function  # pylint: disable=protected-access
-  if tf.executing_eagerly() or not function._autograph:  # pylint: disable=protected-access
-    return fn(*args, **kwargs)
-  from tensorflow.python.autograph.core import ag_ctx  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.eager.polymorphic_function import autograph_util  # pylint: disable=g-import-not-at-top
-  converted = autograph_util.py_func_from_autograph(
-      fn, function._experimental_autograph_options)  # pylint: disable=protected-access
-  with ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED):
-    return converted(*args, **kwargs)
-
-
 def _install_function_inlining() -> None:
-  from tensorflow.python.eager.polymorphic_function import polymorphic_function  # pylint: disable=g-import-not-at-top
-  cls = polymorphic_function.Function
+  cls = _compat.tf_function_class()
   original = cls.__call__
 
   @functools.wraps(original)
   def __call__(self, *args, **kwargs):
     if recording():
-      return _inline_call(self, args, kwargs)
+      return _compat.inline_call(self, args, kwargs)
     return original(self, *args, **kwargs)
 
   __call__._tf_pxg_original = original  # pylint: disable=protected-access
@@ -133,7 +120,7 @@ def _time_steps(inputs, time_major: bool) -> Optional[int]:
 
 
 def _install_keras_unrolling() -> bool:
-  backend = sys.modules.get("keras.src.backend")
+  backend = _compat.keras_backend_module()
   if backend is None or getattr(backend, "backend", lambda: None)() != (
       "tensorflow"):
     return False

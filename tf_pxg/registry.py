@@ -6,57 +6,38 @@ A rule turns the gradients at an op that consumes a parameter (the
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Union
+from typing import Dict
 
 _RULES: Dict[str, "object"] = {}
 
 
-def register(op_type: str, override: bool = False) -> Callable:
-  """Registers a per-example rule for TF op type `op_type`.
+def add(op_type: str, rule, override: bool = False) -> None:
+  """Stores `rule` (a `tf_pxg.rules.base.Rule`) for `op_type`.
 
-  Use as a decorator on a `tf_pxg.rules.base.Rule` subclass (instantiated with
-  no arguments), a `Rule` instance, or a plain function `per_example(ctx)`
-  (wrapped so `sq_norm` and `weighted_sum` take the defaults):
-
-      @tf_pxg.register("MyOp")
-      class MyOpRule(tf_pxg.rules.base.Rule):
-        def per_example(self, ctx):
-          ...
-
-  Args:
-    op_type: the op's type as in `tf.Operation.type`, e.g. "MatMul".
-    override: replace an existing rule instead of raising.
+  Users register through `tf_pxg.register` (`tf_pxg.rules.base.register`),
+  which converts classes and functions to rules first. The registry itself
+  imports no rule: the built-in rules register when `tf_pxg.rules` is
+  imported, which the engine (`tf_pxg.per_example`, `tf_pxg.batch_axis`)
+  and the public names `tf_pxg.register` / `tf_pxg.registered_op_types` do.
 
   Raises:
     ValueError: if `op_type` already has a rule and `override` is False.
   """
-  def decorator(rule_like: Union[type, object, Callable]):
-    _load_builtin_rules()  # So a user rule meets the built-in ones now.
-    from tf_pxg.rules import base  # pylint: disable=import-outside-toplevel
-    rule = base.as_rule(rule_like)
-    if op_type in _RULES and not override:
-      raise ValueError(
-          f"A per-example rule for op type '{op_type}' is already registered "
-          f"({type(_RULES[op_type]).__name__}). Pass override=True to "
-          "tf_pxg.register to replace it.")
-    _RULES[op_type] = rule
-    return rule_like
-  return decorator
-
-
-def _load_builtin_rules() -> None:
-  import tf_pxg.rules  # noqa: F401  pylint: disable=import-outside-toplevel
+  if op_type in _RULES and not override:
+    raise ValueError(
+        f"A per-example rule for op type '{op_type}' is already registered "
+        f"({type(_RULES[op_type]).__name__}). Pass override=True to "
+        "tf_pxg.register to replace it.")
+  _RULES[op_type] = rule
 
 
 def lookup(op_type: str):
   """The rule registered for `op_type`, or None."""
-  _load_builtin_rules()
   return _RULES.get(op_type)
 
 
 def registered_op_types() -> list:
   """Sorted op types that have a rule (used to build error messages)."""
-  _load_builtin_rules()
   return sorted(_RULES)
 
 

@@ -70,7 +70,8 @@ from typing import (Any, Callable, Dict, List, NamedTuple, Optional,
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import indexed_slices
+
+from tf_pxg import _compat
 
 MODES = ("eager", "function", "jit")
 
@@ -141,7 +142,7 @@ def _per_example_loss(loss_fn: Optional[Callable], model_or_fn: Callable,
 def _dense(g, like):
   if g is None:
     return tf.zeros(like.shape, _variable_dtype(like))
-  if isinstance(g, indexed_slices.IndexedSlices):
+  if isinstance(g, tf.IndexedSlices):
     return tf.convert_to_tensor(g)
   return g
 
@@ -220,16 +221,9 @@ def _dilation_free_gradient(original):
 def _dilation_free_conv_gradients():
   """Swaps in `_dilation_free_gradient` for the dilated convolutions (eager
   tapes look gradient functions up at each backward pass)."""
-  from tensorflow.python.framework import ops  # pylint: disable=g-import-not-at-top
-  registry = ops._gradient_registry._registry  # pylint: disable=protected-access
-  saved = {t: registry[t]["type"] for t in _DILATED_CONV_ATTRS}
-  try:
-    for t, original in saved.items():
-      registry[t]["type"] = _dilation_free_gradient(original)
+  with _compat.swapped_gradient_functions(
+      {t: _dilation_free_gradient for t in _DILATED_CONV_ATTRS}):
     yield
-  finally:
-    for t, original in saved.items():
-      registry[t]["type"] = original
 
 
 def reference_per_example_gradients(
@@ -286,7 +280,7 @@ def reference_per_example_gradients(
 def _numpy(t) -> np.ndarray:
   if t is None:
     return None
-  if isinstance(t, indexed_slices.IndexedSlices):
+  if isinstance(t, tf.IndexedSlices):
     t = tf.convert_to_tensor(t)
   return np.asarray(tf.cast(t, tf.float64).numpy(), dtype=np.float64)
 
@@ -879,15 +873,8 @@ class ExampleMixingError(AssertionError):
 def _keras_seed_states(model) -> set:
   """ids of the state variables of the Keras `SeedGenerator`s in `model`."""
   ids = set()
-  flatten = getattr(model, "_flatten_layers", None)
-  if flatten is None:
-    return ids
-  try:
-    layers = list(flatten(include_self=True))
-  except TypeError:
-    layers = list(flatten())
-  for layer in layers:
-    for generator in getattr(layer, "_seed_generators", ()) or ():
+  for layer in _compat.flatten_layers(model, include_self=True):
+    for generator in _compat.seed_generators(layer):
       state = getattr(generator, "state", None)
       if state is not None:
         ids.add(id(state))
@@ -914,9 +901,7 @@ def _reseed(seed: int) -> None:
     return
   keras.utils.set_random_seed(seed)
   try:
-    from keras.src.random import seed_generator  # pylint: disable=g-import-not-at-top
-    with tf.init_scope():
-      seed_generator.global_seed_generator()
+    _compat.reset_global_seed_generator()
   except (ImportError, AttributeError):  # pragma: no cover - other Keras
     pass
 
@@ -1151,7 +1136,7 @@ def check_example_independence(
   variables = list(variables)
 
   if loss is None:
-    if getattr(model, "_compile_loss", None) is None:
+    if _compat.compile_loss(model) is None:
       raise ValueError(
           "No loss: pass `loss=` (a callable loss(y_true, y_pred) -> [B]) "
           "or compile the model with a loss.")

@@ -1,7 +1,8 @@
 """Whether the code being traced will be compiled with XLA."""
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # no public equivalent
+
+from tf_pxg import _compat
 
 
 def in_xla_context() -> bool:
@@ -12,5 +13,4 @@ def in_xla_context() -> bool:
   loops differently. False when executing eagerly."""
   if tf.executing_eagerly():
     return False
-  return control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph())
+  return _compat.graph_in_xla_context(tf.compat.v1.get_default_graph())

@@ -1,7 +1,7 @@
 """Calling TensorFlow's registered gradient function for one recorded entry.
 
 Eager entries are presented to the gradient function as TF's own light mock op
-(`backprop._MockOp`, the object `tf.GradientTape` uses); graph entries as the
+(TF's `_MockOp`, the object `tf.GradientTape` uses; `tf_pxg._compat.mock_op`); graph entries as the
 real `tf.Operation`, seen through a thin view that adds `skip_input_indices`
 (the hint TF's gradient functions read to skip inputs nobody needs).
 """
@@ -11,10 +11,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.eager import backprop as tf_backprop
-from tensorflow.python.framework import indexed_slices
-from tensorflow.python.framework import ops
 
+from tf_pxg import _compat
 from tf_pxg.tape.recording import Entry
 
 # Some gradient functions accept `None` for output gradients they ignore, so no
@@ -62,7 +60,7 @@ def op_view(entry: Entry,
         if attrs[i] in entry.attr_overrides:
           attrs[i + 1] = entry.attr_overrides[attrs[i]]
       attrs = tuple(attrs)
-    return tf_backprop._MockOp(  # pylint: disable=protected-access
+    return _compat.mock_op(
         attrs,
         list(entry.inputs if inputs is None else inputs),
         list(entry.outputs if outputs is None else outputs),
@@ -86,10 +84,9 @@ _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 def _call_op_gradient(op, *out_grads):
   """A function call in a graph (a ConcreteFunction called while tracing):
   its symbolic gradient, as `tf.gradients` takes it."""
-  from tensorflow.python.ops import gradients_util  # pylint: disable=g-import-not-at-top
   grads = [tf.zeros_like(o) if g is None else g
            for o, g in zip(op.outputs, out_grads)]
-  return gradients_util._SymGrad(op._op, grads)  # pylint: disable=protected-access
+  return _compat.call_op_gradient(op._op, grads)  # pylint: disable=protected-access
 
 
 def lookup(entry: Entry):
@@ -105,7 +102,7 @@ def lookup(entry: Entry):
     except (ValueError, AttributeError):
       pass
   try:
-    return ops._gradient_registry.lookup(op_type)  # pylint: disable=protected-access
+    return _compat.gradient_function(op_type)
   except LookupError as e:
     if entry.op is not None and op_type in _CALL_OPS:
       return _call_op_gradient
@@ -142,11 +139,11 @@ def call_gradient_function(entry: Entry,
 
 def aggregate(grads: Sequence[Any]):
   """Sums a list of gradients (Tensors and/or IndexedSlices)."""
-  return tf_backprop._aggregate_grads(list(grads))  # pylint: disable=protected-access
+  return _compat.aggregate_grads(list(grads))
 
 
 def num_elements(grad) -> int:
-  if isinstance(grad, indexed_slices.IndexedSlices):
+  if isinstance(grad, tf.IndexedSlices):
     shape = grad.values.shape
   else:
     shape = grad.shape

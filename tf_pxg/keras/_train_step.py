@@ -60,8 +60,8 @@ from typing import Any, NamedTuple, Optional
 
 import keras
 import tensorflow as tf
-from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tf_pxg import _compat
 from tf_pxg.dp import noise as dp_noise
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
@@ -177,7 +177,7 @@ def _apply_gated(optimizer, grads, variables, limit, xla=False,
 def _regularization(model, variables):
   """The weight regularizers' loss and its gradients (None where none)."""
   with tf.GradientTape() as reg_tape:
-    reg_losses = model._get_regularization_losses()
+    reg_losses = _compat.regularization_losses(model)
     reg_loss = (tf.add_n([tf.cast(r, tf.float32) for r in reg_losses])
                 if reg_losses else tf.constant(0.0))
   if not reg_losses:
@@ -243,12 +243,12 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # the noise is drawn at every physical batch (used only at a step's end):
   # on CPU an XLA conditional copies every tensor it passes.
   xla = bool(getattr(model, "jit_compile", False))
-  x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+  x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   info = sample_weight if dp_data.is_dp_batch_info(sample_weight) else None
   if info is not None:
     sample_weight = info.get(dp_data.WEIGHT)
   with GradientTape() as tape:
-    if model._call_has_training_arg:
+    if _compat.call_has_training_arg(model):
       y_pred = model(x, training=True)
     else:
       y_pred = model(x)
@@ -338,10 +338,10 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
   sample_weight, mask = result.sample_weight, result.mask
   if mask is None:
     local_batch = tf.shape(losses)[0]
-    model._loss_tracker.update_state(
+    _compat.loss_tracker(model).update_state(
         tf.reduce_mean(losses) + result.reg_loss, sample_weight=local_batch)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-  model._loss_tracker.update_state(
+  _compat.loss_tracker(model).update_state(
       losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
   with _metrics_masked(model, mask):
     return model.compute_metrics(
@@ -368,7 +368,7 @@ def _metrics_masked(model, mask):
   `sample_weight=mask` (weighted metrics get the given weights, which
   already include the mask).
   """
-  cm = getattr(model, "_compile_metrics", None)
+  cm = _compat.compile_metrics(model)
   if cm is None:
     yield
     return
@@ -376,13 +376,14 @@ def _metrics_masked(model, mask):
   def update_state(y_true, y_pred, sample_weight=None):
     if not cm.built:
       cm.build(y_true, y_pred)
-    y_true = cm._flatten_y(y_true)
-    y_pred = cm._flatten_y(y_pred)
-    weights = (cm._flatten_y(sample_weight) if sample_weight is not None
+    flatten_y, flat_metrics, flat_weighted = _compat.compile_metrics_parts(cm)
+    y_true = flatten_y(y_true)
+    y_pred = flatten_y(y_pred)
+    weights = (flatten_y(sample_weight) if sample_weight is not None
                else [None])
     if len(weights) < len(y_true):
       weights = [weights[0]] * len(y_true)
-    for m, w_m, t, p, w in zip(cm._flat_metrics, cm._flat_weighted_metrics,
+    for m, w_m, t, p, w in zip(flat_metrics, flat_weighted,
                                y_true, y_pred, weights):
       if m:
         m.update_state(t, p, sample_weight=mask)

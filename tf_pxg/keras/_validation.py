@@ -8,6 +8,8 @@ from typing import Optional, Tuple
 
 import keras
 
+from tf_pxg import _compat
+
 
 def validate_l2_norm_clip(value, owner: str = "l2_norm_clip") -> float:
   """`l2_norm_clip` as a float: positive, not NaN; `inf` means no clipping."""
@@ -69,7 +71,7 @@ def check_no_batch_mixing_layers(model: keras.Model) -> None:
   update.
   """
   mixers = _mixing_augmentations()
-  for layer in model._flatten_layers(include_self=False):
+  for layer in _compat.flatten_layers(model, include_self=False):
     if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
       raise ValueError(
           f"Layer {layer.name!r} of model {model.name!r} is a "
@@ -92,7 +94,7 @@ def check_no_batch_mixing_layers(model: keras.Model) -> None:
 
 def check_no_data_dependent_losses(model: keras.Model) -> None:
   """Raises for activity regularizers (batch-level, data-dependent losses)."""
-  for layer in model._flatten_layers(include_self=True):
+  for layer in _compat.flatten_layers(model, include_self=True):
     if getattr(layer, "activity_regularizer", None) is not None:
       raise ValueError(
           f"Layer {layer.name!r} has an activity_regularizer: it adds a "

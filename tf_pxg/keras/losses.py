@@ -21,8 +21,37 @@ import contextlib
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common.masking import get_keras_mask
-from keras.src.losses import loss as keras_loss_module
+
+from tf_pxg import _compat
+
+
+def _squeeze_or_expand_to_same_rank(x1, x2):
+  """Keras' `squeeze_or_expand_to_same_rank` (keras.src.losses.loss):
+  if the ranks differ by one and the longer ends in 1, squeeze it, or
+  expand a rank-1 shorter one."""
+  r1, r2 = len(x1.shape), len(x2.shape)
+  if r1 == r2 + 1 and x1.shape[-1] == 1:
+    if r2 == 1:
+      x2 = tf.expand_dims(x2, -1)
+    else:
+      x1 = tf.squeeze(x1, -1)
+  if r2 == r1 + 1 and x2.shape[-1] == 1:
+    if r1 == 1:
+      x1 = tf.expand_dims(x1, -1)
+    else:
+      x2 = tf.squeeze(x2, -1)
+  return x1, x2
+
+
+def _scale_loss_for_distribution(value, unscale: bool = False):
+  """Keras' `scale_loss_for_distribution` (times 1/replicas under a
+  `tf.distribute` strategy with more than one replica) or, with `unscale`,
+  its inverse `unscale_loss_for_distribution`."""
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  if replicas > 1:
+    value = value * tf.cast(replicas if unscale else 1.0 / replicas,
+                            value.dtype)
+  return value
 
 
 def _loss_name(loss) -> str:
@@ -41,7 +70,7 @@ class _PerExampleLoss:
 
   def __call__(self, y_true, y_pred, sample_weight=None):
     loss = self.loss
-    in_mask = get_keras_mask(y_pred)
+    in_mask = _compat.get_keras_mask(y_pred)
     y_true = tf.nest.map_structure(
         lambda t: keras.ops.convert_to_tensor(t, dtype=loss.dtype), y_true)
     y_pred = tf.nest.map_structure(
@@ -59,19 +88,19 @@ class _PerExampleLoss:
           "returns unreduced values (as with reduction=None), or a function "
           "`fn(y_true, y_pred)` that returns a `[batch, ...]` tensor and does "
           "not average over the batch.")
-    out_mask = get_keras_mask(values)
+    out_mask = _compat.get_keras_mask(values)
     mask = in_mask if out_mask is None else (
         out_mask if in_mask is None else tf.logical_and(in_mask, out_mask))
     count = None
     if mask is not None:
       m = tf.cast(mask, values.dtype)
-      values, m = keras_loss_module.squeeze_or_expand_to_same_rank(values, m)
+      values, m = _squeeze_or_expand_to_same_rank(values, m)
       m = tf.broadcast_to(m, tf.shape(values))
       values = values * m
       count = tf.reduce_sum(m, list(range(1, values.shape.rank)))
     if sample_weight is not None:
       w = tf.cast(sample_weight, values.dtype)
-      values, w = keras_loss_module.squeeze_or_expand_to_same_rank(values, w)
+      values, w = _squeeze_or_expand_to_same_rank(values, w)
       values = values * w
     axes = list(range(1, values.shape.rank))
     if axes:
@@ -79,7 +108,7 @@ class _PerExampleLoss:
                 tf.reduce_sum(values, axes) / tf.maximum(count, 1.0))
     # CompileLoss "unscales" what it logs per output by the replica count, as
     # Keras' reduced losses are pre-scaled; do the same, undone by the caller.
-    return keras_loss_module.scale_loss_for_distribution(values)
+    return _scale_loss_for_distribution(values)
 
 
 @contextlib.contextmanager
@@ -88,10 +117,10 @@ def _per_example_mode(compile_loss):
   saved = {}
 
   def swap():
-    saved["flat"] = list(compile_loss._flat_losses)
-    compile_loss._flat_losses = [
+    saved["flat"] = _compat.flat_losses(compile_loss)
+    _compat.set_flat_losses(compile_loss, [
         entry._replace(loss=_PerExampleLoss(entry.loss))
-        for entry in compile_loss._flat_losses]
+        for entry in saved["flat"]])
 
   patched_build = False
   if compile_loss.built:
@@ -111,7 +140,7 @@ def _per_example_mode(compile_loss):
     if patched_build:
       del compile_loss.build
     if "flat" in saved:
-      compile_loss._flat_losses = saved["flat"]
+      _compat.set_flat_losses(compile_loss, saved["flat"])
 
 
 def per_example_losses(model: keras.Model, y, y_pred,
@@ -133,15 +162,15 @@ def per_example_losses(model: keras.Model, y, y_pred,
     ValueError: the model has no compiled loss, or a loss does not return one
       value per example (the message names the loss).
   """
-  compile_loss = getattr(model, "_compile_loss", None)
+  compile_loss = _compat.compile_loss(model)
   if compile_loss is None:
     raise ValueError(
         f"Model {model.name!r} has no compiled loss; DP training needs "
         "per-example losses. Pass `loss=` to `model.compile()`.")
   with _per_example_mode(compile_loss):
     values = compile_loss(y, y_pred, sample_weight)
-  values = keras_loss_module.unscale_loss_for_distribution(
-      tf.convert_to_tensor(values))
+  values = _scale_loss_for_distribution(tf.convert_to_tensor(values),
+                                        unscale=True)
   if values.shape.rank != 1:
     raise ValueError(
         f"The compiled loss of model {model.name!r} gave per-example values "

@@ -14,9 +14,8 @@ from typing import Optional
 
 import keras
 import tensorflow as tf
-from keras.src.models.functional import Functional
-from keras.src.saving import serialization_lib
 
+from tf_pxg import _compat
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
 from tf_pxg.keras import _train_step
@@ -205,7 +204,7 @@ class _DPTrainingMixin:
     super().compile(optimizer, *args, **kwargs)
 
   def compile_from_config(self, config):
-    config = serialization_lib.deserialize_keras_object(config)
+    config = keras.saving.deserialize_keras_object(config)
     self.compile(**config)
     if hasattr(self, "optimizer") and self.built:
       self.optimizer.build(self.trainable_variables)
@@ -353,7 +352,7 @@ class _DPTrainingMixin:
     """
     if getattr(self, "optimizer", None) is not None:
       self._check_trainable_for_dp(self.optimizer)  # before building
-    if getattr(self, "_compile_loss", None) is None:
+    if _compat.compile_loss(self) is None:
       pe_losses.per_example_losses(self, None, None)  # raises, names fix
     keras_kwargs = dict(
         epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -496,7 +495,7 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                 secure_mode=secure_mode)
   if isinstance(model, keras.Sequential):
     return DPSequential(model.layers, name=f"dp_{model.name}", **kwargs)
-  if isinstance(model, Functional):
+  if isinstance(model, _compat.functional_class()):
     return DPModel(inputs=model.inputs, outputs=model.outputs,
                    name=f"dp_{model.name}", **kwargs)
   raise TypeError(

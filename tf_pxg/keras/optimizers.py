@@ -17,9 +17,8 @@ silently give no privacy.
 from __future__ import annotations
 
 import keras
-from keras.src.saving import serialization_lib
-from keras.src.utils import tracking
 
+from tf_pxg import _compat
 from tf_pxg.keras import _validation
 
 
@@ -76,14 +75,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self.noise_multiplier = noise
     self.secure_mode = secure_mode
 
-  @tracking.no_automatic_dependency_tracking
+  @_compat.no_automatic_dependency_tracking
   def build(self, var_list):
     self.inner_optimizer.build(var_list)
     super().build(var_list)
 
   @property
   def variables(self):
-    return self._variables + self.inner_optimizer.variables
+    return _compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
   @property
   def learning_rate(self):
@@ -118,7 +117,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     return {
         "name": self.name,
         "inner_optimizer":
-            serialization_lib.serialize_keras_object(self.inner_optimizer),
+            keras.saving.serialize_keras_object(self.inner_optimizer),
         "l2_norm_clip": self.l2_norm_clip,
         "noise_multiplier": self.noise_multiplier,
         "secure_mode": self.secure_mode,
@@ -127,7 +126,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
   @classmethod
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
-    inner = serialization_lib.deserialize_keras_object(
+    inner = keras.saving.deserialize_keras_object(
         config.pop("inner_optimizer"), custom_objects=custom_objects)
     return cls(inner, **config)
 

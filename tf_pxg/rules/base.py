@@ -39,9 +39,10 @@ from typing import Any, Callable, Optional, Sequence
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.framework import indexed_slices
 
+from tf_pxg import _compat
 from tf_pxg import native
+from tf_pxg import registry
 from tf_pxg import xla
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.tape.recording import Entry
@@ -49,7 +50,7 @@ from tf_pxg.tape.recording import Entry
 
 def to_dense(g):
   """Converts IndexedSlices to a dense tensor; passes tensors through."""
-  if isinstance(g, indexed_slices.IndexedSlices):
+  if isinstance(g, tf.IndexedSlices):
     return tf.convert_to_tensor(g)
   return g
 
@@ -171,8 +172,7 @@ class Context:
 
 
 def variable_shape(handle):
-  from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-import-not-at-top
-  return resource_variable_ops.variable_shape(handle)
+  return _compat.variable_shape(handle)
 
 
 def split_batch(t, batch_size, axis: int = 0, minor: bool = False):
@@ -524,3 +524,28 @@ def as_rule(rule_like) -> Rule:
     return _FunctionRule(rule_like)
   raise TypeError(f"Cannot register {rule_like!r} as a per-example rule: "
                   "expected a Rule subclass, instance, or function(ctx).")
+
+
+def register(op_type: str, override: bool = False) -> Callable:
+  """Registers a per-example rule for TF op type `op_type` (`tf_pxg.register`).
+
+  Use as a decorator on a `Rule` subclass (instantiated with no arguments),
+  a `Rule` instance, or a plain function `per_example(ctx)` (wrapped so
+  `sq_norm` and `weighted_sum` take the defaults):
+
+      @tf_pxg.register("MyOp")
+      class MyOpRule(tf_pxg.rules.base.Rule):
+        def per_example(self, ctx):
+          ...
+
+  Args:
+    op_type: the op's type as in `tf.Operation.type`, e.g. "MatMul".
+    override: replace an existing rule instead of raising.
+
+  Raises:
+    ValueError: if `op_type` already has a rule and `override` is False.
+  """
+  def decorator(rule_like):
+    registry.add(op_type, as_rule(rule_like), override)
+    return rule_like
+  return decorator

@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.registry import register
 from tf_pxg.rules import base
+from tf_pxg.rules.base import register
 
 _LETTERS = string.ascii_letters
 

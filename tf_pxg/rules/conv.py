@@ -32,8 +32,8 @@ import tensorflow as tf
 
 from tf_pxg import native
 from tf_pxg import xla
-from tf_pxg.registry import register
 from tf_pxg.rules import base
+from tf_pxg.rules.base import register
 from tf_pxg.rules import contraction
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_pxg.registry import register
 from tf_pxg.rules import base
+from tf_pxg.rules.base import register
 
 
 def reduce_to_param(ctx, e):

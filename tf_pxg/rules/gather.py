@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_pxg.registry import register
 from tf_pxg.rules import base
+from tf_pxg.rules.base import register
 
 
 class _GatherRule(base.Rule):

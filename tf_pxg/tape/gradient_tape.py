@@ -21,10 +21,8 @@ import contextlib
 from typing import Optional
 
 import tensorflow as tf
-from tensorflow.python.eager import record
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
+from tf_pxg import _compat
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.dp.clipping import clip_factors
@@ -34,14 +32,14 @@ from tf_pxg.tape.recording import Recorder, tensor_id
 
 def _tf_variable(v):
   """The `tf.Variable` behind a Keras 3 variable (or `v` itself)."""
-  inner = getattr(v, "_value", None)
-  if inner is not None and resource_variable_ops.is_resource_variable(inner):
+  inner = _compat.keras_variable_value(v)
+  if inner is not None and _compat.is_resource_variable(inner):
     return inner
   return v
 
 
 def _is_variable(v) -> bool:
-  return resource_variable_ops.is_resource_variable(_tf_variable(v))
+  return _compat.is_resource_variable(_tf_variable(v))
 
 
 class GradientTape:
@@ -84,7 +82,7 @@ class GradientTape:
 
   def _push(self):
     self._recorder.start()
-    self._variable_watcher = record.VariableWatcher()
+    self._variable_watcher = _compat.variable_watcher()
     self._variable_watcher.__enter__()
 
   def _pop(self):
@@ -201,7 +199,7 @@ class GradientTape:
 
   @staticmethod
   def _unconnected(s, unconnected_gradients, batch_shape=()):
-    if UnconnectedGradients(unconnected_gradients) == UnconnectedGradients.ZERO:
+    if tf.UnconnectedGradients(unconnected_gradients) == tf.UnconnectedGradients.ZERO:
       shape = list(batch_shape) + list(tf.TensorShape(s.shape).as_list())
       return tf.zeros(shape, s.dtype if not _is_variable(s) else
                       _tf_variable(s).dtype)
@@ -210,7 +208,7 @@ class GradientTape:
   # Gradients ----------------------------------------------------------------
 
   def gradient(self, target, sources, output_gradients=None,
-               unconnected_gradients=UnconnectedGradients.NONE):
+               unconnected_gradients=tf.UnconnectedGradients.NONE):
     """Same contract as `tf.GradientTape.gradient`."""
     if target is None:
       raise TypeError("Argument `target` should be a list or nested structure "
@@ -248,7 +246,7 @@ class GradientTape:
     return flat_sources, engine
 
   def per_example_gradient(self, target, sources,
-                           unconnected_gradients=UnconnectedGradients.NONE):
+                           unconnected_gradients=tf.UnconnectedGradients.NONE):
     """One gradient per example and source.
 
     Args:

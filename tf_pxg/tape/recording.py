@@ -28,17 +28,15 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.eager import context
-from tensorflow.python.eager import record
-from tensorflow.python.framework import op_callbacks
 
+from tf_pxg import _compat
 from tf_pxg import control_flow
 
 
 def tensor_id(t: Any) -> int:
   """A key for a tensor: TF's unique `_id` (eager and graph tensors share
   one counter), or `id()` for objects without one."""
-  i = getattr(t, "_id", None)
+  i = _compat.tensor_id(t)
   return i if isinstance(i, int) else id(t)
 
 
@@ -105,21 +103,21 @@ class Recorder:
       self._renew_watcher()
     else:
       self._first_op_id = self._graph.version  # The last op id so far.
-    op_callbacks.add_op_callback(self._callback)
+    _compat.add_op_callback(self._callback)
     control_flow.enter(self)
     self._active = True
 
   def stop(self):
     if not self._active:
       return
-    op_callbacks.remove_op_callback(self._callback)
+    _compat.remove_op_callback(self._callback)
     control_flow.leave(self)
     self._end_watcher()
     self._active = False
 
   def _renew_watcher(self):
     self._end_watcher()
-    self._watcher = record.VariableWatcher()
+    self._watcher = _compat.variable_watcher()
     self._watcher.__enter__()
 
   def _end_watcher(self):
@@ -175,7 +173,7 @@ class Recorder:
       op_type = op_type.decode()
     if graph is None:
       op = None
-      scope = context.context().scope_name or ""
+      scope = _compat.eager_scope_name()
       self._fast_path_reads(op_type, inputs, scope)
     else:
       op = outputs[0].op
@@ -193,7 +191,7 @@ class Recorder:
       op = getattr(t, "op", None)
       if (tensor_id(t) in self.producer or op is None or
           op.graph is not self._graph or
-          op._id <= self._first_op_id or  # pylint: disable=protected-access
+          _compat.op_id(op) <= self._first_op_id or
           op.type not in control_flow.OPAQUE_OPS):
         continue
       self._record_silent_producers(op.inputs)

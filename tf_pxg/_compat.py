@@ -1,0 +1,407 @@
+"""The one boundary between tf_pxg and TensorFlow / Keras internals.
+
+Every use of `tensorflow.python.*`, `keras.src.*` or a private attribute of
+a TensorFlow or Keras object goes through this module; nothing else in
+`tf_pxg` imports them (`tests/test_compat.py` checks both). Each access says
+why no public API serves. `ACCESSES` names them all; `check(name)` exercises
+one, so an upgrade that moves one fails `tests/test_compat.py` with a
+message naming it. The supported range is `tf_pxg._versions`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+from typing import Any, Callable, Dict
+
+import tensorflow as tf
+
+from tf_pxg import _versions
+
+_versions.check(tf_version=tf.__version__)
+
+
+class CompatError(ImportError):
+  """A TensorFlow / Keras internal tf_pxg relies on has moved."""
+
+
+def _missing(name: str, error: Exception) -> CompatError:
+  return CompatError(
+      f"tf_pxg internal access '{name}' is not available in TensorFlow "
+      f"{tf.__version__} / Keras {_keras_version()} ({error!r}); tf_pxg "
+      f"supports {_versions.supported_range()}.")
+
+
+def _keras_version() -> str:
+  try:
+    return importlib.metadata.version("keras")
+  except Exception:  # pylint: disable=broad-except
+    return "?"
+
+
+@functools.lru_cache(maxsize=None)
+def _tf_module(path: str):
+  return importlib.import_module(path)
+
+
+# TensorFlow: recording ------------------------------------------------------
+
+
+def add_op_callback(callback) -> None:
+  # No public API sees every op run eagerly and built in a graph: this is
+  # the hook tfdbg v2 uses (tf.debugging.experimental has no callback API).
+  _tf_module("tensorflow.python.framework.op_callbacks").add_op_callback(
+      callback)
+
+
+def remove_op_callback(callback) -> None:
+  # Pair of add_op_callback (same reason).
+  _tf_module("tensorflow.python.framework.op_callbacks").remove_op_callback(
+      callback)
+
+
+def eager_scope_name() -> str:
+  # tf.name_scope has no public getter in eager mode (Graph.get_name_scope
+  # covers graphs only); used for error messages.
+  return _tf_module("tensorflow.python.eager.context").context().scope_name or ""
+
+
+def variable_watcher():
+  # TF's C++ fast path reads a variable passed directly to an eager op
+  # without a Python op callback; only a VariableWatcher (what
+  # tf.GradientTape's watch_accessed_variables uses) is notified.
+  return _tf_module("tensorflow.python.eager.record").VariableWatcher()
+
+
+def tensor_id(t: Any):
+  # TF's unique tensor id (one counter for eager and graph tensors, so
+  # keys are stable across re-wrapping); `id()` is not (Python reuses it).
+  return getattr(t, "_id", None)
+
+
+def op_id(op) -> int:
+  # The same counter for graph ops: orders ops by creation, which the
+  # public tf.Operation does not expose.
+  return op._id  # pylint: disable=protected-access
+
+
+def is_resource_variable(v) -> bool:
+  # isinstance(v, tf.Variable) also admits non-resource variables, and
+  # misses objects that act as one (distributed values): TF's own test.
+  return _tf_module(
+      "tensorflow.python.ops.resource_variable_ops").is_resource_variable(v)
+
+
+def keras_variable_value(v):
+  # A Keras 3 variable's backing tf.Variable: the public `.value` may be an
+  # autocast *tensor*, and the tape must watch the variable itself.
+  return getattr(v, "_value", None)
+
+
+def variable_shape(handle):
+  # The shape of a variable from its resource handle alone (static when the
+  # handle data knows it); tf.raw_ops.VariableShape is always dynamic.
+  return _tf_module(
+      "tensorflow.python.ops.resource_variable_ops").variable_shape(handle)
+
+
+# TensorFlow: gradient functions ----------------------------------------------
+
+
+def mock_op(attrs, inputs, outputs, op_type, skip_input_indices):
+  # The light op object tf.GradientTape hands eager gradient functions;
+  # they read `.get_attr`/`.inputs`/`.skip_input_indices` from it, and no
+  # public constructor exists.
+  return _tf_module("tensorflow.python.eager.backprop")._MockOp(  # pylint: disable=protected-access
+      attrs, inputs, outputs, op_type, skip_input_indices)
+
+
+def aggregate_grads(grads: list):
+  # tf.GradientTape's own sum of Tensors and IndexedSlices (tf.add_n takes
+  # no IndexedSlices); the result must equal tf.GradientTape's.
+  return _tf_module("tensorflow.python.eager.backprop")._aggregate_grads(  # pylint: disable=protected-access
+      grads)
+
+
+def call_op_gradient(op, grads: list):
+  # The symbolic gradient of a PartitionedCall, as tf.gradients takes it;
+  # no public API differentiates one call op.
+  return _tf_module("tensorflow.python.ops.gradients_util")._SymGrad(  # pylint: disable=protected-access
+      op, grads)
+
+
+def _gradient_registry():
+  return _tf_module("tensorflow.python.framework.ops")._gradient_registry  # pylint: disable=protected-access
+
+
+def gradient_function(op_type: str):
+  # TF's registered gradient for an op type: tf.RegisterGradient writes the
+  # registry but there is no public lookup. Raises LookupError if none.
+  return _gradient_registry().lookup(op_type)
+
+
+@contextlib.contextmanager
+def swapped_gradient_functions(replacements: Dict[str, Callable]):
+  """Temporarily replaces registered gradient functions: {op_type: wrap},
+  `wrap(original) -> new`."""
+  # tf.RegisterGradient refuses to re-register, and a swap must be undone.
+  registry = _gradient_registry()._registry  # pylint: disable=protected-access
+  saved = {t: registry[t]["type"] for t in replacements}
+  try:
+    for t, wrap in replacements.items():
+      registry[t]["type"] = wrap(saved[t])
+    yield
+  finally:
+    for t, original in saved.items():
+      registry[t]["type"] = original
+
+
+def graph_in_xla_context(graph) -> bool:
+  # Whether a graph (or a parent) is compiled by XLA: no public API tells a
+  # function being traced that it is under jit_compile=True.
+  return _tf_module(
+      "tensorflow.python.ops.control_flow_util").GraphOrParentsInXlaContext(
+          graph)
+
+
+# TensorFlow: tf.function inlining --------------------------------------------
+
+
+def tf_function_class():
+  # The class of `tf.function` objects, whose __call__ tf_pxg wraps while a
+  # tape records (to inline nested functions); tf.types.experimental.
+  # GenericFunction is an abstract base, not the class whose method runs.
+  return _tf_module(
+      "tensorflow.python.eager.polymorphic_function.polymorphic_function"
+  ).Function
+
+
+def inline_call(function, args, kwargs):
+  """Runs a `tf.function`'s Python function in the caller's context,
+  converted by AutoGraph in graphs as the function's own tracing would."""
+  fn = function.python_function
+  # `_autograph` / `_experimental_autograph_options`: the function's own
+  # AutoGraph settings (no public getters); tf.autograph.to_graph would
+  # not apply the function's options.
+  if tf.executing_eagerly() or not function._autograph:  # pylint: disable=protected-access
+    return fn(*args, **kwargs)
+  ag_ctx = _tf_module("tensorflow.python.autograph.core.ag_ctx")
+  autograph_util = _tf_module(
+      "tensorflow.python.eager.polymorphic_function.autograph_util")
+  converted = autograph_util.py_func_from_autograph(
+      fn, function._experimental_autograph_options)  # pylint: disable=protected-access
+  with ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED):
+    return converted(*args, **kwargs)
+
+
+# Keras -----------------------------------------------------------------------
+
+
+def keras_backend_module():
+  # The module Keras' recurrent layers call `rnn`/`lstm`/`gru` through
+  # (keras.src.backend); patched while a tape records to unroll static
+  # loops. The public keras.backend is a different module object. None if
+  # Keras is not imported yet.
+  return sys.modules.get("keras.src.backend")
+
+
+def get_keras_mask(x):
+  # Keras' mask on a tensor (an attribute or Keras' side table); Keras
+  # exports no getter.
+  return importlib.import_module(
+      "keras.src.backend.common.masking").get_keras_mask(x)
+
+
+def functional_class():
+  # keras.Model(inputs, outputs) builds this class; Keras exports no name
+  # to tell a functional model from a subclassed one.
+  return importlib.import_module("keras.src.models.functional").Functional
+
+
+def no_automatic_dependency_tracking(method):
+  # Keeps Keras from tracking the inner optimizer's variables twice while a
+  # wrapper optimizer builds; no public decorator.
+  tracking = importlib.import_module("keras.src.utils.tracking")
+  return tracking.no_automatic_dependency_tracking(method)
+
+
+def compile_loss(model):
+  # The compiled loss object (`model.compute_loss` reduces over the batch;
+  # DP needs the per-example values of the same losses and weights).
+  return getattr(model, "_compile_loss", None)
+
+
+def flat_losses(compile_loss_obj) -> list:
+  # The resolved (loss, weight, ...) entries of a CompileLoss, swapped for
+  # per-example adapters for one call; no public accessor.
+  return list(compile_loss_obj._flat_losses)  # pylint: disable=protected-access
+
+
+def set_flat_losses(compile_loss_obj, entries) -> None:
+  # Pair of flat_losses (same reason).
+  compile_loss_obj._flat_losses = entries  # pylint: disable=protected-access
+
+
+def compile_metrics(model):
+  # The compiled metrics container, whose update_state is wrapped so padding
+  # rows are masked for unweighted metrics too; no public accessor.
+  return getattr(model, "_compile_metrics", None)
+
+
+def compile_metrics_parts(cm):
+  """(flatten_y, flat_metrics, flat_weighted_metrics) of a CompileMetrics."""
+  # The container's own flattening and per-output metric lists (private),
+  # so a masked update matches Keras' update output for output.
+  return (cm._flatten_y, cm._flat_metrics, cm._flat_weighted_metrics)  # pylint: disable=protected-access
+
+
+def optimizer_own_variables(optimizer) -> list:
+  # A Keras optimizer's own variables (iterations, learning rate) without
+  # the ones `variables` may add in a subclass (DPOptimizer adds its inner
+  # optimizer's); no public accessor.
+  return list(optimizer._variables)  # pylint: disable=protected-access
+
+
+def loss_tracker(model):
+  # The Mean that `fit` logs as "loss"; Keras updates it inside its own
+  # train_step, which the DP step replaces.
+  return model._loss_tracker  # pylint: disable=protected-access
+
+
+def regularization_losses(model) -> list:
+  # Weight-regularizer losses only: `model.losses` also holds add_loss /
+  # activity terms, which are per batch and which DP training refuses.
+  return model._get_regularization_losses()  # pylint: disable=protected-access
+
+
+def call_has_training_arg(model) -> bool:
+  # Whether `call` takes `training` (Keras inspects the signature once and
+  # caches it; calling with training= on a model without it raises).
+  return bool(model._call_has_training_arg)  # pylint: disable=protected-access
+
+
+def flatten_layers(model, include_self: bool = True):
+  # Every layer, nested ones included, as Keras tracks them (`model.layers`
+  # is one level deep and misses layers held in attributes of subclasses).
+  # () for an object that is not a Keras layer.
+  flatten = getattr(model, "_flatten_layers", None)
+  return () if flatten is None else flatten(include_self=include_self)
+
+
+def seed_generators(layer) -> list:
+  # A layer's keras.random.SeedGenerators (their states must be saved and
+  # restored to repeat a random forward pass); no public accessor.
+  return list(getattr(layer, "_seed_generators", ()) or ())
+
+
+def reset_global_seed_generator() -> None:
+  # A fresh global SeedGenerator made eagerly, so unseeded keras.random
+  # calls repeat after keras.utils.set_random_seed (which resets it lazily).
+  seed_generator = importlib.import_module("keras.src.random.seed_generator")
+  with tf.init_scope():
+    seed_generator.global_seed_generator()
+
+
+def symbolic_build(model, data_batch) -> None:
+  # Builds a lazily built model, its compiled loss and metrics from one
+  # batch, as `fit` does before its first step; no public equivalent.
+  model._symbolic_build(data_batch=data_batch)  # pylint: disable=protected-access
+
+
+# The accesses, by name: a zero-argument probe per access that fails when
+# an upgrade moves it (tests/test_compat.py runs each).
+
+
+def _probe_keras_model():
+  import keras  # pylint: disable=import-outside-toplevel
+  inputs = keras.Input((3,))
+  model = keras.Model(inputs, keras.layers.Dense(
+      2, kernel_regularizer="l2")(inputs))
+  model.compile(loss="mse", metrics=["mae"])
+  symbolic_build(model, (tf.zeros([2, 3]), tf.zeros([2, 2]), None))
+  return model
+
+
+def _probe_graph_op():
+  g = tf.Graph()
+  with g.as_default():
+    t = tf.constant(1.0) * 2.0
+  return t.op
+
+
+ACCESSES: Dict[str, Callable[[], Any]] = {
+    "op_callbacks": lambda: (add_op_callback(_noop_callback),
+                             remove_op_callback(_noop_callback)),
+    "eager_scope_name": lambda: isinstance(eager_scope_name(), str) or _fail(),
+    "VariableWatcher": lambda: variable_watcher().__enter__ and None,
+    "tensor_id": lambda: isinstance(tensor_id(tf.constant(1)), int) or _fail(),
+    "op_id": lambda: isinstance(op_id(_probe_graph_op()), int) or _fail(),
+    "is_resource_variable":
+        lambda: is_resource_variable(tf.Variable(1.0)) or _fail(),
+    "keras_variable_value": lambda: is_resource_variable(
+        keras_variable_value(__import__("keras").Variable(1.0))) or _fail(),
+    "variable_shape": lambda: variable_shape(tf.Variable([1.0]).handle),
+    "_MockOp": lambda: mock_op((), [], [], "Identity", None).get_attr,
+    "_aggregate_grads":
+        lambda: aggregate_grads([tf.constant(1.0), tf.constant(2.0)]),
+    "_SymGrad": lambda: _tf_module(
+        "tensorflow.python.ops.gradients_util")._SymGrad,  # pylint: disable=protected-access
+    "gradient_registry": lambda: (gradient_function("MatMul"),
+                                  _gradient_registry()._registry["MatMul"]),  # pylint: disable=protected-access
+    "GraphOrParentsInXlaContext":
+        lambda: graph_in_xla_context(tf.compat.v1.get_default_graph()),
+    "polymorphic_function.Function":
+        lambda: isinstance(tf.function(lambda: 1), tf_function_class())
+        or _fail(),
+    "tf.function._autograph": lambda: (
+        tf.function(lambda: 1)._autograph,  # pylint: disable=protected-access
+        tf.function(lambda: 1)._experimental_autograph_options,  # pylint: disable=protected-access
+        _tf_module("tensorflow.python.eager.polymorphic_function."
+                   "autograph_util").py_func_from_autograph,
+        _tf_module("tensorflow.python.autograph.core.ag_ctx").ControlStatusCtx),
+    "keras.src.backend.rnn/lstm/gru": lambda: (
+        __import__("keras").layers,
+        keras_backend_module().rnn, keras_backend_module().lstm,
+        keras_backend_module().gru),
+    "get_keras_mask": lambda: get_keras_mask(tf.constant(1.0)),
+    "Functional": lambda: isinstance(_probe_keras_model(),
+                                     functional_class()) or _fail(),
+    "no_automatic_dependency_tracking":
+        lambda: no_automatic_dependency_tracking(lambda self: None),
+    "_compile_loss/_flat_losses": lambda: set_flat_losses(
+        compile_loss(_probe_keras_model()), flat_losses(
+            compile_loss(_probe_keras_model()))),
+    "_compile_metrics": lambda: compile_metrics_parts(
+        compile_metrics(_probe_keras_model())),
+    "optimizer._variables": lambda: optimizer_own_variables(
+        __import__("keras").optimizers.SGD()),
+    "_loss_tracker": lambda: loss_tracker(_probe_keras_model()).update_state,
+    "_get_regularization_losses":
+        lambda: len(regularization_losses(_probe_keras_model())) == 1
+        or _fail(),
+    "_call_has_training_arg":
+        lambda: call_has_training_arg(_probe_keras_model()),
+    "_flatten_layers": lambda: list(flatten_layers(_probe_keras_model())),
+    "_seed_generators": lambda: seed_generators(
+        __import__("keras").layers.Dropout(0.5)) or _fail(),
+    "global_seed_generator": reset_global_seed_generator,
+    "_symbolic_build": _probe_keras_model,
+}
+
+
+def _noop_callback(*args, **kwargs):  # pylint: disable=unused-argument
+  return None
+
+
+def _fail():
+  raise AssertionError("unexpected value")
+
+
+def check(name: str) -> None:
+  """Exercises access `name`; raises CompatError naming it if it moved."""
+  try:
+    ACCESSES[name]()
+  except Exception as e:  # pylint: disable=broad-except
+    raise _missing(name, e) from e
