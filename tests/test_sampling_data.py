@@ -76,15 +76,7 @@ def test_text_vectorization_trains_on_string_tensors_with_poisson_fit():
   assert model.evaluate(texts, y, verbose=0) < before
 
 
-@pytest.mark.parametrize("sampling", [
-    "poisson",
-    pytest.param("shuffled", marks=pytest.mark.xfail(
-        strict=True, raises=TypeError,
-        reason="tf_pxg/keras/_train_step.py dp_apply adds the float32 "
-        "reg_loss to float64 losses on plain batches (line `tf.reduce_mean("
-        "losses) + result.reg_loss`); needs tf.cast(result.reg_loss, "
-        "losses.dtype) there, a file outside this change")),
-])
+@pytest.mark.parametrize("sampling", ["poisson", "shuffled"])
 def test_float64_model_fits(sampling):
   old, old_policy = keras.config.floatx(), keras.config.dtype_policy()
   keras.config.set_floatx("float64")

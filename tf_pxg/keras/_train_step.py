@@ -339,7 +339,8 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
   if mask is None:
     local_batch = tf.shape(losses)[0]
     _compat.loss_tracker(model).update_state(
-        tf.reduce_mean(losses) + result.reg_loss, sample_weight=local_batch)
+        tf.reduce_mean(losses) + tf.cast(result.reg_loss, losses.dtype),
+        sample_weight=local_batch)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
   _compat.loss_tracker(model).update_state(
       losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
