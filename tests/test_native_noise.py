@@ -196,7 +196,9 @@ def test_build_caches_and_reports_compiler_errors(lib, tmp_path, monkeypatch):
   stamp = os.stat(path).st_mtime_ns
   assert native.build(cache_dir=tmp_path) == path  # cached: not rebuilt
   assert os.stat(path).st_mtime_ns == stamp
-  assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
+  # One library; beside it only its build lock and compiler log.
+  assert [p.name for p in tmp_path.glob("*.so")] == [os.path.basename(path)]
+  assert {p.suffix for p in tmp_path.iterdir()} == {".so", ".lock", ".log"}
   monkeypatch.setenv("CXX", _failing_compiler(tmp_path))
   with pytest.raises(Exception, match=r"(?s)threefry_noise.cc failed "
                      r"\(exit 3\).*no such header"):

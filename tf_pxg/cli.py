@@ -5,6 +5,8 @@
     tf-pxg noise --target_epsilon=3 --num_examples=60000 --batch_size=256 \\
         --epochs=60 [--delta=1e-5] [--accountant=rdp] [--tolerance=1e-4]
 
+    tf-pxg build-native [--cache_dir=DIR]
+
 `epsilon` prints ε of a DP-SGD run (`tf_pxg.accounting.compute_epsilon`);
 `noise` prints the smallest noise multiplier that reaches a target ε
 (`tf_pxg.accounting.noise_multiplier_for_epsilon`). Give exactly one of
@@ -12,6 +14,11 @@
 precision, so scripts can capture it. Bad input prints one line
 `tf-pxg <command>: error: ...` on stderr and exits with status 2.
 `python -m tf_pxg.cli ...` works the same.
+
+`build-native` compiles tf_pxg's native CPU ops now (`tf_pxg.native.build`)
+instead of at their first use, e.g. in a container image's build, and
+prints the library's path; it exits with status 1 if the build fails (the
+fallback without them is in `tf_pxg.native`'s doc).
 
 Each command parses its flags into its own `absl.flags.FlagValues`, so
 importing this module defines no global flags.
@@ -123,9 +130,43 @@ _COMMANDS: Dict[str, _Command] = {
 _HELP_ARGS = ("-h", "--help", "-help", "--helpshort", "--helpfull")
 
 
+_BUILD_NATIVE = "build-native"
+_BUILD_NATIVE_HELP = (
+    f"usage: {_PROG} {_BUILD_NATIVE} [--cache_dir=DIR]\n\n"
+    "Compile tf_pxg's native ops ahead of time (default cache directory:\n"
+    "$TF_PXG_CACHE_DIR, else $XDG_CACHE_HOME/tf_pxg or ~/.cache/tf_pxg)\n"
+    "and print the library's path.")
+
+
+def _build_native(args: Sequence[str]) -> int:
+  """`tf-pxg build-native [--cache_dir=DIR]`."""
+  cache_dir = None
+  for arg in args:
+    if arg in _HELP_ARGS:
+      print(_BUILD_NATIVE_HELP)
+      return 0
+    if arg.startswith("--cache_dir="):
+      cache_dir = arg.split("=", 1)[1]
+    else:
+      print(f"{_PROG} {_BUILD_NATIVE}: error: unexpected argument {arg!r}.",
+            file=sys.stderr)
+      return 2
+  import logging  # pylint: disable=import-outside-toplevel
+  logging.getLogger().setLevel(logging.INFO)
+  from tf_pxg import native  # pylint: disable=import-outside-toplevel  (TF)
+  try:
+    path = native.build(cache_dir=cache_dir)
+  except (OSError, native.subprocess.SubprocessError) as e:
+    print(f"{_PROG} {_BUILD_NATIVE}: error: {e}", file=sys.stderr)
+    return 1
+  print(path)
+  return 0
+
+
 def _usage() -> str:
   lines = [f"usage: {_PROG} <command> [--flag=value ...]", "", "commands:"]
   lines += [f"  {name:<8} {cmd.summary}" for name, cmd in _COMMANDS.items()]
+  lines += [f"  {_BUILD_NATIVE} compile the native ops ahead of time"]
   lines += ["", f"{_PROG} <command> --help lists the command's flags."]
   return "\n".join(lines)
 
@@ -140,7 +181,8 @@ def _parse(argv: Sequence[str]):
   name, rest = args[0], args[1:]
   if name not in _COMMANDS:
     raise _UsageError(
-        f"unknown command {name!r}; expected one of {_command_list()}.")
+        f"unknown command {name!r}; expected one of {_command_list()}, "
+        f"'{_BUILD_NATIVE}'.")
   command = _COMMANDS[name]
   fv = command.make_flags()
   if any(a in _HELP_ARGS for a in rest):
@@ -188,6 +230,8 @@ def main(argv: Sequence[str]) -> int:
   Prints the result on stdout (status 0), help on stdout (status 0), or one
   error line on stderr (status 2). Never raises for bad input.
   """
+  if len(argv) > 1 and argv[1] == _BUILD_NATIVE:
+    return _build_native(argv[2:])
   name = argv[1] if len(argv) > 1 and argv[1] in _COMMANDS else None
   try:
     _, command, fv = _parse(argv)

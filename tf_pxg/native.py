@@ -7,9 +7,9 @@ The library (`kernels/*.cc`) holds:
   noise. They draw the same Gaussians as the XLA kernel of
   `tf_pxg.dp.threefry` (element for element, up to float rounding), but
   compute both outputs of a Box-Muller pair at once, run loops written for
-  the compiler's vectoriser and shard them over TF's intra-op threads: about
-  3x less CPU per Gaussian than the XLA loop on this project's 2-core
-  AVX-512 machine (`python -m benchmarks.limits`).
+  the compiler's vectoriser and shard them over TF's intra-op threads: less
+  CPU per Gaussian than the XLA loop (the measured figures are in
+  docs/benchmarks.md; `python -m benchmarks.limits`).
 * `TfPxgConv2DFilterSqNorm` (`kernels/conv_norms.cc`): per-example squared
   norms of a 2-D convolution's filter gradient, accumulated in registers
   from each example's input and output gradient, with no patch tensor
@@ -27,9 +27,27 @@ dtypes, and machines without a compiler.
 The library is built once per machine: the installed TensorFlow's headers
 and flags (`tf.sysconfig`), `-O3 -march=native`, into a cache directory
 keyed by the sources, TensorFlow's version, the compiler and the CPU's
-features, then loaded with `tf.load_op_library`. Building takes about
-20 s. A failed build logs one warning with the compiler's message, and the
-TF/XLA paths are used.
+features, then loaded with `tf.load_op_library`. Building takes tens of
+seconds of one core; the first use logs a WARNING that it is compiling and
+how long it took. `tf-pxg build-native` builds ahead of time (for
+container images: run it in the image, with the cache directory the
+program will use). A file lock (`fcntl`) around the build makes concurrent
+processes (the workers of a multi-worker job) build once; the others wait
+and load the result. The compiler's own output, warnings included, goes to
+`<library>.log` beside the library (its last lines are logged if the build
+fails).
+
+Safety: the cache directory is created with mode 0700, and before a
+library is built into or loaded from a directory, the directory (and the
+library) must belong to the current user and not be writable by group or
+others; otherwise that directory is not used (another local user could
+otherwise plant a library that `tf.load_op_library` runs).
+
+Without a compiler (or with `TF_PXG_NATIVE=0`), a failed build logs one
+warning with the compiler's message, and the TF/XLA paths are used: the
+same results, at the cost measured in docs/benchmarks.md (DP noise by the
+XLA Threefry kernel, convolutions' per-example norms through patch
+tensors, row norms and clip scaling by TF's ops).
 
 Environment:
   TF_PXG_NATIVE=0: never build or use the native ops.
@@ -40,14 +58,18 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import pathlib
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import time
 from typing import List, Optional
 
 import tensorflow as tf
@@ -62,7 +84,7 @@ KERNELS = pathlib.Path(__file__).with_name("kernels")
 # which times the sampling code outside TF), and what makes a loadable
 # library.
 OPTIMIZATION_FLAGS = ("-O3", "-march=native", "-fno-math-errno")
-_FLAGS = OPTIMIZATION_FLAGS + ("-shared", "-fPIC", "-w")
+_FLAGS = OPTIMIZATION_FLAGS + ("-shared", "-fPIC")
 _lock = threading.Lock()
 _loaded = {}
 
@@ -96,8 +118,8 @@ def library():
               tf.errors.OpError) as e:
         logging.warning(
             "tf_pxg: the native ops are unavailable, so DP noise uses the "
-            "XLA kernel (about 3x more CPU per Gaussian) and convolutions' "
-            "per-example norms use patch tensors. Why: %s", e)
+            "XLA kernel (more CPU per Gaussian, see docs/benchmarks.md) and "
+            "convolutions' per-example norms use patch tensors. Why: %s", e)
     return _loaded["lib"]
 
 
@@ -158,14 +180,18 @@ def _command(cxx: str, output: pathlib.Path) -> List[str]:
 def build(cache_dir: Optional[pathlib.Path] = None) -> str:
   """Compiles the library unless the cache has it; returns its path.
 
-  Concurrent builds (several processes of a multi-worker job) are safe:
-  each compiles to a file of its own and renames it into place atomically.
+  Concurrent builds (several processes of a multi-worker job) build once:
+  the build holds an exclusive `fcntl` lock on `<library>.lock`, and a
+  process that waited for it finds the library built. The compiler writes
+  to a file of its own, renamed into place atomically.
 
   The library goes to `cache_dir` (default: see the module doc), or, if
-  that cannot be created or written, to `$TMPDIR/tf_pxg-<uid>`.
+  that cannot be created or written or is not safe (`check_safe`), to
+  `$TMPDIR/tf_pxg-<uid>` (created with mode 0700).
 
   Raises:
-    OSError: No compiler was found, or no cache directory is writable.
+    OSError: No compiler was found, or no cache directory is writable and
+      safe (the message says why for each).
     subprocess.CalledProcessError: The compiler failed (its message is in
       the exception's `stderr` and string).
   """
@@ -179,41 +205,115 @@ def build(cache_dir: Optional[pathlib.Path] = None) -> str:
     digest.update(part)
     digest.update(b"\0")
   name = f"tf_pxg_ops-{digest.hexdigest()[:20]}.so"
-  if (cache_dir / name).exists():
-    return str(cache_dir / name)
-  directory = next(_writable(cache_dir), None)
-  if directory is None:
-    raise OSError(f"cannot create the cache directory {cache_dir} (set "
-                  "TF_PXG_CACHE_DIR to a writable directory)")
-  output = directory / name
-  if output.exists():
+  reasons = []
+  for directory in _candidates(cache_dir):
+    problem = _prepare(directory)
+    if problem:
+      reasons.append(problem)
+      continue
+    output = directory / name
+    if output.exists():
+      check_safe(output)
+      return str(output)
+    with _locked(output.with_suffix(".lock")):
+      if not output.exists():  # Another process may have built it meanwhile.
+        _compile(cxx, output)
+    check_safe(output)
     return str(output)
+  raise OSError("no usable cache directory for tf_pxg's native ops (set "
+                "TF_PXG_CACHE_DIR to a directory of yours, mode 0700): " +
+                "; ".join(reasons))
+
+
+def _compile(cxx: str, output: pathlib.Path) -> None:
   partial = output.with_name(f"{output.stem}.{os.getpid()}.partial.so")
-  logging.info("tf_pxg: building the native ops once, into %s", output)
+  log = output.with_suffix(".log")
+  logging.warning(
+      "tf_pxg: compiling the native ops once for this machine and "
+      "TensorFlow (tens of seconds) into %s; `tf-pxg build-native` does this "
+      "ahead of time.", output)
+  start = time.monotonic()
   try:
     done = subprocess.run(_command(cxx, partial), capture_output=True,
                           text=True, timeout=600)
+    _write_private(log, f"$ {' '.join(done.args)}\n{done.stdout}"
+                   f"{done.stderr}exit {done.returncode}\n")
     if done.returncode != 0:
       raise _BuildError(done.returncode, done.args, done.stdout, done.stderr)
+    os.chmod(partial, 0o700)
     os.replace(partial, output)
   finally:
     if partial.exists():
       partial.unlink()
-  return str(output)
+  warnings = [line for line in done.stderr.splitlines() if "warning:" in line]
+  own = [line for line in warnings if str(KERNELS) in line or
+         line.startswith(tuple(f.name for f in sources()))]
+  logging.warning("tf_pxg: native ops compiled in %.1f s (%d compiler "
+                  "warning(s), %d in tf_pxg's kernels; compiler output in %s)",
+                  time.monotonic() - start, len(warnings), len(own), log)
+  for line in own:
+    logging.warning("tf_pxg: %s", line)
 
 
-def _writable(cache_dir: pathlib.Path):
-  """Of `cache_dir` and a per-user directory under the system's temporary
-  directory (for a read-only home), those that exist or can be made, and
-  can be written."""
-  fallback = pathlib.Path(tempfile.gettempdir()) / f"tf_pxg-{os.getuid()}"
-  for directory in (cache_dir, fallback):
-    try:
-      directory.mkdir(parents=True, exist_ok=True)
-    except OSError:
-      continue
-    if os.access(directory, os.W_OK):
-      yield directory
+def _write_private(path: pathlib.Path, text: str) -> None:
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+  with os.fdopen(fd, "w") as f:
+    f.write(text)
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+  """An exclusive `fcntl` lock on `path` (created 0600), held for the block."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _candidates(cache_dir: pathlib.Path):
+  """`cache_dir`, then a per-user directory under the system's temporary
+  directory (for a read-only or unsafe home)."""
+  yield cache_dir
+  yield pathlib.Path(tempfile.gettempdir()) / f"tf_pxg-{os.getuid()}"
+
+
+def _prepare(directory: pathlib.Path) -> Optional[str]:
+  """Creates `directory` (mode 0700) if missing; None if it is usable
+  (writable and `check_safe`), else why not."""
+  try:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+  except OSError as e:
+    return f"cannot create {directory} ({e.strerror or e})"
+  try:
+    check_safe(directory)
+  except OSError as e:
+    return str(e)
+  if not os.access(directory, os.W_OK):
+    return f"{directory} is not writable"
+  return None
+
+
+def check_safe(path: pathlib.Path) -> None:
+  """Raises OSError unless `path` (a cache directory or a library in it)
+  belongs to the current user and is not writable by group or others (so
+  no other local user can plant or replace a library that
+  `tf.load_op_library` would run)."""
+  info = os.stat(path, follow_symlinks=False)
+  if stat.S_ISLNK(info.st_mode):
+    raise OSError(f"{path} is a symbolic link; tf_pxg does not load native "
+                  "ops through one")
+  if info.st_uid != os.geteuid():
+    raise OSError(f"{path} belongs to uid {info.st_uid}, not to this user "
+                  f"(uid {os.geteuid()}); tf_pxg does not load native ops "
+                  "from it")
+  if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    raise OSError(f"{path} is writable by group or others (mode "
+                  f"{stat.S_IMODE(info.st_mode):o}); tf_pxg does not load "
+                  "native ops from it (chmod 0700 it, or set "
+                  "TF_PXG_CACHE_DIR)")
 
 
 class _BuildError(subprocess.CalledProcessError):
