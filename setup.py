@@ -11,6 +11,7 @@ setuptools.setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",  # the full text is LICENSE (as TensorFlow's)
     packages=setuptools.find_packages(include=["tf_pxg", "tf_pxg.*"]),
     # The native ops' C++ sources, compiled on first use (tf_pxg.native).
     package_data={"tf_pxg": ["kernels/*.cc", "kernels/*.h"]},

@@ -143,10 +143,9 @@ def densify(g) -> tf.Tensor:
 
   An embedding's clipped gradient sum arrives as `IndexedSlices` (rows and
   their indices; repeated indices add up). DP noise makes it dense anyway.
-  TF's own conversion (`UnsortedSegmentSum`) runs on one core and costs
-  about twice as much as a `scatter_nd` compiled with XLA (0.76 against
-  1.4 ms for 8,192 rows of a 20,000 x 64 table on this 2-core CPU), which
-  this uses when the dense shape is static.
+  TF's own conversion (`UnsortedSegmentSum`) runs on one core and is
+  slower than a `scatter_nd` compiled with XLA, which this uses when the
+  dense shape is static.
   """
   if not isinstance(g, tf.IndexedSlices):
     return tf.convert_to_tensor(g)
@@ -169,8 +168,8 @@ def box_muller_normal(generator: tf.random.Generator, shape,
   `t = 2 pi u2` give two independent standard normals `r cos t` and
   `r sin t` (Box & Muller, 1958), so n samples need n uniforms. This is
   the transform TF's own CPU normal kernel applies (`BoxMullerFloat`), but
-  using both outputs of each pair it draws half as many Philox uniforms and
-  runs about 1.6x faster on CPU. `add_gaussian_noise` uses it for tensors
+  using both outputs of each pair it draws half as many Philox uniforms
+  (faster on CPU; docs/benchmarks.md). `add_gaussian_noise` uses it for tensors
   the fused Threefry kernel does not take (float64, dynamic shapes). The
   angle is drawn as a uniform on
   `[0, 2 pi)` and `stddev` is folded into the radius

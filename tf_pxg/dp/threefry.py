@@ -1,16 +1,16 @@
 """Gaussian noise from a counter-based generator, fused into one pass.
 
 DP-SGD adds one Gaussian per weight per step. With TF's kernels that costs
-about 8 ns of CPU per Gaussian (Philox words, then a Box-Muller transform
-that makes one pass over memory per op), which on CPU is as much as half of
-a non-private MLP step. Here each Gaussian is a pure function of its index,
+Philox words, then a Box-Muller transform that makes one pass over memory
+per op, which on CPU can be as much as half of a non-private MLP step
+(measured costs per Gaussian: docs/benchmarks.md, "The floors"). Here each Gaussian is a pure function of its index,
 so the generator, the transform, the scaling and the addition to the
 gradient fuse into a single loop over the output: no intermediate array
 is written, and the loop is vectorised and split over the cores. Two
 kernels run that loop: the native op of `tf_pxg.native` (a TF CPU op
-built on first use; about 1 ns of CPU per Gaussian here) wherever it can,
-and an XLA loop (`jit_compile=True`, also when called from a graph that is
-not compiled; about 3.8 ns) in XLA-compiled code, on accelerators, for
+built on first use) wherever it can, and an XLA loop (`jit_compile=True`,
+also when called from a graph that is not compiled; slower, see
+docs/benchmarks.md) in XLA-compiled code, on accelerators, for
 float16/bfloat16 and without a compiler.
 
 **The generator.** Threefry-2x32 with 20 rounds (Salmon, Moraes, Dror and

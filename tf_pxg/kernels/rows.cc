@@ -5,14 +5,13 @@
 //   gradients);
 // * TfPxgScaleRows: y[n, ...] = t[n, ...] c[n / k], k = N / len(c) rows per
 //   example (the clip factors applied to an output gradient before the
-//   weighted-sum matmul). TF's broadcasting Mul takes about 1.6 ns per
-//   element here; this is one streaming pass. A zero factor writes exact
+//   weighted-sum matmul). One streaming pass, where TF's broadcasting Mul
+//   is slower (figures: docs/benchmarks.md). A zero factor writes exact
 //   zeros (not t * 0, which is NaN for inf/NaN entries), so a non-finite
 //   example with clip factor 0 adds nothing to the weighted sum.
 //
-// TF's Square + Sum over the inner axes costs about 1.3 ns per element on
-// this project's CPU (two passes, and Eigen's inner-axis reduction); this
-// is one pass of vector multiply-adds into four independent accumulators
+// TF's Square + Sum over the inner axes makes two passes (and Eigen's
+// inner-axis reduction); this is one pass of vector multiply-adds into four independent accumulators
 // (added in double every kBlock elements), rows sharded over TF's intra-op
 // threads.
 

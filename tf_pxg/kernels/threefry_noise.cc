@@ -88,7 +88,8 @@ void AddNoise(OpKernelContext* ctx, const float* in, float* out, int64_t n,
       }
     }
   };
-  // About 15 ns of one core per pair on an AVX2 CPU, with margin.
+  // Cost per pair for TF's sharder: an estimate with margin (measured
+  // per-Gaussian figures are in docs/benchmarks.md, not here).
   ShardOverThreads(ctx, blocks, kPairs * 40, work);
 }
 

@@ -15,8 +15,8 @@ On CPU outside XLA, a 2-D convolution's squared norms (one group, NHWC
 or NCHW, float32/float64) come from the native op `TfPxgConv2DFilterSqNorm`
 (`tf_pxg/kernels/conv_norms.cc`, `ConvRule.native_sq_norm`): it accumulates each
 example's filter gradient in registers from the input and dz, without the
-patch tensor, the chunk loop or the Gram matrices (on the benchmark cnn
-about 4x less op time for the two convs' norms than the patch path).
+patch tensor, the chunk loop or the Gram matrices (less op time than the
+patch path; docs/benchmarks.md).
 
 Patches come from one-hot (depthwise) convolutions where possible, see
 `_patches`. A transposed convolution (`Conv2DBackpropInput`) is the same with the roles
@@ -221,7 +221,7 @@ def _norm_chunk(ctx, patched, other):
   example). None when the batch fits in one chunk, when the examples are
   interleaved (batch-minor rows), when one example's patch size is not
   static, and under XLA (which plans its own buffers, and where the chunk
-  loop made the cnn benchmark's step 1.2x slower). With a dynamic batch,
+  loop made the cnn benchmark's step slower). With a dynamic batch,
   rows merged into examples (`[B*k, ...]`) are not seen and a chunk may
   hold k times the budget.
   """
