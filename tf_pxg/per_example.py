@@ -38,6 +38,7 @@ from tf_pxg import control_flow
 from tf_pxg import merge_uses
 from tf_pxg import registry
 from tf_pxg.backprop import gradient_functions
+from tf_pxg.backprop import rule_trace
 from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg import batch_axis
 from tf_pxg.interface import (PARAM, Classifier, Interface,
@@ -71,6 +72,8 @@ class PerExampleBackprop:
   def __init__(self, recorder: Recorder, target, source_ids: Sequence[Optional[int]],
                output_gradients=None, source_names: Optional[Sequence[str]] = None):
     self._recorder = recorder
+    # What rules' sq_norm kept for their weighted_sum (`base.keep_per_example`).
+    self._kept: dict = {}
     self._source_names = dict(zip(source_ids, source_names or ()))
     self._producer = recorder.producer
     self._source_ids = list(source_ids)
@@ -174,14 +177,14 @@ class PerExampleBackprop:
       d = itf.entry.inputs[itf.data_indices[0]]
       b = d.shape[0] if d.shape[0] is not None else tf.shape(d)[0]
     return base.Context(itf.entry, itf.param_index, itf.output_grads, b,
-                        itf.data_indices, itf.batch_minor)
+                        itf.data_indices, itf.batch_minor, self._kept)
 
   # Rules --------------------------------------------------------------------
 
   def _apply(self, itf: Interface, form: str, *args):
     rule = itf.rule
     ctx = self._context(itf)
-    base.trace_call(itf.entry.op_type, rule, form)
+    rule_trace.call(itf.entry.op_type, rule, form)
     try:
       return _reshape_back(itf, form, getattr(rule, form)(ctx, *args))
     except (ValueError, TypeError, NotImplementedError, LookupError,
@@ -293,7 +296,7 @@ class PerExampleBackprop:
     else the norm of the sum of the chunks' per-example gradients."""
     rule = itfs[0].rule
     if hasattr(rule, "chunked_sq_norm"):
-      base.trace_call(itfs[0].entry.op_type, rule, "chunked_sq_norm")
+      rule_trace.call(itfs[0].entry.op_type, rule, "chunked_sq_norm")
       return rule.chunked_sq_norm([self._context(itf) for itf in itfs])
     return base.batch_sq_norm(tf.add_n(
         [base.to_dense(self._apply(itf, "per_example")) for itf in itfs]))

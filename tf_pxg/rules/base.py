@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from typing import Any, Callable, Optional, Sequence
-import weakref
 
 import tensorflow as tf
 
@@ -45,6 +44,7 @@ from tf_pxg import native
 from tf_pxg import registry
 from tf_pxg import xla
 from tf_pxg.backprop import gradient_functions
+from tf_pxg.backprop import rule_trace
 from tf_pxg.tape.recording import Entry
 
 
@@ -79,6 +79,9 @@ class Context:
   batch_size: Any
   data_indices: tuple
   batch_minor: bool = False
+  # The backprop's store for `keep_per_example` / `take_per_example`
+  # (`PerExampleBackprop` owns it, one per backward pass); None: keep nothing.
+  kept: Optional[dict] = None
 
   @property
   def op_type(self) -> str:
@@ -363,32 +366,21 @@ def batch_sq_norm(g):
   return row_sum_of_squares(tf.cast(g, tf.float32))
 
 
-# Instrumentation for tests (`tf_pxg.testing.trace_rules`): while a list, the
-# engine appends one record per rule call and rules annotate the form taken.
-_trace: Optional[list] = None
-
-
-def trace_call(op_type: str, rule, form: str) -> None:
-  """Records that `rule.<form>` runs for an `op_type` interface (if tracing)."""
-  if _trace is not None:
-    _trace.append({"op_type": op_type, "rule": type(rule).__name__,
-                   "form": form})
-
-
 def trace_note(**details) -> None:
-  """Annotates the current rule call's record, e.g. `sq_norm="ghost"`."""
-  if _trace:
-    _trace[-1].update(details)
+  """Annotates the current rule call's record, e.g. `sq_norm="ghost"`
+  (for `tf_pxg.testing.trace_rules`; the backprop owns the records:
+  `tf_pxg.backprop.rule_trace`)."""
+  rule_trace.note(**details)
 
 
 # Per-example gradients a rule's `sq_norm` materialised, kept for the
-# `weighted_sum` of the same interface: entry -> {param_index: (output
-# gradients, g)}. Book-keeping clipping asks for the norms first and the
-# weighted sums after; `sum_b c_b g_b` from a kept `[B, ...]` g costs
-# B*|param|, while the weighted sum by TF's weight gradient costs what the
-# non-private step's weight gradient does, B*R*|param| for R rows per example
-# (a sequence, the positions of a convolution).
-_kept = weakref.WeakKeyDictionary()
+# `weighted_sum` of the same interface in `ctx.kept` (the backprop's, one
+# per backward pass): entry -> {param_index: (output gradients, g)}.
+# Book-keeping clipping asks for the norms first and the weighted sums
+# after; `sum_b c_b g_b` from a kept `[B, ...]` g costs B*|param|, while the
+# weighted sum by TF's weight gradient costs what the non-private step's
+# weight gradient does, B*R*|param| for R rows per example (a sequence, the
+# positions of a convolution).
 
 
 def cheap_to_keep(ctx: Context, shape) -> bool:
@@ -406,9 +398,9 @@ def keep_per_example(ctx: Context, g, payload=None) -> bool:
   """Keeps `g`, the interface's per-example gradient `[B, ...]` in any axis
   order (or `payload`, something holding it), for `take_per_example`, if
   `cheap_to_keep`. Returns whether it was kept."""
-  if not cheap_to_keep(ctx, g.shape):
+  if ctx.kept is None or not cheap_to_keep(ctx, g.shape):
     return False
-  _kept.setdefault(ctx.entry, {})[ctx.param_index] = (
+  ctx.kept.setdefault(ctx.entry, {})[ctx.param_index] = (
       tuple(ctx.output_grads), g if payload is None else payload)
   return True
 
@@ -417,7 +409,7 @@ def take_per_example(ctx: Context):
   """What `keep_per_example` kept for this interface and these very
   output gradients (a persistent tape may ask about another target), or
   None. One use: it is released when taken."""
-  slot = _kept.get(ctx.entry)
+  slot = ctx.kept.get(ctx.entry) if ctx.kept is not None else None
   item = slot.pop(ctx.param_index, None) if slot else None
   if item is None:
     return None
