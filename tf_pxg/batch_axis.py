@@ -157,7 +157,9 @@ def elementwise(entry, layouts) -> Result:
   rule of `register_row_wise`."""
   out_rank = _rank(entry.outputs[0]) if entry.outputs else None
   if out_rank is None:
-    return _lost(entry, "has an output of unknown rank")
+    return _lost(entry, "has an output of unknown rank (give its inputs a "
+                 "static rank, e.g. tf.TensorSpec([None, d]) in an "
+                 "input_signature)")
   moved = []
   for i, lay in layouts.items():
     rank = _rank(entry.inputs[i])
