@@ -18,11 +18,13 @@ from tf_pxg.data.dataset import is_dp_batch_info
 from tf_pxg.data.dataset import num_examples
 from tf_pxg.data.dataset import poisson_dataset
 from tf_pxg.data.dataset import shard_batch
+from tf_pxg.data.dataset import user_index
 from tf_pxg.data.poisson import default_physical_batch_size
 from tf_pxg.data.poisson import MASK
 from tf_pxg.data.poisson import NORMALIZER
 from tf_pxg.data.poisson import PhysicalBatch
 from tf_pxg.data.poisson import PoissonSampler
+from tf_pxg.data.poisson import ROW_MASK
 from tf_pxg.data.poisson import STEP_END
 from tf_pxg.data.poisson import WEIGHT
 from tf_pxg.data.shards import PoissonShards
@@ -33,6 +35,7 @@ __all__ = [
     "PhysicalBatch",
     "PoissonSampler",
     "PoissonShards",
+    "ROW_MASK",
     "STEP_END",
     "WEIGHT",
     "default_physical_batch_size",
@@ -41,5 +44,6 @@ __all__ = [
     "is_dp_batch_info",
     "num_examples",
     "poisson_dataset",
+    "user_index",
     "shard_batch",
 ]

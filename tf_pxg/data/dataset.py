@@ -57,7 +57,9 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
                     batches: Optional[Callable[[], Iterable[
                         poisson.PhysicalBatch]]] = None,
                     start_step: Optional[int] = None,
-                    num_parallel_calls=tf.data.AUTOTUNE
+                    num_parallel_calls=tf.data.AUTOTUNE,
+                    augmult: int = 1, user_ids=None,
+                    examples_per_user: Optional[int] = None
                     ) -> tf.data.Dataset:
   """`sampler`'s physical batches of `(x, y)` as a dataset, all TF ops.
 
@@ -85,6 +87,20 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
       iteration draws fresh steps (a per-iteration nonce from the seeded
       stream), reproducibly given the seed.
     num_parallel_calls: for the gather map.
+    augmult: K >= 1, augmentation multiplicity: every sampled example's
+      row appears K times, contiguously (P·K rows per physical batch, unit
+      `p` in rows `[p K, (p + 1) K)`); `info` then also has `dp_row_mask`
+      `[P K]`, and the DP train step averages the K copies' losses into
+      the example's loss before clipping (see docs/privacy_units.md).
+    user_ids: optional `[N]` int or string user of each example, for
+      user-level DP: `sampler` is then over the U users
+      (`PoissonSampler(U, B)`, U = number of distinct ids, see
+      `user_index`), and each sampled user contributes up to
+      `examples_per_user` = k of their examples chosen uniformly at random
+      without replacement (fresh per physical batch), padded to k with
+      masked rows (`dp_row_mask` 0): P·k rows. The train step takes the
+      masked mean of the user's rows' losses as the user's loss.
+    examples_per_user: k, required with `user_ids`.
 
   Returns:
     A `tf.data.Dataset` of `(x, y, info)` (see the module docstring), `x`
@@ -96,7 +112,23 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
   x = _as_tensor_tree(x, "x")
   y = _as_tensor_tree(y, "y")
   n = num_examples(x, y, sample_weight)
-  if n != sampler.num_examples:
+  if isinstance(augmult, bool) or int(augmult) != augmult or augmult < 1:
+    raise ValueError(f"augmult must be a positive integer; got {augmult!r}.")
+  augmult = int(augmult)
+  users = None
+  if user_ids is not None:
+    if augmult != 1:
+      raise ValueError("augmult and user_ids cannot be combined (yet): pass "
+                       "one of them.")
+    users = user_index(user_ids, n, examples_per_user)
+    if users.num_users != sampler.num_examples:
+      raise ValueError(
+          f"With user_ids the sampler is over users: it is for "
+          f"{sampler.num_examples} units, the data has {users.num_users} "
+          f"distinct users. Use PoissonSampler(num_users, B).")
+  elif examples_per_user is not None:
+    raise ValueError("examples_per_user needs user_ids.")
+  elif n != sampler.num_examples:
     raise ValueError(f"The sampler is for {sampler.num_examples} examples; "
                      f"the data has {n}.")
   weight = (None if sample_weight is None else
@@ -116,18 +148,33 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
         num_steps=None if repeat else sampler.steps_per_epoch)
   normalizer = tf.constant(sampler.expected_batch_size, tf.float32)
   held = (x, y, weight)
+  if users is not None:
+    index = tf.data.Dataset.zip((index, _selection_keys(sampler)))
+  else:
+    index = index.map(lambda i, m, e: ((i, m, e), tf.zeros([2], tf.int64)))
+
+  def rows_of(idx, mask, key):
+    """The rows of the P units and their `[P G]` mask (None: G = 1)."""
+    if users is not None:
+      return users.rows(idx, mask, key)
+    if augmult == 1:
+      return idx, None
+    return tf.repeat(idx, augmult), tf.repeat(mask, augmult)
 
   def gather(batch, data):
-    idx, mask, step_end = batch
+    (idx, mask, step_end), key = batch
     xs, ys, w = data
     idx = tf.ensure_shape(idx, [p])
-    take = lambda a: tf.gather(a, idx)  # noqa: E731
+    mask = tf.ensure_shape(mask, [p])
+    rows, row_mask = rows_of(idx, mask, key)
+    take = lambda a: tf.gather(a, rows)  # noqa: E731
     info = {poisson.MASK: mask,
             poisson.STEP_END: tf.fill([p], tf.cast(step_end, tf.float32)),
             poisson.NORMALIZER: tf.fill([p], normalizer)}
+    if row_mask is not None:
+      info[poisson.ROW_MASK] = row_mask
     if w is not None:
       info[poisson.WEIGHT] = take(w)
-    info[poisson.MASK] = tf.ensure_shape(mask, [p])
     return (tf.nest.map_structure(take, xs), tf.nest.map_structure(take, ys),
             info)
 
@@ -135,6 +182,102 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
   return tf.data.Dataset.zip((index, data)).map(
       gather, num_parallel_calls=num_parallel_calls,
       deterministic=True).prefetch(tf.data.AUTOTUNE)
+
+
+def _selection_keys(sampler) -> tf.data.Dataset:
+  """Endless `[2]` int64 keys, one per physical batch, for user selection.
+
+  Seeded: a pure function of `(seed, batch count)` of this iteration (a
+  stream salted apart from the sampling keys). Secure mode: 128 fresh bits
+  from the OS CSPRNG per batch.
+  """
+  if sampler.secure_mode:
+    return sampling_ops.urandom_keys()
+  base = sampling_ops.step_key(sampler.seed, -1)
+  return tf.data.Dataset.counter().map(
+      lambda i: tf.cast(tf.random.experimental.stateless_fold_in(
+          base, tf.cast(i, tf.int64)), tf.int64))
+
+
+class UserIndex:
+  """Examples grouped by user: `order` (example ids sorted by user),
+  `offsets` and `counts` per user (int64 tensors), `num_users` U, the
+  largest user `max_count`, and `k` examples per user per step."""
+
+  def __init__(self, inverse: np.ndarray, k: int):
+    order = np.argsort(inverse, kind="stable")
+    counts = np.bincount(inverse)
+    self.num_users = int(counts.size)
+    self.max_count = int(counts.max())
+    self.k = int(k)
+    self.counts_np = counts
+    self.inverse = inverse
+    self.order = tf.constant(order, tf.int64)
+    self.counts = tf.constant(counts, tf.int64)
+    self.offsets = tf.constant(
+        np.concatenate([[0], np.cumsum(counts)[:-1]]), tf.int64)
+
+  def rows(self, units, unit_mask, key):
+    """`[P k]` example rows of users `units` and their row mask.
+
+    Each user's k slots take min(k, count) of their examples uniformly at
+    random without replacement (the k smallest of i.i.d. uniform keys over
+    the user's positions); the rest are masked copies of one example.
+    """
+    k, m = self.k, max(self.max_count, self.k)
+    p = tf.shape(units)[0]
+    counts = tf.gather(self.counts, units)
+    u = tf.random.stateless_uniform([p, m], tf.cast(key, tf.int64),
+                                    dtype=tf.float32)
+    pos = tf.range(m, dtype=tf.int64)[None, :]
+    u = tf.where(pos < counts[:, None], u, 2.0 + tf.cast(pos, tf.float32))
+    _, chosen = tf.math.top_k(-u, k=k)
+    chosen = tf.cast(chosen, tf.int64)
+    valid = chosen < counts[:, None]
+    chosen = tf.minimum(chosen, counts[:, None] - 1)
+    rows = tf.gather(self.order,
+                     tf.gather(self.offsets, units)[:, None] + chosen)
+    row_mask = tf.cast(valid, tf.float32) * unit_mask[:, None]
+    return tf.reshape(rows, [-1]), tf.reshape(row_mask, [-1])
+
+
+def user_index(user_ids, num_rows: Optional[int] = None,
+               examples_per_user: Optional[int] = None) -> UserIndex:
+  """Groups examples by `user_ids` (`[N]` ints or strings) for user-level DP.
+
+  The number of users U is the number of distinct ids (`.num_users`):
+  sample users with `PoissonSampler(U, B)`.
+
+  Raises:
+    ValueError: `user_ids` not a 1-D array of ints or strings, of a length
+      other than `num_rows`; `examples_per_user` not a positive int.
+  """
+  if (examples_per_user is None or isinstance(examples_per_user, bool) or
+      int(examples_per_user) != examples_per_user or examples_per_user < 1):
+    raise ValueError("user-level sampling needs examples_per_user, a "
+                     f"positive integer; got {examples_per_user!r}.")
+  if isinstance(user_ids, tf.Tensor):
+    user_ids = user_ids.numpy()
+  ids = np.asarray(user_ids)
+  if ids.dtype == object:
+    try:
+      ids = ids.astype(bytes)
+    except (TypeError, ValueError, UnicodeEncodeError) as e:
+      raise ValueError("user_ids must hold ints or strings; got objects "
+                       f"that are neither ({e}).") from None
+  if ids.ndim != 1:
+    raise ValueError(f"user_ids must be a 1-D array (one id per example); "
+                     f"got shape {ids.shape}.")
+  if ids.dtype.kind not in "iuSU":
+    raise ValueError(f"user_ids must be integers or strings (one user id "
+                     f"per example); got dtype {ids.dtype}.")
+  if num_rows is not None and ids.shape[0] != num_rows:
+    raise ValueError(f"user_ids has {ids.shape[0]} entries but the data has "
+                     f"{num_rows} examples: one user id per example.")
+  if ids.shape[0] == 0:
+    raise ValueError("user_ids is empty.")
+  _, inverse = np.unique(ids, return_inverse=True)
+  return UserIndex(inverse.reshape(-1), int(examples_per_user))
 
 
 def shard_batch(batch, num_shards: int, index):
@@ -184,7 +327,8 @@ def is_dp_batch_info(value) -> bool:
   return isinstance(value, dict) and poisson.MASK in value
 
 
-def dp_batch_info(mask, step_end, normalizer, weight=None) -> dict:
+def dp_batch_info(mask, step_end, normalizer, weight=None,
+                  row_mask=None) -> dict:
   """Builds the `info` dict from `[P]` tensors (custom pipelines, tests).
 
   Args:
@@ -193,7 +337,10 @@ def dp_batch_info(mask, step_end, normalizer, weight=None) -> dict:
       logical step.
     normalizer: scalar or `[P]`: what the logical step's noisy sum is divided
       by (the expected batch size qN).
-    weight: optional `[P]` per-example weights.
+    weight: optional per-row weights (`[P]`, or `[P G]` with `row_mask`).
+    row_mask: optional `[P G]` per-row mask of units of G contiguous rows
+      (augmult, user-level): the train step averages each unit's real
+      rows' losses into the unit's loss, clipped as one.
   """
   mask = tf.cast(mask, tf.float32)
   shape = tf.shape(mask)
@@ -203,8 +350,11 @@ def dp_batch_info(mask, step_end, normalizer, weight=None) -> dict:
           poisson.NORMALIZER: tf.broadcast_to(
               tf.cast(normalizer, tf.float32), shape),
           **({} if weight is None else
-             {poisson.WEIGHT: tf.cast(weight, tf.float32)})}
+             {poisson.WEIGHT: tf.cast(weight, tf.float32)}),
+          **({} if row_mask is None else
+             {poisson.ROW_MASK: tf.cast(row_mask, tf.float32)})}
 
 
-__all__ = ["dp_batch_info", "for_input_pipeline", "is_dp_batch_info",
-           "num_examples", "poisson_dataset", "shard_batch"]
+__all__ = ["UserIndex", "dp_batch_info", "for_input_pipeline",
+           "is_dp_batch_info", "num_examples", "poisson_dataset",
+           "shard_batch", "user_index"]

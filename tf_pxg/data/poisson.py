@@ -89,6 +89,9 @@ MASK = "dp_mask"
 STEP_END = "dp_step_end"
 NORMALIZER = "dp_normalizer"
 WEIGHT = "dp_weight"
+# Per-row mask of a batch of privacy units of several rows (augmult, users):
+# `[P * G]`, the G rows of a unit contiguous; `MASK` is then per unit `[P]`.
+ROW_MASK = "dp_row_mask"
 
 
 def default_physical_batch_size(expected_batch_size: float,

@@ -161,7 +161,8 @@ def _tensors(tree):
 
 def prepare(model, x, y, sample_weight, class_weight, batch_size,
             validation_split, validation_data, accumulation_steps,
-            physical_batch_size, steps_per_epoch, seed):
+            physical_batch_size, steps_per_epoch, seed, augmult=1,
+            user_ids=None, examples_per_user=None):
   """The Poisson input of a DP `fit`, with the model and accumulator built.
 
   Returns:
@@ -181,7 +182,12 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
         "randomness from the OS CSPRNG, so a seed cannot apply. Drop "
         "`sampling_seed`, or create the model without secure_mode for a "
         "reproducible (test) run.")
+  units = {"augmult": augmult, "user_ids": user_ids,
+           "examples_per_user": examples_per_user}
   if isinstance(x, dp_data.PoissonShards):
+    if augmult != 1 or user_ids is not None:
+      raise ValueError("augmult and user_ids are not supported for "
+                       "PoissonShards; pass arrays.")
     return _prepare_shards(model, x, y, sample_weight, class_weight,
                            batch_size, validation_split, accumulation_steps,
                            physical_batch_size, steps_per_epoch, seed)
@@ -199,6 +205,15 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
         "train on these batches (no Poisson ε).")
   if y is None:
     raise ValueError("DP fit needs labels `y` (per-example losses).")
+  if user_ids is not None:
+    n_rows = dp_data.num_examples(x, y)
+    users = dp_data.user_index(user_ids, n_rows, examples_per_user)
+    if validation_split:
+      raise ValueError("validation_split with user_ids would split users' "
+                       "examples across training and validation; pass "
+                       "validation_data.")
+  elif examples_per_user is not None:
+    raise ValueError("examples_per_user needs user_ids.")
   if validation_split and validation_data is None:
     (x, y, sample_weight), validation_data = (
         array_slicing.train_validation_split(
@@ -213,6 +228,8 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
   n = dp_data.num_examples(x, y, sample_weight)
   start = (int(model.optimizer.iterations.numpy())
            if getattr(model, "optimizer", None) is not None else 0)
+  if user_ids is not None:
+    n = users.num_users  # sampled units are users
   sampler = dp_data.PoissonSampler(
       n, min(32, n) if batch_size is None else batch_size,
       physical_batch_size=physical_batch_size,
@@ -221,8 +238,9 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
       steps_per_epoch=steps_per_epoch, seed=seed, secure_mode=secure,
       start_step=start)
   feed = _Feed(sampler, start)
+  feed.units = units
   dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,
-                                    repeat=True, start_step=start)
+                                    repeat=True, start_step=start, **units)
   # Build what is unbuilt (model, optimizer, compiled loss and metrics) on
   # plain tensors: Keras would otherwise build them under a strategy from
   # the first element of the stream, whose `sample_weight` slot is `info`.
@@ -246,8 +264,8 @@ def finish(model, feed, data):
   else:
     rest = feed.remaining(model, in_step)
     dataset, count = (dp_data.poisson_dataset(
-        feed.sampler, *data, batches=lambda: rest), len(rest)) if rest else (
-            None, 0)
+        feed.sampler, *data, batches=lambda: rest,
+        **getattr(feed, "units", {})), len(rest)) if rest else (None, 0)
   if count:
     iterator = iter(
         model.distribute_strategy.experimental_distribute_dataset(dataset))

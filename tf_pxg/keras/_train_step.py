@@ -201,7 +201,8 @@ class ReplicaGradients(NamedTuple):
     step_end: scalar bool, or None for a plain (non-Poisson) batch, which
       is always a whole step.
     x, y, y_pred, sample_weight, losses, mask, reg_loss: for the loss and
-      metric trackers (`mask` None for a plain batch).
+      metric trackers (`mask` None for a plain batch; for units of several
+      rows the pair `(unit mask [P], row mask [P G])`, `losses` per unit).
   """
   grads: list
   normalizer: tf.Tensor
@@ -253,6 +254,19 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     else:
       y_pred = model(x)
     losses = pe_losses.per_example_losses(model, y, y_pred, sample_weight)
+    row_mask = None
+    if info is not None and dp_data.ROW_MASK in info:
+      # Privacy units of G contiguous rows (augmult copies, a user's
+      # examples): the unit's loss is the mean of its real rows' losses, so
+      # its gradient is the mean of theirs, clipped as one. The engine takes
+      # a `[P]` target over `[P G]` rows in one backward pass.
+      row_mask = tf.cast(info[dp_data.ROW_MASK], losses.dtype)
+      rows = tf.where(row_mask > 0, losses, tf.zeros_like(losses))
+      units = tf.shape(info[dp_data.MASK])[0]
+      rows = tf.reshape(rows, [units, -1])
+      per_unit = tf.reshape(row_mask, [units, -1])
+      losses = tf.reduce_sum(rows, axis=1) / tf.maximum(
+          tf.reduce_sum(per_unit, axis=1), 1.0)
     if info is not None:
       # A padding row's loss is replaced by a constant: its output gradient,
       # hence its per-example gradient and norm, are exactly zero.
@@ -282,6 +296,8 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     sums = accumulator_for(variables).step(
         [dp_noise.densify(s) for s in sums], step_end, branchless=xla)
     mask = info[dp_data.MASK]
+    if row_mask is not None:
+      mask = (mask, info[dp_data.ROW_MASK])  # per unit, per row (metrics)
   draw = None if xla else step_end
   if noise_multiplier and (info is not None or replicas == 1):
     # The divisor is known here (qN, or the only replica's batch): the
@@ -336,6 +352,9 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
 
   x, y, y_pred, losses = result.x, result.y, result.y_pred, result.losses
   sample_weight, mask = result.sample_weight, result.mask
+  row_mask = None
+  if isinstance(mask, tuple):  # privacy units of several rows
+    mask, row_mask = mask
   if mask is None:
     local_batch = tf.shape(losses)[0]
     _compat.loss_tracker(model).update_state(
@@ -344,6 +363,8 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
   _compat.loss_tracker(model).update_state(
       losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
+  if row_mask is not None:
+    mask = row_mask  # the metrics see rows
   with _metrics_masked(model, mask):
     return model.compute_metrics(
         x, y, y_pred, sample_weight=mask if sample_weight is None else

@@ -43,8 +43,14 @@ class PrivacyCallback(keras.callbacks.Callback):
   `steps_per_execution - 1` steps.
 
   Args:
-    num_examples: training set size.
-    batch_size: (expected) batch size per global step.
+    num_examples: training set size (example-level ε).
+    batch_size: (expected) batch size per global step (examples, or users
+      with `num_users`).
+    num_users: instead of `num_examples`, for `fit(user_ids=...,
+      examples_per_user=k)`: U users Poisson-sampled at rate
+      `batch_size / U`. The ε is then user-level (it bounds what training
+      reveals about all of one user's examples together) and is logged
+      under the key `epsilon_user_level` instead of `epsilon`.
     noise_multiplier: defaults to the model's effective `noise_multiplier`
       (its own or its DPOptimizer's).
     delta: the δ of (ε, δ)-DP.
@@ -67,21 +73,36 @@ class PrivacyCallback(keras.callbacks.Callback):
       rate other than `batch_size / num_examples`.
   """
 
-  def __init__(self, num_examples: int, batch_size: int,
+  def __init__(self, num_examples: Optional[int] = None,
+               batch_size: Optional[int] = None,
                noise_multiplier: Optional[float] = None, delta: float = 1e-5,
                target_epsilon: Optional[float] = None,
-               accountant: str = "rdp", allow_shuffled: bool = False):
+               accountant: str = "rdp", allow_shuffled: bool = False, *,
+               num_users: Optional[int] = None):
     super().__init__()
     if target_epsilon is not None and not target_epsilon > 0:
       raise ValueError(
           f"target_epsilon must be > 0; got {target_epsilon!r}.")
+    if (num_examples is None) == (num_users is None):
+      raise ValueError(
+          "PrivacyCallback needs exactly one of num_examples (example-level "
+          "ε) and num_users (user-level ε, for fit(user_ids=...)).")
+    if batch_size is None:
+      raise ValueError("PrivacyCallback needs batch_size (the expected "
+                       "number of examples, or users, per step).")
+    # User-level: the population is the U users, sampled at rate B / U;
+    # the ε then bounds what the model reveals about any one user.
+    self.user_level = num_users is not None
+    self.num_users = num_users
+    if self.user_level:
+      num_examples = num_users
     self.num_examples = num_examples
     self.batch_size = batch_size
     self.delta = delta
     self.target_epsilon = target_epsilon
     self.accountant = accountant
     self.allow_shuffled = allow_shuffled
-    self._log_key = "epsilon"
+    self._log_key = self._base_key()
     self._noise_multiplier = noise_multiplier
     self._max_steps_cache = {}
     # Validate the accounting arguments now rather than after an epoch.
@@ -140,10 +161,23 @@ class PrivacyCallback(keras.callbacks.Callback):
       return False
     return self.steps() + 1 > self.max_steps()
 
+  def _base_key(self) -> str:
+    return "epsilon_user_level" if self.user_level else "epsilon"
+
   def _check_sampling(self):
     """Matches the accounting to how the model's `fit` samples batches."""
     info = getattr(self.model, "_dp_data", None) or {}
-    self._log_key = "epsilon"
+    self._log_key = self._base_key()
+    unit = info.get("privacy_unit")
+    if self.user_level and unit == "example":
+      raise ValueError(
+          "PrivacyCallback(num_users=...) reports user-level ε, but fit "
+          "sampled examples, not users: pass user_ids= and "
+          "examples_per_user= to fit, or num_examples= to the callback.")
+    if not self.user_level and unit == "user":
+      raise ValueError(
+          "fit samples users (user_ids=...): give PrivacyCallback "
+          "num_users=U (the ε is then per user), not num_examples.")
     if info.get("sampling") == "shuffled":
       if not self.allow_shuffled:
         raise ValueError(

@@ -301,7 +301,8 @@ class _DPTrainingMixin:
           validation_batch_size=None, validation_freq=1, *,
           sampling: str = "poisson", accumulation_steps: int = 1,
           physical_batch_size: Optional[int] = None,
-          sampling_seed: Optional[int] = None):
+          sampling_seed: Optional[int] = None, augmult: int = 1,
+          user_ids=None, examples_per_user: Optional[int] = None):
     """Keras `fit`, by default on Poisson-sampled logical batches.
 
     With `sampling="poisson"` (the default) `x`, `y` and `sample_weight`
@@ -341,6 +342,18 @@ class _DPTrainingMixin:
       accumulation_steps: k physical batches per logical step.
       physical_batch_size: rows per physical batch (global).
       sampling_seed: seeds the sampler (tests); default OS entropy.
+      augmult: K, augmentation multiplicity: each sampled example appears
+        K times in its physical batch (the model's random augmentation
+        layers draw per copy); the K copies' losses are averaged and the
+        mean gradient clipped. Physical batches hold
+        `physical_batch_size * K` rows. ε is unchanged.
+      user_ids: `[N]` ints or strings, for user-level DP: users are
+        Poisson-sampled (`batch_size` is then the expected number of users
+        per step, q = B / U), each sampled user contributes up to
+        `examples_per_user` of their examples, chosen at random, and the
+        mean of their gradients is clipped. ε is then per user
+        (`PrivacyCallback(num_users=U, ...)`). See docs/privacy_units.md.
+      examples_per_user: k, required with `user_ids`.
       (others: as `keras.Model.fit`; `batch_size` is the expected logical
       batch size, default min(32, N); `steps_per_epoch` counts logical
       steps.)
@@ -358,6 +371,8 @@ class _DPTrainingMixin:
         epochs=epochs, verbose=verbose, callbacks=callbacks,
         validation_freq=validation_freq, initial_epoch=initial_epoch,
         validation_steps=validation_steps)
+    if sampling == "shuffled" and (augmult != 1 or user_ids is not None):
+      raise ValueError("augmult and user_ids need sampling='poisson'.")
     if sampling == "shuffled":
       self._dp_data = {"sampling": "shuffled"}
       return super().fit(
@@ -376,9 +391,13 @@ class _DPTrainingMixin:
     dataset, feed, data, validation_data = _poisson_fit.prepare(
         self, x, y, sample_weight, class_weight, batch_size,
         validation_split, validation_data, accumulation_steps,
-        physical_batch_size, steps_per_epoch, sampling_seed)
+        physical_batch_size, steps_per_epoch, sampling_seed,
+        augmult=augmult, user_ids=user_ids,
+        examples_per_user=examples_per_user)
     sampler = feed.sampler
     self._dp_data = {
+        "privacy_unit": "user" if user_ids is not None else "example",
+        "augmult": augmult,
         "sampling": "poisson", "sampling_rate": sampler.sampling_rate,
         "num_examples": sampler.num_examples,
         "expected_batch_size": sampler.expected_batch_size,
