@@ -333,6 +333,65 @@ def test_per_example_augmentation_layers_still_train():
   del before
 
 
+def _optional_layers():
+  """Keras 3 augmentation layers that act per example (some only exist in
+  newer Keras versions)."""
+  make = {
+      "RandomShear": lambda: L.RandomShear(0.2, 0.2),
+      "RandomPerspective": lambda: L.RandomPerspective(),
+      "RandomErasing": lambda: L.RandomErasing(value_range=(0, 1)),
+      "RandomBrightness": lambda: L.RandomBrightness(0.2),
+      "RandomGrayscale": lambda: L.RandomGrayscale(),
+      "RandomColorJitter": lambda: L.RandomColorJitter(
+          value_range=(0, 1), brightness_factor=0.2, contrast_factor=0.2),
+      "RandomSharpness": lambda: L.RandomSharpness(0.2, value_range=(0, 1)),
+      "RandomGaussianBlur": lambda: L.RandomGaussianBlur(value_range=(0, 1)),
+      "Resizing": lambda: L.Resizing(6, 6),
+      "CenterCrop": lambda: L.CenterCrop(6, 6),
+  }
+  return {k: v for k, v in make.items() if hasattr(L, k)}
+
+
+@pytest.mark.parametrize("name", sorted(_optional_layers()))
+def test_more_per_example_augmentations_train(name):
+  x, y = _images(8)
+  model = dpk.DPSequential([_optional_layers()[name](), L.Conv2D(2, 3),
+                            L.GlobalAveragePooling2D(), L.Dense(3)],
+                           l2_norm_clip=1.0, noise_multiplier=0.5)
+  model.compile("sgd", "sparse_categorical_crossentropy")
+  history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+  assert np.isfinite(history.history["loss"]).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_category_encoding_per_example_gradients_are_exact(mode):
+  """Multi-hot CategoryEncoding (a bincount whose size is clamped from
+  max(ids)): the size is not example data, each row counts its own ids."""
+  layer = L.CategoryEncoding(10, output_mode="multi_hot")
+  w = _weights()
+  dense = tf.Variable(np.random.default_rng(2).standard_normal((10, D)),
+                      dtype=tf.float32)
+  ids = tf.constant(np.random.default_rng(3).integers(0, 10, (B, 4)),
+                    tf.int32)
+
+  def loss(ids):
+    h = tf.tanh(tf.matmul(tf.matmul(layer(ids), dense), w))
+    return tf.reduce_sum(tf.square(h), axis=1)
+
+  def per_example(ids):
+    with tf_pxg.GradientTape() as tape:
+      losses = loss(ids)
+    return tape.per_example_gradient(losses, [dense, w])
+
+  got = _run(per_example, mode)(ids)
+  with tf.GradientTape(persistent=True) as tape:
+    losses = loss(ids)
+  for g, v in zip(got, [dense, w]):
+    jac = tape.jacobian(losses, v).numpy()
+    np.testing.assert_allclose(g.numpy(), jac, rtol=0,
+                               atol=1e-5 * np.abs(jac).max())
+
+
 def test_text_vectorization_trains_per_example():
   """TextVectorization splits strings into ragged rows and rebuilds a
   dense [B, T] tensor: every step is on the allowlist (per-example)."""

@@ -164,7 +164,7 @@ def elementwise(entry, layouts) -> Result:
   for i, lay in layouts.items():
     rank = _rank(entry.inputs[i])
     if lay is None:
-      return _all(entry, None), None
+      continue  # Holds no rows of examples (a reduced value, a shape).
     if rank is None:
       return _lost(entry, f"has input {i} of unknown rank")
     if rank == out_rank:
@@ -173,8 +173,10 @@ def elementwise(entry, layouts) -> Result:
       moved.append((lay[0] + out_rank - rank, lay[1]))
     else:
       return _lost(entry, f"changes the rank of input {i}")
+  if not moved:
+    return _all(entry, None), None
   lay = _agree(moved)
-  if lay is None and moved:
+  if lay is None:
     return _mixes(entry, "combines data whose examples are on different "
                   "axes (it pairs rows of different examples)")
   return _all(entry, lay), None
@@ -462,11 +464,11 @@ def _pack(entry, layouts):
   known = [l for l in layouts.values() if l is not None]
   if not known:
     return _all(entry, None), None
-  lay = _agree(known)
+  lay = _agree(known)  # Inputs without examples (constants) stack too.
   rank = _rank(entry.outputs[0])
-  if lay is None or len(known) != len(entry.inputs) or rank is None:
+  if lay is None or rank is None:
     return _mixes(entry, "stacks tensors whose examples are not all on the "
-                  "same axis (or with tensors that hold no examples)")
+                  "same axis")
   axis = int(_attr(entry, "axis", 0)) % rank
   return _all(entry, (lay[0] + (axis <= lay[0]), lay[1])), None
 
@@ -672,6 +674,35 @@ def _from_batch_minor(entry, layouts):
     return _mixes(entry, "moves rows of the batch axis into space, but they "
                   "were not put there by SpaceToBatchND")
   return _all(entry, None if lay is None else AXIS0), None
+
+
+# Batched linear algebra: the last two axes are the matrices -------------------
+
+_MATRIX_OPS = (
+    "MatrixSolve", "MatrixInverse", "MatrixTriangularSolve", "Cholesky",
+    "MatrixDeterminant", "LogMatrixDeterminant", "Qr", "Svd",
+    "SelfAdjointEigV2", "MatrixBandPart", "MatrixDiagPartV3", "MatrixDiagV3",
+    "MatrixSetDiagV3", "MatrixExponential", "MatrixLogarithm",
+    "MatrixSquareRoot", "BatchMatrixSolve")
+
+
+@_rule(*_MATRIX_OPS)
+def _matrix(entry, layouts):
+  """Ops on `[..., M, N]` batches of matrices (a solve per example, say):
+  the examples must be on a leading (batch) axis, which they keep."""
+  known = {i: l for i, l in layouts.items() if l is not None}
+  if not known:
+    return _all(entry, None), None
+  for i, l in known.items():
+    rank = _rank(entry.inputs[i])
+    if rank is None or l[0] >= rank - 2:
+      return _mixes(entry, f"acts on matrices whose rows or columns are the "
+                    f"examples (input {i}'s batch axis {l[0]})")
+  lay = _agree(list(known.values()))
+  if lay is None:
+    return _mixes(entry, "combines matrices whose examples are on different "
+                  "axes")
+  return _all(entry, lay), None
 
 
 # Ragged rows of strings (Keras' TextVectorization) ---------------------------

@@ -71,6 +71,8 @@ INTEGER_DATA_INPUTS = {
     "StringStrip": (0,),
     "StringSplitV2": (0,),
     "StringToNumber": (0,),
+    "DenseBincount": (0,),
+    "Bincount": (0,),
 }
 
 _NON_DATA_DTYPES = (tf.resource, tf.variant)
@@ -89,6 +91,12 @@ _FILLS = ("Fill", "BroadcastTo")
 # batch of 4 examples).
 _SHAPE_CONSUMERS = ("BroadcastArgs", "BroadcastGradientArgs", "Range",
                     "Empty", "Fill")
+
+
+# Inputs that set an output size (Keras' CategoryEncoding passes a bincount
+# `size` clamped between constants computed from `max(ids)`): the values of
+# each example's row do not depend on them.
+_SIZE_INPUTS = {"DenseBincount": (1,), "Bincount": (1,)}
 
 
 def _takes_shapes(op_type: str) -> bool:
@@ -222,6 +230,8 @@ class Classifier:
         _is_float(entry.outputs[0].dtype) and tid not in self._values and
         i not in INTEGER_DATA_INPUTS.get(entry.op_type, ())):
       return CONST  # Shape arithmetic (or a mask) feeding a float op.
+    if i in _SIZE_INPUTS.get(entry.op_type, ()):
+      return CONST  # An output size, not values of examples.
     if tid in self.status:
       return self.status[tid]
     if not _is_float(t.dtype) and _takes_shapes(entry.op_type):
@@ -246,7 +256,7 @@ class Classifier:
       return DATA
     lead = t.shape[0]
     if self._batch_size is not None:
-      if lead is not None and (self._batch_size == 0 or
+      if lead is not None and (self._batch_size == 0 or lead == 0 or
                                lead % self._batch_size):
         return CONST
       return DATA
@@ -311,8 +321,9 @@ def data_path(recorder: Recorder, target_id: int,
     if entry is None or id(entry) in seen:
       continue
     seen.add(id(entry))
-    stack.extend(t for t in entry.input_ids
-                 if classifier.status.get(t) == DATA)
+    stack.extend(tid for i, (tid, t) in enumerate(zip(entry.input_ids,
+                                                      entry.inputs))
+                 if classifier.input_status(entry, i, tid, t) == DATA)
   return [e for e in recorder.entries if id(e) in seen and any(
       classifier.status.get(t) == DATA for t in e.output_ids)]
 
