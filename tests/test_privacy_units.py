@@ -174,6 +174,53 @@ def run_case(case, mode="function", accumulation=1, strategy=None):
 _CASES = ("augmult_identical", "augmult_copies", "users")
 
 
+def run_loop(case, strategy, jit=True):
+  """`run_case` as a custom loop: `tf_pxg.data` input through
+  `for_input_pipeline`, the replica-local `dp_gradients` compiled with XLA
+  per replica, `dp_apply` in replica context (as
+  tests/test_distribute_poisson.py does; `fit(jit_compile=True)` cannot
+  compile MirroredStrategy's merge_call on CPU)."""
+  r = strategy.num_replicas_in_sync
+  if case == "augmult_copies":
+    k = 3
+    x, y = _data()
+    units = [(np.repeat(x[i:i + 1], k, 0), np.repeat(y[i:i + 1], k, 0))
+             for i in range(len(y))]
+    clip = _median_clip(units, k)
+    model = _mlp(clip, k, strategy)
+    sampler = dpd.PoissonSampler(len(y), len(y), num_replicas=r, seed=0,
+                                 steps_per_epoch=1)
+    dataset = dpd.poisson_dataset(sampler, x, y, augmult=k)
+    normalizer = len(y)
+  else:
+    x, y, ids = _user_data()
+    units = [(x[ids == u], y[ids == u]) for u in (10, 20, 30)]
+    clip = _median_clip(units)
+    model = _mlp(clip, None, strategy)
+    sampler = dpd.PoissonSampler(3, 3, num_replicas=r, seed=0,
+                                 steps_per_epoch=1)
+    dataset = dpd.poisson_dataset(sampler, x, y, user_ids=ids,
+                                  examples_per_user=7)
+    normalizer = 3
+  with strategy.scope():
+    model.optimizer.build(model.trainable_variables)
+    model.build_accumulator()
+  want = _reference(model, units, clip, normalizer)
+  before = [w.numpy() for w in model.trainable_variables]
+  dist = strategy.distribute_datasets_from_function(
+      lambda ctx: dpd.for_input_pipeline(dataset, ctx))
+  grads = tf.function(model.dp_gradients, jit_compile=jit)
+
+  @tf.function
+  def step(b):
+    strategy.run(lambda d: model.dp_apply(grads(d)), args=(b,))
+
+  for b in dist:
+    step(b)
+  return (_rel_error(_delta(model, before), want),
+          int(model.optimizer.iterations.numpy()))
+
+
 @pytest.mark.parametrize("mode", ["eager", "function", "xla"])
 @pytest.mark.parametrize("case", _CASES)
 def test_one_step_equals_mean_then_clip(case, mode):
@@ -204,11 +251,15 @@ for case in t._CASES:
   out[case] = t.run_case(case, "function", accumulation=1, strategy=strategy)
 out["users_acc"] = t.run_case("users", "function", accumulation=2,
                               strategy=strategy)
+for case in ("augmult_copies", "users"):
+  out[case + "_xla_loop"] = t.run_loop(case, strategy, jit=True)
 print("RESULT", json.dumps(out))
 """
 
 
 def test_one_step_under_mirrored_strategy():
+  """fit (tf.function) for every case, with accumulation for users, and a
+  custom loop with the replica step compiled by XLA for augmult and users."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
       [os.path.dirname(_HERE), env.get("PYTHONPATH", "")])
