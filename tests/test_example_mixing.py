@@ -199,9 +199,13 @@ def test_scalar_target_may_sum_over_examples_but_not_mix():
   with tf_pxg.GradientTape(persistent=True) as tape:
     total = tf.reduce_sum(tf.square(tf.matmul(x, w)))
     rolled = tf.reduce_sum(tf.square(tf.roll(tf.matmul(x, w), 1, axis=0)))
+    h = tf.matmul(x, w)
+    centred = tf.reduce_sum(tf.square(h - tf.reduce_mean(h, axis=0)))
   assert tape.per_example_gradient(total, [w])[0].shape == (B, D, U)
   with pytest.raises(ValueError, match="rolls rows"):
     tape.per_example_gradient(rolled, [w])
+  with pytest.raises(ValueError, match="statistic of the whole batch"):
+    tape.per_example_gradient(centred, [w])
 
 
 # Keras: mixing layers refuse before any update --------------------------------

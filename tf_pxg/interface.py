@@ -173,6 +173,9 @@ class Classifier:
     # a time-major [T, B, u] zeros): data by shape, but every row is the
     # same, so they take any layout and never pair rows of examples.
     self._fills: set = set()
+    # Values reduced over the batch axis (allowed for a scalar target, which
+    # sums over examples) and what is computed from them alone.
+    self._batch_stats: set = set()
     for entry in recorder.entries:
       st = CONST
       layouts = {}
@@ -209,6 +212,16 @@ class Classifier:
                          for l in out_layouts]
         elif why:
           self.mixing[id(entry)] = why
+        stats = [i for i in layouts if entry.input_ids[i] in self._batch_stats]
+        if batch_size != 1 and stats:
+          if any(l is not None for l in layouts.values()) and not why:
+            # E.g. x - mean(x, 0): refused for a scalar target too.
+            self.mixing[id(entry)] = batch_axis.Mixing(
+                batch_axis.MIXES, "combines a statistic of the whole batch "
+                "with each example's rows")
+          self._batch_stats.update(entry.output_ids)
+        elif why is not None and why.kind == batch_axis.REDUCES:
+          self._batch_stats.update(entry.output_ids)
       for tid, lay in zip(entry.output_ids, out_layouts):
         self.status[tid] = PARAM if tid in self._sources else st
         if st == DATA:
