@@ -412,3 +412,31 @@ def test_privacy_callback_logs_user_level_key_and_checks_the_unit():
         dpk.PrivacyCallback(num_users=3, batch_size=3, noise_multiplier=1.0)])
   with pytest.raises(ValueError, match="exactly one"):
     dpk.PrivacyCallback(batch_size=3)
+
+
+@pytest.mark.parametrize("case", ["augmult_copies", "users"])
+def test_overflowed_step_is_finished_with_units(case):
+  """A logical step that overflows its physical batch (q = 1, 2 units per
+  physical batch) is completed after Keras' epoch by `finish`, which
+  rebuilds the rest of the step with the same augmult / user layout."""
+  if case == "users":
+    x, y, ids = _user_data()
+    units = [(x[ids == u], y[ids == u]) for u in (10, 20, 30)]
+    clip = _median_clip(units)
+    model = _mlp(clip)
+    want = _reference(model, units, clip, 3)
+    before = [w.numpy() for w in model.trainable_variables]
+    model.fit(x, y, batch_size=3, epochs=1, verbose=0, user_ids=ids,
+              examples_per_user=7, sampling_seed=0, physical_batch_size=2)
+  else:
+    x, y = _data()
+    units = [(np.repeat(x[i:i + 1], 3, 0), np.repeat(y[i:i + 1], 3, 0))
+             for i in range(len(y))]
+    clip = _median_clip(units, 3)
+    model = _mlp(clip, 3)
+    want = _reference(model, units, clip, len(y))
+    before = [w.numpy() for w in model.trainable_variables]
+    model.fit(x, y, batch_size=len(y), epochs=1, verbose=0, augmult=3,
+              sampling_seed=0, physical_batch_size=2)
+  assert int(model.optimizer.iterations.numpy()) == 1
+  assert _rel_error(_delta(model, before), want) < 1e-5
