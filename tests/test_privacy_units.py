@@ -365,6 +365,8 @@ def test_user_ids_errors():
     model.fit(x, y, batch_size=2, user_ids=ids, verbose=0)
   with pytest.raises(ValueError, match="augmult"):
     model.fit(x, y, batch_size=2, augmult=0, verbose=0)
+  with pytest.raises(ValueError, match="examples_per_user needs user_ids"):
+    model.fit(x, y, batch_size=2, examples_per_user=2, verbose=0)
 
 
 def test_string_user_ids_and_user_sizes_up_to_1000():
@@ -438,5 +440,23 @@ def test_overflowed_step_is_finished_with_units(case):
     before = [w.numpy() for w in model.trainable_variables]
     model.fit(x, y, batch_size=len(y), epochs=1, verbose=0, augmult=3,
               sampling_seed=0, physical_batch_size=2)
+  assert int(model.optimizer.iterations.numpy()) == 1
+  assert _rel_error(_delta(model, before), want) < 1e-5
+
+
+def test_users_with_augmult_copies_equal_mean_of_copy_means():
+  """Users (sizes 1, 2, 7) with augmult K = 2 and a per-copy transform:
+  the user's gradient is the mean over their examples of the mean over
+  copies, clipped once."""
+  x, y, ids = _user_data()
+  k = 2
+  units = [(np.repeat(x[ids == u], k, 0), np.repeat(y[ids == u], k, 0))
+           for u in (10, 20, 30)]
+  clip = _median_clip(units, k)
+  model = _mlp(clip, k)
+  want = _reference(model, units, clip, 3)
+  before = [w.numpy() for w in model.trainable_variables]
+  model.fit(x, y, batch_size=3, epochs=1, verbose=0, user_ids=ids,
+            examples_per_user=7, augmult=k, sampling_seed=0)
   assert int(model.optimizer.iterations.numpy()) == 1
   assert _rel_error(_delta(model, before), want) < 1e-5

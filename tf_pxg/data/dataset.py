@@ -100,7 +100,8 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
       without replacement (fresh per physical batch), padded to k with
       masked rows (`dp_row_mask` 0): P·k rows. The train step takes the
       masked mean of the user's rows' losses as the user's loss.
-    examples_per_user: k, required with `user_ids`.
+    examples_per_user: k, required with `user_ids`. With `augmult` K as
+      well, each chosen example appears K times: P·k·K rows.
 
   Returns:
     A `tf.data.Dataset` of `(x, y, info)` (see the module docstring), `x`
@@ -117,9 +118,6 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
   augmult = int(augmult)
   users = None
   if user_ids is not None:
-    if augmult != 1:
-      raise ValueError("augmult and user_ids cannot be combined (yet): pass "
-                       "one of them.")
     users = user_index(user_ids, n, examples_per_user)
     if users.num_users != sampler.num_examples:
       raise ValueError(
@@ -156,9 +154,15 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
   def rows_of(idx, mask, key):
     """The rows of the P units and their `[P G]` mask (None: G = 1)."""
     if users is not None:
-      return users.rows(idx, mask, key)
-    if augmult == 1:
+      # With augmult too: each chosen example's row K times (the user's
+      # unit is k K rows; every real example has K real copies, so the
+      # masked mean over rows is the mean over examples of their copies'
+      # means).
+      idx, mask = users.rows(idx, mask, key)
+    elif augmult == 1:
       return idx, None
+    if augmult == 1:
+      return idx, mask
     return tf.repeat(idx, augmult), tf.repeat(mask, augmult)
 
   def gather(batch, data):
