@@ -190,9 +190,16 @@ def _setup_requirements() -> List[Requirement]:
               and getattr(node.func, "attr", None) == "setup")
   kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords
             if k.arg in ("install_requires", "extras_require")}
+  # The lock covers what Bazel builds and tests: the [test] and [examples]
+  # extras (bazel/update_requirements_lock.sh); optional extras such as
+  # [beam], whose tests skip without them, are not locked.
   specs = kwargs["install_requires"] + [
-      s for extra in kwargs.get("extras_require", {}).values() for s in extra]
+      s for name, extra in kwargs.get("extras_require", {}).items()
+      if name in _LOCKED_EXTRAS for s in extra]
   return [Requirement(s) for s in specs]
+
+
+_LOCKED_EXTRAS = ("test", "examples")
 
 
 def _lock_pins() -> Dict[str, str]:
