@@ -180,3 +180,34 @@ def test_processes_exit_after_dp_fit():
     assert "FIT_DONE" in proc.stdout
     runs += 1
   assert runs >= 3
+
+
+def test_poisson_fit_validation_split_and_class_weight():
+  """`validation_split` holds out the last rows (as Keras); `class_weight`
+  gives the same step as the equivalent per-example `sample_weight`."""
+  import tf_pxg.keras as dpk  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((40, 5)).astype("float32")
+  y = rng.integers(0, 3, 40)
+
+  def run(**kwargs):
+    keras.utils.set_random_seed(1)
+    model = dpk.DPSequential([keras.layers.Dense(3)], l2_norm_clip=1.0,
+                             noise_multiplier=0.0, seed=0)
+    model.compile(keras.optimizers.SGD(0.5),
+                  keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                        sampling_seed=3, **kwargs)
+    return model, history
+
+  _, history = run(validation_split=0.25)
+  assert "val_loss" in history.history
+  weights = {0: 0.5, 1: 2.0, 2: 1.0}
+  by_class, _ = run(class_weight=weights)
+  by_row, _ = run(sample_weight=np.asarray([weights[c] for c in y],
+                                           np.float32))
+  for a, b in zip(by_class.trainable_variables, by_row.trainable_variables):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+  with pytest.raises(ValueError, match="no weight for classes"):
+    run(class_weight={0: 1.0})

@@ -34,12 +34,13 @@ the unfinished step is discarded instead: nothing of it was released, and
 
 from __future__ import annotations
 
+import math
+
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import array_slicing
-from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tf_pxg import _compat
 from tf_pxg import data as dp_data
 from tf_pxg.data import sampling_ops
 
@@ -143,7 +144,7 @@ def _prepare_shards(model, shards, y, sample_weight, class_weight,
   dataset = shards.dataset(start_step=start)
   x, y, _ = next(iter(dataset.take(1)))
   with strategy.scope():
-    model._symbolic_build(data_batch=(x, y, None))
+    _compat.symbolic_build(model, data_batch=(x, y, None))
   with strategy.scope():
     model._dp_accumulator_for(list(model.trainable_variables)).reset()
   return dataset, _ShardFeed(shards, start), None, None
@@ -215,14 +216,13 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
   elif examples_per_user is not None:
     raise ValueError("examples_per_user needs user_ids.")
   if validation_split and validation_data is None:
-    (x, y, sample_weight), validation_data = (
-        array_slicing.train_validation_split(
-            (x, y, sample_weight), validation_split=validation_split))
+    (x, y, sample_weight), validation_data = _train_validation_split(
+        (x, y, sample_weight), validation_split)
   if class_weight is not None:
     if sample_weight is not None:
       raise ValueError("Pass `sample_weight` or `class_weight`, not both.")
-    sample_weight = data_adapter_utils.class_weight_to_sample_weights(
-        np.asarray(y), class_weight)
+    sample_weight = _class_weight_to_sample_weights(np.asarray(y),
+                                                    class_weight)
   x, y, sample_weight = _tensors(x), _tensors(y), _tensors(sample_weight)
   strategy = model.distribute_strategy
   n = dp_data.num_examples(x, y, sample_weight)
@@ -247,7 +247,7 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
   sample = tf.nest.map_structure(
       lambda a: a[:sampler.physical_batch_size], (x, y))
   with strategy.scope():
-    model._symbolic_build(data_batch=(sample[0], sample[1], None))
+    _compat.symbolic_build(model, data_batch=(sample[0], sample[1], None))
   with strategy.scope():
     model._dp_accumulator_for(list(model.trainable_variables)).reset()
   return dataset, feed, (x, y, sample_weight), validation_data
@@ -313,3 +313,33 @@ def with_step_limit(model, callbacks, sampler, epochs):
     callbacks.append(stop)
     return callbacks
   return list(callbacks) + [stop]
+
+
+def _train_validation_split(arrays, validation_split: float):
+  """Keras' split for `validation_split`: the last `validation_split` of the
+  rows (not shuffled) is held out; `None` entries stay `None`."""
+  flat = [a for a in tf.nest.flatten(arrays) if a is not None]
+  n = int(flat[0].shape[0])
+  split_at = int(math.floor(n * (1.0 - validation_split)))
+  if split_at == 0 or split_at == n:
+    raise ValueError(
+        f"validation_split={validation_split} leaves no rows for training or "
+        f"for validation with {n} examples; change it or pass "
+        "validation_data.")
+  head = tf.nest.map_structure(
+      lambda a: None if a is None else a[:split_at], arrays)
+  tail = tf.nest.map_structure(
+      lambda a: None if a is None else a[split_at:], arrays)
+  return head, tail
+
+
+def _class_weight_to_sample_weights(y: np.ndarray, class_weight: dict):
+  """One weight per example from `class_weight` (class index -> weight):
+  class ids, or one-hot / probability rows (their argmax), as Keras."""
+  if y.ndim > 1 and y.shape[-1] > 1:
+    y = np.argmax(y, axis=-1)
+  y = np.reshape(y, [-1]).astype(np.int64)
+  missing = sorted(set(y.tolist()) - set(int(k) for k in class_weight))
+  if missing:
+    raise ValueError(f"class_weight has no weight for classes {missing}.")
+  return np.asarray([class_weight[int(c)] for c in y], np.float32)
