@@ -330,11 +330,9 @@ def test_per_example_augmentation_layers_still_train():
       L.Conv2D(4, 3, activation="relu"), L.GlobalAveragePooling2D(),
       L.Dense(3)], l2_norm_clip=1.0, noise_multiplier=0.5)
   model.compile("adam", "sparse_categorical_crossentropy")
-  before = None
   history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
   assert np.isfinite(history.history["loss"]).all()
   assert model.optimizer.iterations.numpy() == 4
-  del before
 
 
 def _optional_layers():
