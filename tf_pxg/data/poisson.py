@@ -59,6 +59,25 @@ float64 uniform with q.) Equivalently: `n ~ Binomial(N, q)` and, given n,
 a uniformly random n-subset; the realised batch sizes and inclusions pass
 the same tests as the N-uniform sampler (`tests/test_sampling.py`).
 
+Cyclic Poisson sampling (`num_groups=b > 1`; Choquette-Choo et al. 2023,
+"Amplified banded matrix factorization", for BandMF's correlated noise).
+The examples are split once into b fixed, data-independent groups:
+example i is in group `i mod b` (shuffle the data once beforehand if its
+order means something; the partition is a function of the index only, so a
+resumed run has the same groups). Global logical step s (counted like
+`optimizer.iterations`, from `start_step`) samples only group `s mod b`,
+each of its examples independently with probability `q = B b / N`, by the
+same geometric skips over the group's positions `k` (example `s mod b +
+b k`). So an example can join only every b-th step, and two of its
+participations are a multiple of b steps apart. The expected batch of a
+step of group g is `q |G_g|`: B when b divides N; otherwise the groups
+have `ceil(N / b)` or `floor(N / b)` examples and the expected batch is
+`B + q (|G_g| - N / b)`, within q (<= 1) of B. The noisy sum is still
+divided by the data-independent constant `expected_batch_size` B
+(`NORMALIZER`), which is `q N / b`, the expected batch averaged over the b
+groups. `q <= 1` needs `b <= floor(N / B)`. b = 1 is ordinary Poisson
+sampling, bit for bit the same draws as a sampler without the argument.
+
 Randomness. Logical step t of a seeded sampler is a pure function of
 `(seed, t)`: the numpy sampler seeds a PCG64 generator with the key
 `[seed, t]`, the `tf.data` stream (`tf_pxg.data.poisson_dataset`) keys
@@ -92,6 +111,28 @@ WEIGHT = "dp_weight"
 # Per-row mask of a batch of privacy units of several rows (augmult, users):
 # `[P * G]`, the G rows of a unit contiguous; `MASK` is then per unit `[P]`.
 ROW_MASK = "dp_row_mask"
+
+
+def max_num_groups(num_examples: int, expected_batch_size: float) -> int:
+  """The largest b with `q = B b / N <= 1` and `b <= N`: `floor(N / B)`.
+
+  Raises:
+    ValueError: a non-positive argument, or B > N.
+  """
+  _check_positive_int(num_examples, "num_examples")
+  _check_positive(expected_batch_size, "expected_batch_size")
+  n, b = int(num_examples), float(expected_batch_size)
+  if b > n:
+    raise ValueError(
+        f"expected_batch_size={expected_batch_size} exceeds num_examples="
+        f"{num_examples}: the sampling rate q = B / N must be <= 1.")
+  groups = min(n, int(math.floor(n / b)))
+  # Guard the float floor: the largest b with B * b <= N exactly.
+  while groups > 1 and b * groups > n:
+    groups -= 1
+  while groups < n and b * (groups + 1) <= n:
+    groups += 1
+  return groups
 
 
 def default_physical_batch_size(expected_batch_size: float,
@@ -133,28 +174,41 @@ class PoissonSampler:
 
   Args:
     num_examples: N, the dataset size.
-    expected_batch_size: B; each example joins each logical step with
-      probability `q = B / N`. `0 < B <= N`.
+    expected_batch_size: B, the expected logical batch size; each example
+      joins each logical step it is eligible for with probability
+      `q = B b / N` (b = `num_groups`; `q = B / N` by default).
+      `0 < B <= N`.
     physical_batch_size: P rows per physical batch (global, over all
       replicas); a multiple of `num_replicas`. Default
       `default_physical_batch_size(B, accumulation_steps, num_replicas)`.
     accumulation_steps: k, the number of physical batches a logical step
       normally spans (more only on overflow, see the module docstring).
     num_replicas: R; rows are dealt round-robin over R equal slices.
-    steps_per_epoch: logical steps per epoch; default `ceil(N / B)`.
+    steps_per_epoch: logical steps per epoch; default `ceil(N / B)`
+      (with b groups: `b ceil(N / (B b))`, a whole number of cycles).
     seed: a non-negative int for a reproducible stream (step t is a pure
       function of `(seed, t)`); None draws the seed from OS entropy.
     secure_mode: draw every step's randomness from the OS CSPRNG
       (`os.urandom`) instead of a seeded stream; see the module docstring.
-    start_step: the index of the first logical step `logical_step` /
-      `sample_indices` draw (to resume a seeded stream).
+    start_step: the global index of the first logical step
+      `logical_step` / `sample_indices` draw (to resume a stream: pass
+      `optimizer.iterations`). With `num_groups` it also fixes where the
+      cycle is: step s samples group `s mod b`.
+    num_groups: b >= 1, cyclic Poisson sampling (module docstring): example
+      i is in group `i mod b`, step s samples only group `s mod b`, at rate
+      `q = B b / N`. 1 (default) is ordinary Poisson sampling.
 
   Attributes:
     seed: the stream's seed (None in secure mode).
     next_step: the index of the next logical step the stateful methods draw.
+    num_groups: b.
+    sampling_rate: q = B b / N, the probability that an example joins a
+      step of its group (what the accountant composes, ceil(T / b) times
+      per example for BandMF).
 
   Raises:
-    ValueError: invalid sizes (named); `seed` together with `secure_mode`.
+    ValueError: invalid sizes (named); `seed` together with `secure_mode`;
+      `num_groups` not a positive integer or above `floor(N / B)` (q > 1).
   """
 
   def __init__(self, num_examples: int, expected_batch_size: float,
@@ -162,7 +216,7 @@ class PoissonSampler:
                accumulation_steps: int = 1, num_replicas: int = 1,
                steps_per_epoch: Optional[int] = None,
                seed: Optional[int] = None, secure_mode: bool = False,
-               start_step: int = 0):
+               start_step: int = 0, num_groups: int = 1):
     _check_positive_int(num_examples, "num_examples")
     _check_positive(expected_batch_size, "expected_batch_size")
     _check_positive_int(accumulation_steps, "accumulation_steps")
@@ -180,12 +234,18 @@ class PoissonSampler:
           f"physical_batch_size={physical_batch_size} must be a multiple of "
           f"num_replicas={num_replicas} so that every replica gets an equal "
           "slice of each physical batch.")
+    num_groups = check_num_groups(num_groups, num_examples,
+                                  expected_batch_size)
     if steps_per_epoch is None:
-      steps_per_epoch = math.ceil(num_examples / expected_batch_size)
+      steps_per_epoch = default_steps_per_epoch(
+          num_examples, expected_batch_size, num_groups)
     _check_positive_int(steps_per_epoch, "steps_per_epoch")
     self.num_examples = int(num_examples)
     self.expected_batch_size = float(expected_batch_size)
-    self.sampling_rate = self.expected_batch_size / self.num_examples
+    self.num_groups = num_groups
+    # B * 1 is exact, so b = 1 keeps q = B / N bit for bit.
+    self.sampling_rate = (self.expected_batch_size * self.num_groups /
+                          self.num_examples)
     self.physical_batch_size = int(physical_batch_size)
     self.accumulation_steps = int(accumulation_steps)
     self.num_replicas = int(num_replicas)
@@ -198,22 +258,38 @@ class PoissonSampler:
           f"`start_step` must be a non-negative integer; got {start_step!r}.")
     self.next_step = int(start_step)
 
+  def group_of_step(self, step: int) -> int:
+    """The group that global logical step `step` samples: `step mod b`."""
+    return int(step) % self.num_groups
+
+  def group_size(self, group: int) -> int:
+    """|G_g| = `ceil((N - g) / b)`: examples `g, g + b, g + 2b, ... < N`."""
+    return group_size(self.num_examples, self.num_groups, group)
+
   def indices_for_step(self, step: int) -> np.ndarray:
     """The sorted indices of logical step `step` (O(B) work, see module doc).
 
     A pure function of `(seed, step)`; in secure mode every call draws
-    fresh OS randomness (there is no stream to index).
+    fresh OS randomness (there is no stream to index). With b groups, only
+    examples `i = step mod b (mod b)` can be drawn.
 
     Returns:
-      `[n]` int64, sorted, distinct, in `[0, N)`; `n ~ Binomial(N, q)`.
+      `[n]` int64, sorted, distinct, in `[0, N)`, all in group
+      `g = step mod b`; `n ~ Binomial(|G_g|, q)` (`Binomial(N, q)` for
+      b = 1).
     """
     if self.secure_mode:
       uniforms = _os_uniforms
     else:
       rng = np.random.default_rng([self.seed, int(step)])
       uniforms = lambda size: 1.0 - rng.random(size)  # noqa: E731  (0, 1]
-    return geometric_skip_indices(uniforms, self.num_examples,
-                                  self.sampling_rate)
+    if self.num_groups == 1:
+      return geometric_skip_indices(uniforms, self.num_examples,
+                                    self.sampling_rate)
+    group = self.group_of_step(step)
+    positions = geometric_skip_indices(uniforms, self.group_size(group),
+                                       self.sampling_rate)
+    return group + self.num_groups * positions
 
   def sample_indices(self) -> np.ndarray:
     """The indices of the next Poisson sample (sorted; ~ Binomial(N, q))."""
@@ -264,6 +340,41 @@ def layout(indices: np.ndarray, physical_batch_size: int,
     mask[pos] = 1.0
     batches.append(PhysicalBatch(idx, mask, i == m - 1))
   return batches
+
+
+def group_size(num_examples: int, num_groups: int, group: int) -> int:
+  """`ceil((N - g) / b)`, the size of group g of `range(N)` mod b."""
+  return (int(num_examples) - int(group) + int(num_groups) - 1) // int(
+      num_groups)
+
+
+def check_num_groups(num_groups, num_examples: int,
+                     expected_batch_size: float) -> int:
+  """`num_groups` as an int, checked: `1 <= b <= floor(N / B)`.
+
+  Raises:
+    ValueError: not a positive integer, or so large that `q = B b / N`
+      exceeds 1 (the message names the largest allowed b).
+  """
+  _check_positive_int(num_groups, "num_groups")
+  largest = max_num_groups(num_examples, expected_batch_size)
+  if num_groups > largest:
+    raise ValueError(
+        f"num_groups={num_groups} is too large for N={num_examples} "
+        f"examples and expected_batch_size B={expected_batch_size:g}: cyclic "
+        f"Poisson sampling draws each group at rate q = B * num_groups / N = "
+        f"{expected_batch_size * num_groups / num_examples:.6g}, which must "
+        f"be <= 1. The largest num_groups is floor(N / B) = {largest}.")
+  return int(num_groups)
+
+
+def default_steps_per_epoch(num_examples: int, expected_batch_size: float,
+                            num_groups: int = 1) -> int:
+  """`b ceil(N / (B b))`: `ceil(N / B)` for b = 1, whole cycles otherwise."""
+  if num_groups == 1:
+    return math.ceil(num_examples / expected_batch_size)
+  return num_groups * math.ceil(
+      num_examples / (expected_batch_size * num_groups))
 
 
 def resolve_seed(seed, secure_mode: bool) -> Optional[int]:

@@ -10,6 +10,10 @@ The `tf.data` stream of `tf_pxg.data.poisson_dataset` is built from these:
   from the OS CSPRNG (`/dev/urandom`) by a `tf.data` file reader.
 - `layout(indices, ...)`: the step's `[m, P]` index and mask matrices, the
   same layout as `PoissonSampler.layout`.
+- `group_step_indices(key, step, N, b, q)`: cyclic Poisson sampling
+  (`PoissonSampler(num_groups=b)`): step `step` samples only group
+  `g = step mod b`, i.e. the geometric skips run over the group's
+  positions k and map back to the examples `g + b k`.
 - `index_stream(...)`: a dataset of `(indices [P], mask [P], step_end)`
   physical batches, to be gathered from tensors held once.
 """
@@ -65,15 +69,19 @@ def urandom_keys() -> tf.data.Dataset:
   return lines.map(to_key)
 
 
-def step_indices(key, num_examples: int, sampling_rate: float,
-                 alg: str = "philox") -> tf.Tensor:
+def step_indices(key, num_examples, sampling_rate: float,
+                 alg: str = "philox",
+                 max_examples: Optional[int] = None) -> tf.Tensor:
   """One Poisson sample of `range(N)` by geometric skips, as TF ops.
 
   Args:
     key: `[2]` int64 stateless key of the step.
-    num_examples: N.
+    num_examples: N, a Python int or a scalar int64 tensor (a cyclic
+      group's size, which depends on the step).
     sampling_rate: q in (0, 1].
     alg: the stateless RNG algorithm (TensorFlow's name, e.g. "philox").
+    max_examples: with a tensor `num_examples`, a Python int bound on it
+      (sizes the rounds of gaps); ignored for an int N.
 
   Returns:
     `[n]` int64 sorted distinct indices, each included independently with
@@ -81,10 +89,20 @@ def step_indices(key, num_examples: int, sampling_rate: float,
     `gap_chunk_size` gaps per round, one round except with probability
     below 1e-8.
   """
-  n, q = int(num_examples), float(sampling_rate)
+  q = float(sampling_rate)
+  if isinstance(num_examples, tf.Tensor):
+    if max_examples is None:
+      raise ValueError("step_indices with a tensor num_examples needs "
+                       "max_examples, a Python int bound on it.")
+    n = tf.cast(num_examples, tf.int64)
+    n_float = tf.cast(n, tf.float64)
+    chunk = poisson.gap_chunk_size(int(max_examples), q)
+  else:
+    n = int(num_examples)
+    n_float = float(n)
+    chunk = poisson.gap_chunk_size(n, q)
   if q >= 1.0:
     return tf.range(n, dtype=tf.int64)
-  chunk = poisson.gap_chunk_size(n, q)
   log1mq = tf.constant(math.log1p(-q), tf.float64)
   key = tf.cast(key, tf.int64)
 
@@ -92,7 +110,7 @@ def step_indices(key, num_examples: int, sampling_rate: float,
     seed = tf.random.experimental.stateless_fold_in(key, round_, alg=alg)
     u = 1.0 - tf.random.stateless_uniform([chunk], seed, dtype=tf.float64,
                                           alg=alg)  # (0, 1]
-    gaps = tf.minimum(tf.floor(tf.math.log(u) / log1mq), float(n))
+    gaps = tf.minimum(tf.floor(tf.math.log(u) / log1mq), n_float)
     positions = last + tf.cumsum(tf.cast(gaps, tf.int64) + 1)
     found = tf.concat([found, tf.boolean_mask(positions, positions < n)], 0)
     return round_ + 1, positions[-1], found
@@ -104,6 +122,29 @@ def step_indices(key, num_examples: int, sampling_rate: float,
       shape_invariants=(tf.TensorShape([]), tf.TensorShape([]),
                         tf.TensorShape([None])))
   return found
+
+
+def group_step_indices(key, step, num_examples: int, num_groups: int,
+                       sampling_rate: float, alg: str = "philox") -> tf.Tensor:
+  """Cyclic Poisson sampling of one step, as TF ops.
+
+  Step `step` (a scalar int tensor, the global logical step) samples group
+  `g = step mod b` of `range(N)` (examples `g, g + b, g + 2b, ...`, there
+  are `ceil((N - g) / b)` of them): a Poisson sample of the group's
+  positions k at rate q by `step_indices`, mapped back to `g + b k`.
+  With b = 1 this is exactly `step_indices(key, N, q, alg)`.
+
+  Returns:
+    `[n]` int64 sorted distinct indices, all `= step (mod b)`.
+  """
+  n, b = int(num_examples), int(num_groups)
+  if b == 1:
+    return step_indices(key, n, sampling_rate, alg)
+  group = tf.math.floormod(tf.cast(step, tf.int64), b)
+  size = (n - group + b - 1) // b
+  positions = step_indices(key, size, sampling_rate, alg,
+                           max_examples=-(-n // b))
+  return group + b * positions
 
 
 def layout(indices, physical_batch_size: int, accumulation_steps: int,
@@ -147,19 +188,43 @@ def index_stream(sampler: "poisson.PoissonSampler",
     num_steps: logical steps per iteration; None for endless.
 
   In secure mode every step's 128-bit key is read from the OS CSPRNG (no
-  seed, nothing shared between steps); `start_step` then only counts.
+  seed, nothing shared between steps); `start_step` then only counts (and
+  places the cycle of `num_groups`).
+
+  Cyclic sampling (`sampler.num_groups` = b > 1): the stream's step
+  `start_step + t` samples group `(start_step + t) mod b`
+  (`group_step_indices`), so a stream resumed at `start_step` continues
+  the cycle. With `start_step=None` every iteration counts its steps from
+  0 (group 0 first); so that consecutive iterations continue the cycle,
+  `num_steps` must then be a multiple of b (or None).
+
+  Raises:
+    ValueError: `start_step=None` with b > 1 and `num_steps` not a
+      multiple of b.
   """
-  n, q = sampler.num_examples, sampler.sampling_rate
+  n, q, b = sampler.num_examples, sampler.sampling_rate, getattr(
+      sampler, "num_groups", 1)
   p, k, r = (sampler.physical_batch_size, sampler.accumulation_steps,
              sampler.num_replicas)
   alg = "philox"
+  if b > 1 and start_step is None and num_steps is not None and (
+      num_steps % b):
+    raise ValueError(
+        f"Cyclic Poisson sampling with num_groups={b}: a stream without "
+        f"start_step restarts the cycle at group 0 on every iteration, so "
+        f"its num_steps (steps_per_epoch) must be a multiple of {b}; got "
+        f"{num_steps}. Pass start_step (the global step, e.g. "
+        "optimizer.iterations), repeat=True, or steps_per_epoch a multiple "
+        f"of {b}.")
+  offset = 0 if start_step is None else int(start_step)
   steps = (tf.data.Dataset.range(num_steps) if num_steps is not None else
            tf.data.Dataset.range(2 ** 62))
   if sampler.secure_mode:
     keys = tf.data.Dataset.zip((steps, urandom_keys())).map(
-        lambda t, key: key)
+        lambda t, key: (t + offset, key))
   elif start_step is not None:
-    keys = steps.map(lambda t: step_key(sampler.seed, t + start_step))
+    keys = steps.map(
+        lambda t: (t + start_step, step_key(sampler.seed, t + start_step)))
   else:
     nonces = tf.data.Dataset.random(
         seed=sampler.seed % (2 ** 63), rerandomize_each_iteration=True
@@ -167,13 +232,14 @@ def index_stream(sampler: "poisson.PoissonSampler",
 
     def epoch(nonce):
       base = step_key(sampler.seed, 0) + nonce
-      return steps.map(lambda t: tf.cast(
-          tf.random.experimental.stateless_fold_in(base, t), tf.int64))
+      return steps.map(lambda t: (t, tf.cast(
+          tf.random.experimental.stateless_fold_in(base, t), tf.int64)))
 
     keys = nonces.flat_map(epoch)
 
-  def physical_batches(key):
-    idx, mask, end = layout(step_indices(key, n, q, alg), p, k, r)
+  def physical_batches(step, key):
+    idx, mask, end = layout(group_step_indices(key, step, n, b, q, alg),
+                            p, k, r)
     return tf.data.Dataset.from_tensor_slices((idx, mask, end))
 
   return keys.flat_map(physical_batches)
