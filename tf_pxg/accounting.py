@@ -43,6 +43,55 @@ Two accountants turn that event into (ε, δ):
   until ε changes by less than 1%. Still an upper bound, and tighter than
   RDP for DP-SGD (MNIST as above: 2.38).
 
+Correlated noise (``num_bands=b > 1``): amplified banded matrix
+factorization (BandMF; Choquette-Choo et al. 2023, Theorem 4 and Algorithm
+2). The step adds the noise x_i = (C⁻¹ z)_i of a lower-triangular b-banded
+strategy C whose columns have L2 norm <= 1 (`tf_pxg.mf.BandedToeplitz`),
+and the batches come from cyclic Poisson sampling: the examples are split
+into b fixed groups, step i samples from group i mod b only, each example
+of that group independently with probability
+
+    q = batch_size * num_bands / num_examples
+
+(the expected batch is still `batch_size`; q <= 1 needs b <= N // B). An
+example's participations are then at least b steps apart, so it touches
+disjoint rows of C at each one (one column of norm <= 1 each time), and
+Theorem 4 of Choquette-Choo et al. reduces the run to ceil(T / b) "rounds",
+in each of which every example is in at most one Poisson-sampled step:
+
+    SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)),
+                        ceil(T / b)).
+
+This is the event of jax-privacy's `accounting.amplified_bandmf_event(
+noise_multiplier, iterations, num_bands=b, sampling_prob=q)` (it calls its
+`dpsgd_event` with `iterations=ceil(iterations / num_bands)`), used with
+`batch_selection.CyclicPoissonSampling(cycle_length=b)`. b = 1 is the DP-SGD
+event above, unchanged. The ε holds when:
+
+  - C's columns have L2 norm <= 1 (`BandedToeplitz` normalises ||c||_2 = 1;
+    explicit coefficients are normalised too) and C has at most b bands;
+  - every example is in exactly one group, and its group does not depend on
+    the other examples (fixed per example, e.g. from its own id or drawn
+    independently at random: under add/remove-one neighbours a split that
+    reshuffles everyone when one example is added is only covered for
+    replace-one; jax-privacy's `PartitionType.INDEPENDENT` vs
+    `EQUAL_SPLIT` makes the same distinction);
+  - step i, counted in global optimizer steps from the run's first step
+    (continuing across resumed fits, never restarting at an epoch or a new
+    `fit`), samples group i mod b and nothing else, at exactly the rate q
+    above; the noise state of C⁻¹ continues across the same steps;
+  - T is the total number of steps. b need not divide the steps per epoch
+    nor T: the groups follow the global step, and the last, partial round
+    counts as a whole one (ceil).
+
+Adaptive clipping (Andrew et al. 2021): a step that releases the clipped
+gradient sum with noise std σ_g × C and the count of examples whose norm is
+<= C, each contributing 1[‖g‖ <= C] - 1/2 (sensitivity 1/2), with noise std
+σ_b, is as private as one Gaussian mechanism with noise multiplier σ,
+σ⁻² = σ_g⁻² + (2 σ_b)⁻² (Theorem 1; Rényi DP of Gaussians adds in 1/σ²).
+So account the run with σ and add gradient noise σ_g =
+`split_noise_multipliers(σ, σ_b)`.
+
 References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
   Mironov, "Rényi Differential Privacy", CSF 2017.
@@ -50,6 +99,11 @@ References:
     Gaussian Mechanism", arXiv:1908.10530, 2019.
   Canonne, Kamath and Steinke, "The Discrete Gaussian for Differential
     Privacy", NeurIPS 2020.
+  Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta and Xu,
+    "(Amplified) Banded Matrix Factorization: A unified approach to private
+    training", NeurIPS 2023, arXiv:2306.08153.
+  Andrew, Thakkar, McMahan and Ramaswamy, "Differentially Private Learning
+    with Adaptive Clipping", NeurIPS 2021, arXiv:1905.03871.
   Meiser and Mohammadi, "Tight on Budget? Tight Bounds for r-Fold
     Approximate Differential Privacy", CCS 2018.
   Koskela, Jälkö and Honkela, "Computing Tight Differential Privacy
@@ -73,9 +127,13 @@ __all__ = [
     "ACCOUNTANTS",
     "PLD_VALUE_DISCRETIZATION_INTERVALS",
     "RDP_ORDERS",
+    "combined_noise_multiplier",
     "compute_epsilon",
     "dp_event",
+    "max_num_bands",
     "noise_multiplier_for_epsilon",
+    "sampling_probability",
+    "split_noise_multipliers",
     "steps_for",
 ]
 
@@ -216,6 +274,25 @@ def _check_steps(steps) -> int:
   return int(steps)
 
 
+def _check_num_bands(num_bands, num_examples: int, batch_size: int) -> int:
+  """b, a positive int with batch_size * b <= num_examples (q <= 1)."""
+  if not _is_int(num_bands) or num_bands < 1:
+    raise ValueError(
+        "num_bands must be a positive integer (1 = DP-SGD); got "
+        f"{num_bands!r}.")
+  num_bands = int(num_bands)
+  if batch_size * num_bands > num_examples:
+    raise ValueError(
+        f"num_bands={num_bands} is too large for num_examples={num_examples} "
+        f"and batch_size={batch_size}: each of the {num_bands} groups holds "
+        f"about {num_examples / num_bands:g} examples, fewer than the "
+        f"expected batch, so the sampling rate batch_size * num_bands / "
+        f"num_examples = {batch_size * num_bands / num_examples:g} exceeds "
+        f"1. Use num_bands <= {num_examples // batch_size} "
+        "(num_examples // batch_size), or a smaller batch_size.")
+  return num_bands
+
+
 def _resolve_steps(num_examples: int, batch_size: int,
                    epochs: Optional[_Number], steps: Optional[int]) -> int:
   """The step count from exactly one of `epochs` and `steps`."""
@@ -264,25 +341,79 @@ def steps_for(num_examples: int, batch_size: int, epochs: _Number) -> int:
   return math.ceil(exact_epochs * num_examples / batch_size)
 
 
+def max_num_bands(num_examples: int, batch_size: int) -> int:
+  """The largest `num_bands` b with cyclic sampling rate B b / N <= 1: N // B.
+
+  Raises:
+    ValueError: If num_examples or batch_size is invalid (see `steps_for`).
+  """
+  num_examples = _check_positive_int("num_examples", num_examples)
+  batch_size = _check_batch_size(batch_size, num_examples)
+  return num_examples // batch_size
+
+
+def sampling_probability(num_examples: int,
+                         batch_size: int,
+                         num_bands: int = 1) -> float:
+  """The per-step inclusion probability q that the accounting assumes.
+
+  q = batch_size * num_bands / num_examples, computed as one float division
+  of the integer product (exactly B / N for b = 1). With b = 1 every example
+  is eligible at every step (Poisson sampling); with b > 1 only the examples
+  of group i mod b are eligible at step i (cyclic Poisson sampling, see the
+  module docstring), each with this probability. A sampler must use exactly
+  this q for the ε of `compute_epsilon(..., num_bands=b)` to hold.
+
+  Args:
+    num_examples: Training set size N, a positive integer.
+    batch_size: Expected batch size B, an integer with 0 < B <= N.
+    num_bands: b, a positive integer with B b <= N.
+
+  Returns:
+    q as a Python float in (0, 1].
+
+  Raises:
+    ValueError: If an argument is invalid; for b > N // B the message says
+      b is too large and gives N // B.
+  """
+  num_examples = _check_positive_int("num_examples", num_examples)
+  batch_size = _check_batch_size(batch_size, num_examples)
+  num_bands = _check_num_bands(num_bands, num_examples, batch_size)
+  return batch_size * num_bands / num_examples
+
+
+def _rounds(steps: int, num_bands: int) -> int:
+  """ceil(T / b): the rounds of the amplified BandMF composition."""
+  return -(-steps // num_bands)
+
+
 def dp_event(num_examples: int,
              batch_size: int,
              noise_multiplier: float,
              epochs: Optional[_Number] = None,
-             steps: Optional[int] = None) -> dp_accounting.DpEvent:
-  """The `dp_accounting` event of a DP-SGD run (see the module docstring).
+             steps: Optional[int] = None,
+             *,
+             num_bands: int = 1) -> dp_accounting.DpEvent:
+  """The `dp_accounting` event of a DP-SGD or BandMF run (module docstring).
 
   Args:
     num_examples: Training set size N, a positive integer.
     batch_size: Expected batch size B, an integer with 0 < B <= N; the
-      sampling probability is q = B / N.
-    noise_multiplier: σ, the noise std divided by the clipping norm; finite,
+      sampling probability is q = B b / N.
+    noise_multiplier: σ, the noise std divided by the clipping norm (for
+      BandMF: the std of z, whose strategy C has column norms <= 1); finite,
       >= 0.
     epochs: Number of epochs; give exactly one of `epochs` and `steps`.
     steps: Number of optimizer steps.
+    num_bands: b, the bands of the BandMF strategy (`tf_pxg.mf`) and the
+      number of cyclic sampling groups; 1 (default) is DP-SGD. A positive
+      integer <= N // B.
 
   Returns:
-    `SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), T)`
-    with T the step count, ready for any `dp_accounting` accountant.
+    `SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), R)`
+    with q = B b / N and R = ceil(T / b) for T the step count (for b = 1:
+    q = B / N and R = T, DP-SGD), ready for any `dp_accounting` accountant.
+    For b > 1 this is jax-privacy's `amplified_bandmf_event`.
 
   Raises:
     ValueError: If an argument is out of range, of the wrong type, or both or
@@ -291,8 +422,10 @@ def dp_event(num_examples: int,
   num_examples = _check_positive_int("num_examples", num_examples)
   batch_size = _check_batch_size(batch_size, num_examples)
   noise_multiplier = _check_noise_multiplier(noise_multiplier)
+  num_bands = _check_num_bands(num_bands, num_examples, batch_size)
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
-  return _make_event(batch_size / num_examples, noise_multiplier, steps)
+  return _make_event(batch_size * num_bands / num_examples, noise_multiplier,
+                     _rounds(steps, num_bands))
 
 
 def _make_event(sampling_probability: float, noise_multiplier: float,
@@ -326,7 +459,7 @@ def _pld_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
 
 def _epsilon(sampling_probability: float, noise_multiplier: float, steps: int,
              delta: float, accountant: str) -> float:
-  """ε for already validated inputs."""
+  """ε for already validated inputs; `steps` counts compositions (rounds)."""
   if steps == 0:
     return 0.0
   if noise_multiplier == 0.0:
@@ -344,13 +477,19 @@ def compute_epsilon(num_examples: int,
                     epochs: Optional[_Number] = None,
                     steps: Optional[int] = None,
                     delta: float = 1e-5,
-                    accountant: str = "rdp") -> float:
-  """ε such that a DP-SGD run is (ε, δ)-differentially private.
+                    accountant: str = "rdp",
+                    *,
+                    num_bands: int = 1) -> float:
+  """ε such that a DP-SGD (or BandMF) run is (ε, δ)-differentially private.
 
   The run is `steps` steps (or `epochs` epochs, i.e. `ceil(epochs *
   num_examples / batch_size)` steps) of the Poisson-subsampled Gaussian
   mechanism with sampling probability `batch_size / num_examples` and noise
   multiplier `noise_multiplier`; see the module docstring for the derivation.
+  With `num_bands=b > 1` it is amplified BandMF with cyclic Poisson
+  sampling: ceil(T / b) compositions at rate `batch_size * b /
+  num_examples` (`dp_event`; the conditions under which this ε holds are in
+  the module docstring).
 
   Args:
     num_examples: Training set size N, a positive integer.
@@ -364,6 +503,9 @@ def compute_epsilon(num_examples: int,
     delta: Target δ, 0 < δ < 1; usually below 1 / N.
     accountant: "rdp" (Rényi DP; Mironov 2017, Mironov et al. 2019) or "pld"
       (privacy loss distributions; tighter).
+    num_bands: b, the number of bands of the BandMF strategy and of cyclic
+      sampling groups, a positive integer <= num_examples // batch_size;
+      1 (default) is DP-SGD, giving exactly the DP-SGD ε.
 
   Returns:
     ε as a Python float: 0.0 for zero steps, inf for `noise_multiplier=0`.
@@ -371,22 +513,25 @@ def compute_epsilon(num_examples: int,
   Raises:
     ValueError: If an argument is out of range, of the wrong type, or both or
       neither of `epochs` and `steps` are given. The message names the
-      argument, the value and what is allowed.
+      argument, the value and what is allowed (for a too large `num_bands`,
+      the largest allowed).
 
   References:
     Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
     Mironov, "Rényi Differential Privacy", CSF 2017.
     Mironov, Talwar and Zhang, "Rényi Differential Privacy of the Sampled
     Gaussian Mechanism", 2019.
+    Choquette-Choo et al., "(Amplified) Banded Matrix Factorization", 2023.
   """
   num_examples = _check_positive_int("num_examples", num_examples)
   batch_size = _check_batch_size(batch_size, num_examples)
   noise_multiplier = _check_noise_multiplier(noise_multiplier)
   delta = _check_delta(delta)
   accountant = _check_accountant(accountant)
+  num_bands = _check_num_bands(num_bands, num_examples, batch_size)
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
-  return _epsilon(batch_size / num_examples, noise_multiplier, steps, delta,
-                  accountant)
+  return _epsilon(batch_size * num_bands / num_examples, noise_multiplier,
+                  _rounds(steps, num_bands), delta, accountant)
 
 
 def noise_multiplier_for_epsilon(target_epsilon: float,
@@ -396,7 +541,9 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
                                  steps: Optional[int] = None,
                                  delta: float = 1e-5,
                                  accountant: str = "rdp",
-                                 tolerance: float = 1e-4) -> float:
+                                 tolerance: float = 1e-4,
+                                 *,
+                                 num_bands: int = 1) -> float:
   """The smallest noise multiplier σ whose run is (target_epsilon, δ)-DP.
 
   Keeps a bracket `ε(lo) > target_epsilon >= ε(hi)` and narrows it (Brent's
@@ -416,6 +563,7 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
     delta: Target δ, 0 < δ < 1.
     accountant: "rdp" or "pld", as in `compute_epsilon`.
     tolerance: Absolute tolerance on σ, finite and > 0.
+    num_bands: b for amplified BandMF, as in `compute_epsilon` (1 = DP-SGD).
 
   Returns:
     σ* as a Python float (0.0 if there are no steps).
@@ -436,17 +584,19 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
   batch_size = _check_batch_size(batch_size, num_examples)
   delta = _check_delta(delta)
   accountant = _check_accountant(accountant)
+  num_bands = _check_num_bands(num_bands, num_examples, batch_size)
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
   if steps == 0:
     return 0.0
   target_epsilon = float(target_epsilon)
-  q = batch_size / num_examples
+  q = batch_size * num_bands / num_examples
+  rounds = _rounds(steps, num_bands)
   cache = {}
 
   def gap(sigma: float) -> float:
     """ε(σ) - target: <= 0 means private enough. Decreasing in σ."""
     if sigma not in cache:
-      cache[sigma] = _epsilon(q, sigma, steps, delta, accountant)
+      cache[sigma] = _epsilon(q, sigma, rounds, delta, accountant)
     return cache[sigma] - target_epsilon
 
   # Bracket: gap(lo) > 0 >= gap(hi). ε(0) = inf, so lo = 0 always qualifies.
@@ -463,7 +613,8 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
         raise ValueError(
             f"target_epsilon={target_epsilon!r} is not reachable: even "
             f"noise_multiplier={hi:g} gives "
-            f"epsilon={gap(hi) + target_epsilon:g} with {steps} steps, "
+            f"epsilon={gap(hi) + target_epsilon:g} with {steps} steps"
+            f"{f' (num_bands={num_bands})' if num_bands > 1 else ''}, "
             f"delta={delta:g}, accountant={accountant!r}. "
             "Ask for a larger epsilon or delta, or train fewer steps.")
       lo, hi = hi, 2 * hi
@@ -488,3 +639,86 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
     else:
       lo = mid
   return hi
+
+
+# ---------------------------------------------------------------------------
+# Adaptive (quantile) clipping: the count's share of the budget.
+# ---------------------------------------------------------------------------
+
+
+def _check_positive_real(name: str, value) -> float:
+  if not _is_real(value) or not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{name} must be a finite number > 0; got {value!r}.")
+  return float(value)
+
+
+def split_noise_multipliers(noise_multiplier: float,
+                            count_noise_multiplier: float) -> float:
+  """The gradient noise multiplier σ_g left after the clipped count's share.
+
+  Quantile-adaptive clipping (Andrew et al. 2021) releases at every step,
+  for the same sampled batch, (1) the sum of gradients clipped to C plus
+  Gaussian noise of std σ_g C (sensitivity C) and (2) the count of examples
+  with ‖g‖ <= C, each contributing 1[‖g‖ <= C] - 1/2 (sensitivity 1/2
+  under adding or removing one example), plus Gaussian noise of std σ_b =
+  `count_noise_multiplier`. Scaling (1) by 1/C and (2) by 2 gives two
+  Gaussian mechanisms of sensitivity 1 with noise multipliers σ_g and 2σ_b
+  on disjoint coordinates; together they are one Gaussian mechanism with
+  sensitivity 1 and noise multiplier σ,
+
+      σ⁻² = σ_g⁻² + (2 σ_b)⁻²     (Andrew et al. 2021, Theorem 1),
+
+  exactly (the Rényi divergences of Gaussians add in 1/σ², and both parts
+  see the same sampled batch, so Poisson subsampling and BandMF rounds
+  apply to the pair as to a single Gaussian: account the run with σ). So
+  for the σ that the accounting gives (e.g. `noise_multiplier_for_epsilon`)
+  and a chosen σ_b, the gradient gets
+
+      σ_g = (σ⁻² - (2 σ_b)⁻²)^(-1/2)  >  σ.
+
+  Args:
+    noise_multiplier: σ, the accounted noise multiplier; finite, > 0.
+    count_noise_multiplier: σ_b, the std of the noise added to the clipped
+      count (in count units, i.e. examples; TF Privacy's
+      `clipped_count_stddev`); must be > σ / 2, finite.
+
+  Returns:
+    σ_g as a Python float, the noise multiplier to add to the gradient sum.
+
+  Raises:
+    ValueError: If an argument is not a finite number > 0, or if
+      2 σ_b <= σ (the count alone would use the whole budget); the message
+      gives the minimum σ_b.
+  """
+  sigma = _check_positive_real("noise_multiplier", noise_multiplier)
+  sigma_b = _check_positive_real("count_noise_multiplier",
+                                 count_noise_multiplier)
+  if not 2.0 * sigma_b > sigma:
+    raise ValueError(
+        f"count_noise_multiplier={sigma_b!r} is too small for "
+        f"noise_multiplier={sigma!r}: the count's noise multiplier "
+        f"2 * count_noise_multiplier must exceed noise_multiplier, else the "
+        f"count uses the whole privacy budget and no gradient noise is "
+        f"enough. Use count_noise_multiplier > {sigma / 2!r} (noise_multiplier"
+        f" / 2); a few times that leaves most of the budget to the gradient.")
+  remainder = sigma**-2 - (2.0 * sigma_b)**-2
+  return float(remainder**-0.5)
+
+
+def combined_noise_multiplier(gradient_noise_multiplier: float,
+                              count_noise_multiplier: float) -> float:
+  """σ = (σ_g⁻² + (2 σ_b)⁻²)^(-1/2): the inverse of `split_noise_multipliers`.
+
+  The noise multiplier to account a quantile-clipping run with when the
+  gradient gets σ_g = `gradient_noise_multiplier` and the count σ_b =
+  `count_noise_multiplier` (Andrew et al. 2021, Theorem 1; see
+  `split_noise_multipliers`). σ < min(σ_g, 2 σ_b).
+
+  Raises:
+    ValueError: If an argument is not a finite number > 0.
+  """
+  sigma_g = _check_positive_real("gradient_noise_multiplier",
+                                 gradient_noise_multiplier)
+  sigma_b = _check_positive_real("count_noise_multiplier",
+                                 count_noise_multiplier)
+  return float((sigma_g**-2 + (2.0 * sigma_b)**-2)**-0.5)

@@ -1,18 +1,24 @@
 """`tf-pxg`: privacy budgeting from the command line.
 
     tf-pxg epsilon --num_examples=60000 --batch_size=256 \\
-        --noise_multiplier=1.1 --epochs=60 [--delta=1e-5] [--accountant=rdp]
+        --noise_multiplier=1.1 --epochs=60 [--delta=1e-5] [--accountant=rdp] \\
+        [--num_bands=1]
     tf-pxg noise --target_epsilon=3 --num_examples=60000 --batch_size=256 \\
-        --epochs=60 [--delta=1e-5] [--accountant=rdp] [--tolerance=1e-4]
+        --epochs=60 [--delta=1e-5] [--accountant=rdp] [--tolerance=1e-4] \\
+        [--num_bands=1]
 
     tf-pxg build-native [--cache_dir=DIR]
 
 `epsilon` prints ε of a DP-SGD run (`tf_pxg.accounting.compute_epsilon`);
 `noise` prints the smallest noise multiplier that reaches a target ε
 (`tf_pxg.accounting.noise_multiplier_for_epsilon`). Give exactly one of
-`--epochs` and `--steps`. The result is printed alone on stdout, at full
-precision, so scripts can capture it. Bad input prints one line
-`tf-pxg <command>: error: ...` on stderr and exits with status 2.
+`--epochs` and `--steps`. `--num_bands=b` (default 1, DP-SGD) accounts
+correlated noise with a b-banded strategy (BandMF, `tf_pxg.mf`) and cyclic
+Poisson sampling over b groups: ceil(steps / b) compositions at rate
+B * b / N (`docs/correlated_noise.md`); b must be <= N // B. The result
+is printed alone on stdout, at full precision, so scripts can capture it.
+Bad input prints one line `tf-pxg <command>: error: ...` on stderr and
+exits with status 2.
 `python -m tf_pxg.cli ...` works the same.
 
 `build-native` compiles tf_pxg's native CPU ops now (`tf_pxg.native.build`)
@@ -64,6 +70,11 @@ def _define_run_flags(fv: flags.FlagValues) -> None:
       "accountant", "rdp", list(accounting.ACCOUNTANTS),
       "Privacy accountant: rdp (Renyi DP) or pld (privacy loss "
       "distributions, tighter).", flag_values=fv)
+  flags.DEFINE_integer(
+      "num_bands", 1,
+      "Bands b of the BandMF correlated-noise strategy and number of cyclic "
+      "Poisson sampling groups (sampling rate B*b/N, ceil(steps/b) "
+      "compositions); 1 is DP-SGD. At most N // B.", flag_values=fv)
   for name in ("num_examples", "batch_size"):
     flags.mark_flag_as_required(name, flag_values=fv)
 
@@ -98,7 +109,8 @@ def _run_epsilon(fv: flags.FlagValues) -> float:
       epochs=fv.epochs,
       steps=fv.steps,
       delta=fv.delta,
-      accountant=fv.accountant)
+      accountant=fv.accountant,
+      num_bands=fv.num_bands)
 
 
 def _run_noise(fv: flags.FlagValues) -> float:
@@ -110,7 +122,8 @@ def _run_noise(fv: flags.FlagValues) -> float:
       steps=fv.steps,
       delta=fv.delta,
       accountant=fv.accountant,
-      tolerance=fv.tolerance)
+      tolerance=fv.tolerance,
+      num_bands=fv.num_bands)
 
 
 @dataclasses.dataclass(frozen=True)
