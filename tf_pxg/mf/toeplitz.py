@@ -77,8 +77,9 @@ METHODS = ("sqrt", "optimized")
 # step count are tried).
 DEFAULT_NUM_BANDS_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 
-# Normalised coefficients whose norm is within this of 1 are kept bit for
-# bit, so normalising twice (e.g. `from_config(get_config())`) is the identity.
+# Coefficients whose computed norm is in [1 - this, 1] count as normalised
+# and are kept bit for bit, so normalising twice (e.g.
+# `from_config(get_config())`) is the identity.
 _NORM_TOLERANCE = 8 * np.finfo(np.float64).eps
 
 
@@ -106,11 +107,19 @@ def _check_steps(steps, name: str = "steps") -> int:
 
 
 def _normalise(coefs: np.ndarray) -> np.ndarray:
-  """c / ||c||_2, keeping c unchanged if its norm is already 1."""
+  """c / ||c||_2 with computed norm in [1 - 8 eps, 1] (never above 1).
+
+  Returns c itself if its norm is already in that range. Rounding can put
+  c / ||c|| a few ulps above 1; it is then shrunk by (1 - eps) steps until
+  `np.linalg.norm` gives <= 1, so the sensitivity bound holds in float64.
+  """
   norm = float(np.linalg.norm(coefs))
-  if abs(norm - 1.0) <= _NORM_TOLERANCE:
+  if 1.0 - _NORM_TOLERANCE <= norm <= 1.0:
     return coefs
-  return coefs / norm
+  coefs = coefs / norm
+  while float(np.linalg.norm(coefs)) > 1.0:
+    coefs = coefs * (1.0 - np.finfo(np.float64).eps)
+  return coefs
 
 
 def _check_coefs(coefs, num_bands: int) -> np.ndarray:
@@ -304,8 +313,8 @@ def _is_stable(coefs: np.ndarray) -> bool:
 class BandedToeplitz:
   """Lower-triangular banded Toeplitz strategy C with normalised columns.
 
-  C[i, j] = c_{i-j} for 0 <= i - j < b, else 0, with ||c||_2 = 1 (to float
-  rounding) and c_0 > 0. The noise of step i is x_i = (C⁻¹ z)_i, streamed
+  C[i, j] = c_{i-j} for 0 <= i - j < b, else 0, with ||c||_2 = 1 (computed
+  in float64: in [1 - 8 eps, 1], never above 1) and c_0 > 0. The noise of step i is x_i = (C⁻¹ z)_i, streamed
   as x_i = (z_i - sum_{j=1}^{b-1} c_j x_{i-j}) / c_0 with b - 1 buffers
   (`num_buffers`). See the module docstring for the sensitivity argument
   and `tf_pxg.accounting` (``num_bands``) for the ε.
@@ -361,7 +370,7 @@ class BandedToeplitz:
 
   @property
   def coefs(self) -> np.ndarray:
-    """c_0..c_{b-1}, float64 [b], read-only, L2 norm 1, c_0 > 0."""
+    """c_0..c_{b-1}, float64 [b], read-only, L2 norm 1 (<= 1), c_0 > 0."""
     return self._coefs
 
   @property
