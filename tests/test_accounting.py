@@ -377,3 +377,191 @@ def test_compute_epsilon_grows_with_epochs():
            for e in (15, 60)]
     assert all(math.isfinite(e) and e > 0 for e in eps), (acc, eps)
     assert eps[0] < eps[1], (acc, eps)
+
+
+# ---------------------------------------------------------------------------
+# Amplified BandMF (num_bands = b): ceil(T / b) compositions of the
+# Poisson-sampled Gaussian at q = B b / N (Choquette-Choo et al. 2023; the
+# event of jax-privacy's amplified_bandmf_event), built here directly.
+# ---------------------------------------------------------------------------
+
+BANDMF_SETTINGS = [
+    # num_examples, batch_size, noise_multiplier, steps (not a multiple of
+    # 4 or 16), delta
+    (60000, 256, 1.1, 1001, 1e-5),
+    (50000, 500, 0.8, 333, 1e-6),
+]
+
+
+@pytest.mark.parametrize("bands", [1, 4, 16])
+@pytest.mark.parametrize("n,b,sigma,steps,delta", BANDMF_SETTINGS)
+def test_bandmf_rdp_equals_dp_accounting(n, b, sigma, steps, delta, bands):
+  rounds = math.ceil(steps / bands)
+  assert steps % bands == 0 or rounds * bands > steps
+  expected = _rdp_direct(b * bands / n, sigma, rounds, delta)
+  got = accounting.compute_epsilon(n, b, sigma, steps=steps, delta=delta,
+                                   num_bands=bands)
+  assert got == pytest.approx(expected, rel=1e-9)
+  assert accounting.dp_event(n, b, sigma, steps=steps,
+                             num_bands=bands) == _event(
+                                 b * bands / n, sigma, rounds)
+
+
+@pytest.mark.parametrize("bands", [4, 16])
+@pytest.mark.parametrize("n,b,sigma,steps,delta", BANDMF_SETTINGS)
+def test_bandmf_pld_close_to_converged_dp_accounting(n, b, sigma, steps,
+                                                     delta, bands):
+  converged = _pld_direct(b * bands / n, sigma, math.ceil(steps / bands),
+                          delta, 1e-4)
+  got = accounting.compute_epsilon(n, b, sigma, steps=steps, delta=delta,
+                                   accountant="pld", num_bands=bands)
+  assert converged * (1 - 1e-3) <= got <= converged * 1.015
+
+
+@pytest.mark.parametrize("acc", ["rdp", "pld"])
+def test_one_band_is_exactly_dp_sgd(acc):
+  assert accounting.compute_epsilon(
+      **MNIST, noise_multiplier=1.1, accountant=acc, epochs=3,
+      num_bands=1) == accounting.compute_epsilon(
+          **MNIST, noise_multiplier=1.1, accountant=acc, epochs=3)
+
+
+def test_one_band_event_and_noise_are_dp_sgd():
+  assert accounting.dp_event(
+      **MNIST, noise_multiplier=1.1, epochs=60, num_bands=1) == _event(
+          256 / 60000, 1.1, MNIST_STEPS_60_EPOCHS)
+  assert accounting.noise_multiplier_for_epsilon(
+      3.0, **MNIST, epochs=2, num_bands=1,
+      tolerance=1e-3) == accounting.noise_multiplier_for_epsilon(
+          3.0, **MNIST, epochs=2, tolerance=1e-3)
+
+
+def test_bandmf_epochs_equal_steps():
+  # 2.5 epochs of N=60000, B=256: ceil(585.9) = 586 steps.
+  assert accounting.compute_epsilon(
+      **MNIST, noise_multiplier=1.1, epochs=2.5,
+      num_bands=16) == accounting.compute_epsilon(
+          **MNIST, noise_multiplier=1.1, steps=586, num_bands=16)
+
+
+@pytest.mark.parametrize("bands,target", [(4, 2.0), (16, 1.0)])
+def test_bandmf_noise_multiplier_round_trip(bands, target):
+  tol = 1e-4
+  sigma = accounting.noise_multiplier_for_epsilon(
+      target, **MNIST, steps=1001, tolerance=tol, num_bands=bands)
+
+  def eps(s):
+    return _rdp_direct(256 * bands / 60000, s, math.ceil(1001 / bands), 1e-5)
+
+  assert eps(sigma) <= target
+  assert eps(sigma - tol) > target
+
+
+def test_sampling_probability_and_max_num_bands():
+  assert accounting.sampling_probability(60000, 256) == 256 / 60000
+  assert accounting.sampling_probability(60000, 256, 16) == 256 * 16 / 60000
+  assert accounting.sampling_probability(1000, 100, 10) == 1.0
+  assert accounting.max_num_bands(60000, 256) == 234
+  assert accounting.max_num_bands(1000, 100) == 10
+  # The largest b is accepted, the next is not.
+  accounting.compute_epsilon(1000, 100, 1.0, steps=25, num_bands=10)
+
+
+_TOO_LARGE = (r"num_bands=11 is too large for num_examples=1000 and "
+              r"batch_size=100.*exceeds 1. Use num_bands <= 10")
+
+
+@pytest.mark.parametrize("bands,message", [
+    (0, r"num_bands must be a positive integer \(1 = DP-SGD\); got 0"),
+    (-4, r"num_bands .* got -4"),
+    (4.0, r"num_bands .* got 4.0"),
+    (True, r"num_bands .* got True"),
+    (None, r"num_bands .* got None"),
+    (11, _TOO_LARGE),
+])
+def test_num_bands_rejected(bands, message):
+  run = dict(num_examples=1000, batch_size=100)
+  calls = [
+      lambda: accounting.compute_epsilon(**run, noise_multiplier=1.0,
+                                         steps=10, num_bands=bands),
+      lambda: accounting.dp_event(**run, noise_multiplier=1.0, steps=10,
+                                  num_bands=bands),
+      lambda: accounting.noise_multiplier_for_epsilon(1.0, **run, steps=10,
+                                                      num_bands=bands),
+      lambda: accounting.sampling_probability(**run, num_bands=bands),
+  ]
+  for call in calls:
+    with pytest.raises(ValueError, match=message):
+      call()
+
+
+def test_num_bands_is_keyword_only():
+  with pytest.raises(TypeError):
+    accounting.dp_event(1000, 100, 1.0, None, 10, 4)  # pylint: disable=too-many-function-args
+
+
+# ---------------------------------------------------------------------------
+# Adaptive clipping: Andrew et al. 2021, Theorem 1, against dp_accounting's
+# composition of the two Gaussians.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sigma,sigma_b", [(1.0, 5.0), (1.1, 0.6),
+                                           (0.7, 20.0), (3.0, 1.6)])
+def test_split_noise_multipliers_compose_to_the_accounted_sigma(sigma,
+                                                                sigma_b):
+  sigma_g = accounting.split_noise_multipliers(sigma, sigma_b)
+  assert sigma_g > sigma
+  count = dp_accounting.GaussianDpEvent(2 * sigma_b)  # sensitivity 1/2
+  both = dp_accounting.ComposedDpEvent(
+      [dp_accounting.GaussianDpEvent(sigma_g), count])
+  q, steps, delta = 256 / 60000, 1000, 1e-5
+  for pair, single in [
+      # One unsampled step, and a Poisson-sampled run where each step
+      # releases both for the same batch.
+      (both, dp_accounting.GaussianDpEvent(sigma)),
+      (dp_accounting.SelfComposedDpEvent(
+          dp_accounting.PoissonSampledDpEvent(q, both), steps),
+       _event(q, sigma, steps)),
+  ]:
+    acc_pair = dp_accounting.rdp.RdpAccountant(ORDERS).compose(pair)
+    acc_single = dp_accounting.rdp.RdpAccountant(ORDERS).compose(single)
+    assert acc_pair.get_epsilon(delta) == pytest.approx(
+        acc_single.get_epsilon(delta), rel=1e-12)
+  # The pair really costs more than the gradient alone.
+  alone = dp_accounting.rdp.RdpAccountant(ORDERS).compose(
+      dp_accounting.GaussianDpEvent(sigma_g)).get_epsilon(delta)
+  assert alone < dp_accounting.rdp.RdpAccountant(ORDERS).compose(
+      both).get_epsilon(delta)
+  assert accounting.combined_noise_multiplier(sigma_g, sigma_b) == (
+      pytest.approx(sigma, rel=1e-12))
+
+
+def test_split_noise_multipliers_closed_form():
+  # sigma^-2 = sigma_g^-2 + (2 sigma_b)^-2 with sigma = 1, sigma_b = 5:
+  # sigma_g^-2 = 1 - 1/100.
+  assert accounting.split_noise_multipliers(1.0, 5.0) == pytest.approx(
+      (1 - 0.01)**-0.5, rel=1e-15)
+
+
+@pytest.mark.parametrize("args,message", [
+    ((1.0, 0.5), r"count_noise_multiplier=0.5 is too small for "
+     r"noise_multiplier=1.0.*Use count_noise_multiplier > 0.5 "),
+    ((2.0, 0.3), r"count_noise_multiplier > 1.0 "),
+    ((0.0, 1.0), r"noise_multiplier must be a finite number > 0; got 0.0"),
+    ((math.inf, 1.0), r"noise_multiplier .* got inf"),
+    ((1.0, 0.0), r"count_noise_multiplier must be a finite number > 0; "
+     r"got 0.0"),
+    ((1.0, math.nan), r"count_noise_multiplier .* got nan"),
+    ((1.0, True), r"count_noise_multiplier .* got True"),
+])
+def test_split_noise_multipliers_rejects(args, message):
+  with pytest.raises(ValueError, match=message):
+    accounting.split_noise_multipliers(*args)
+
+
+def test_combined_noise_multiplier_rejects():
+  with pytest.raises(ValueError, match="gradient_noise_multiplier"):
+    accounting.combined_noise_multiplier(0.0, 1.0)
+  with pytest.raises(ValueError, match="count_noise_multiplier"):
+    accounting.combined_noise_multiplier(1.0, -1.0)

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import dp_accounting
 import pytest
 
 from tf_pxg import accounting
@@ -46,6 +47,40 @@ def test_noise_prints_noise_multiplier(capsys):
       3.0, 60000, 256, epochs=60, tolerance=1e-3)
 
 
+@pytest.mark.parametrize("bands", [1, 4, 16])
+def test_epsilon_num_bands_passed_through(capsys, bands):
+  code, out, err = _main(capsys, "epsilon", *RUN, "--noise_multiplier=1.1",
+                         f"--num_bands={bands}")
+  assert (code, err) == (0, "")
+  assert float(out) == accounting.compute_epsilon(
+      60000, 256, 1.1, epochs=60, num_bands=bands)
+  # Independently: ceil(T / b) rounds at q = B b / N.
+  rounds = -(-14063 // bands)
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(
+          256 * bands / 60000, dp_accounting.GaussianDpEvent(1.1)), rounds)
+  assert float(out) == pytest.approx(
+      dp_accounting.rdp.RdpAccountant(list(accounting.RDP_ORDERS)).compose(
+          event).get_epsilon(1e-5), rel=1e-12)
+
+
+def test_epsilon_default_is_one_band(capsys):
+  _, default, _ = _main(capsys, "epsilon", *RUN, "--noise_multiplier=1.1")
+  _, one, _ = _main(capsys, "epsilon", *RUN, "--noise_multiplier=1.1",
+                    "--num_bands=1")
+  assert default == one
+
+
+def test_noise_num_bands_passed_through(capsys):
+  code, out, err = _main(capsys, "noise", "--target_epsilon=3", *RUN,
+                         "--tolerance=1e-3", "--num_bands", "8")
+  assert (code, err) == (0, "")
+  assert float(out) == accounting.noise_multiplier_for_epsilon(
+      3.0, 60000, 256, epochs=60, tolerance=1e-3, num_bands=8)
+  assert float(out) != accounting.noise_multiplier_for_epsilon(
+      3.0, 60000, 256, epochs=60, tolerance=1e-3)
+
+
 @pytest.mark.parametrize("args", [["--help"], ["epsilon", "--help"],
                                   ["noise", "-h"]])
 def test_help(capsys, args):
@@ -54,6 +89,8 @@ def test_help(capsys, args):
   assert out.startswith("usage: tf-pxg")
   if args[0] == "noise":
     assert "--target_epsilon" in out and "--noise_multiplier" not in out
+  if args[0] in ("epsilon", "noise"):
+    assert "--num_bands" in out and "default 1" in out
 
 
 BAD = [
@@ -82,6 +119,14 @@ BAD = [
     (["noise", *RUN, "--target_epsilon=1", "--tolerance=-1"], "tolerance"),
     (["noise", *RUN, "--target_epsilon=3", "--noise_multiplier=1"],
      "noise_multiplier"),
+    (["epsilon", *RUN, "--noise_multiplier=1", "--num_bands=0"],
+     "num_bands must be a positive integer"),
+    (["epsilon", *RUN, "--noise_multiplier=1", "--num_bands=235"],
+     "num_bands=235 is too large"),
+    (["noise", *RUN, "--target_epsilon=1", "--num_bands=235"],
+     "Use num_bands <= 234"),
+    (["epsilon", *RUN, "--noise_multiplier=1", "--num_bands=2.5"],
+     "--num_bands=2.5"),
     (["privacy", *RUN], "'privacy'"),
     ([], "no command"),
 ]
@@ -101,7 +146,7 @@ def test_bad_input_one_line_exit_2(capsys, args, names):
 def test_importing_cli_defines_no_global_flags():
   """In a fresh interpreter: other test modules may define absl flags."""
   names = ("num_examples", "batch_size", "noise_multiplier", "target_epsilon",
-           "epochs", "steps", "accountant")
+           "epochs", "steps", "accountant", "num_bands")
   code = ("import tf_pxg.cli; from absl import flags; "
           f"print([n for n in {names!r} if n in flags.FLAGS])")
   env = dict(os.environ, PYTHONPATH=REPO)
