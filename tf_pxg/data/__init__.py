@@ -1,7 +1,8 @@
 """Poisson sampling for DP-SGD: masked fixed-shape batches, logical steps.
 
 `PoissonSampler` draws logical batches (each example independently with
-probability q = B/N) and lays them out as fixed-size physical batches with a
+probability q = B/N; with `num_groups=b`, cyclic Poisson sampling for
+BandMF: step s draws only the examples i = s mod b, at q = B b / N) and lays them out as fixed-size physical batches with a
 per-row mask; `poisson_dataset` turns them into a `tf.data.Dataset` of
 `(x, y, info)` that a DP model's `fit` and custom loops consume;
 `for_input_pipeline` splits global batches for
@@ -21,6 +22,7 @@ from tf_pxg.data.dataset import shard_batch
 from tf_pxg.data.dataset import user_index
 from tf_pxg.data.poisson import default_physical_batch_size
 from tf_pxg.data.poisson import MASK
+from tf_pxg.data.poisson import max_num_groups
 from tf_pxg.data.poisson import NORMALIZER
 from tf_pxg.data.poisson import PhysicalBatch
 from tf_pxg.data.poisson import PoissonSampler
@@ -42,6 +44,7 @@ __all__ = [
     "dp_batch_info",
     "for_input_pipeline",
     "is_dp_batch_info",
+    "max_num_groups",
     "num_examples",
     "poisson_dataset",
     "user_index",

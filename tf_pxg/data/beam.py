@@ -29,6 +29,20 @@ a cluster, unchanged:
    smallest hash), masked out. Rows are split into R replica files.
 4. **Manifest last**: `manifest.json` (sizes, per-shard batch counts).
 
+Cyclic Poisson sampling (`PoissonConfig(num_groups=b)`, for BandMF; the
+in-memory `PoissonSampler(num_groups=b)` explains it): global step s
+samples only group `s mod b`, at rate `q = B b / N`. Records have no index
+here, so a record's group is a uniform draw of its own: a BLAKE2b hash of
+its id keyed by the seed (domain-separated from its joins), or 64 bits of
+`os.urandom` in secure mode, reduced mod b (bias below b / 2^64). The
+partition is therefore fixed for the run and independent of every other
+record (adding or removing a record moves no one else), but the group
+sizes are Binomial(N, 1/b) instead of differing by at most one. A record
+of group g draws its joins by geometric skips over the steps
+`g, g + b, g + 2b, ...` only, so its participations are multiples of b
+steps apart. T defaults to `b ceil(N / (B b))` (whole cycles); b = 1 is
+the plain pipeline, byte for byte.
+
 Randomness: with `seed`, example x's joins are a function of
 `(seed, id(x))`, `id(x)` a BLAKE2b hash of the example's key (elements
 given as `(key, record)`) or of its bytes: the output is byte-identical on
@@ -81,6 +95,8 @@ class PoissonConfig:
       grouped on one worker: about `steps_per_shard * B` records).
     seed: a non-negative int, or None for OS entropy.
     secure_mode: every uniform from `os.urandom`; excludes `seed`.
+    num_groups: b >= 1, cyclic Poisson sampling (module docstring); checked
+      against N (`b <= floor(N / B)`) when the pipeline has counted N.
 
   Raises:
     ValueError: invalid values (named); `seed` with `secure_mode`.
@@ -91,12 +107,13 @@ class PoissonConfig:
                physical_batch_size: Optional[int] = None,
                accumulation_steps: int = 1, num_replicas: int = 1,
                steps_per_shard: int = 100, seed: Optional[int] = None,
-               secure_mode: bool = False):
+               secure_mode: bool = False, num_groups: int = 1):
     poisson._check_positive(expected_batch_size, "expected_batch_size")
     for value, name in ((epochs, "epochs"),
                         (accumulation_steps, "accumulation_steps"),
                         (num_replicas, "num_replicas"),
-                        (steps_per_shard, "steps_per_shard")):
+                        (steps_per_shard, "steps_per_shard"),
+                        (num_groups, "num_groups")):
       poisson._check_positive_int(value, name)
     if steps_per_epoch is not None:
       poisson._check_positive_int(steps_per_epoch, "steps_per_epoch")
@@ -115,6 +132,7 @@ class PoissonConfig:
     self.accumulation_steps = int(accumulation_steps)
     self.num_replicas = int(num_replicas)
     self.steps_per_shard = int(steps_per_shard)
+    self.num_groups = int(num_groups)
     self.secure_mode = bool(secure_mode)
     self.seed_given = seed is not None
     self.seed = poisson.resolve_seed(seed, self.secure_mode)
@@ -122,16 +140,20 @@ class PoissonConfig:
   def sizes(self, n: int):
     """`(q, T, total steps, number of shards)` for N = `n`.
 
+    q = B b / N with b = `num_groups`.
+
     Raises:
-      ValueError: B > N, or no records.
+      ValueError: B > N, no records, or b > floor(N / B).
     """
     if n < 1 or self.expected_batch_size > n:
       raise ValueError(
           f"expected_batch_size={self.expected_batch_size} with {n} input "
           "records: need 0 < B <= N.")
-    t = self.steps_per_epoch or math.ceil(n / self.expected_batch_size)
+    b = poisson.check_num_groups(self.num_groups, n, self.expected_batch_size)
+    t = self.steps_per_epoch or poisson.default_steps_per_epoch(
+        n, self.expected_batch_size, b)
     total = self.epochs * t
-    return (self.expected_batch_size / n, t, total,
+    return (self.expected_batch_size * b / n, t, total,
             -(-total // self.steps_per_shard))
 
 
@@ -146,14 +168,37 @@ def example_id(element) -> tuple:
   return hashlib.blake2b(tag + key, digest_size=16).digest(), record
 
 
+def example_group(uid: bytes, num_groups: int, seed: Optional[int]) -> int:
+  """The cyclic-sampling group of example `uid`, uniform on `range(b)`.
+
+  BLAKE2b of `uid` keyed by `seed` (personalised, so independent of the
+  joins' stream), or `os.urandom` when `seed` is None; 64 bits mod b.
+  Always 0 for b = 1.
+  """
+  if num_groups == 1:
+    return 0
+  if seed is None:
+    raw = os.urandom(8)
+  else:
+    raw = hashlib.blake2b(uid, key=seed.to_bytes(8, "little"),
+                          person=b"tf_pxg.group", digest_size=8).digest()
+  return int.from_bytes(raw, "little") % num_groups
+
+
 def joined_steps(uid: bytes, total_steps: int, q: float,
-                 seed: Optional[int]) -> list:
+                 seed: Optional[int], num_groups: int = 1,
+                 group: int = 0) -> list:
   """The global steps in `[0, total_steps)` that example `uid` joins.
 
   Geometric skips (each step independently with probability q); uniforms
   on (0, 1] from BLAKE2b keyed by `seed` over `(uid, counter)`, or from
-  `os.urandom` when `seed` is None. O(1 + joins).
+  `os.urandom` when `seed` is None. O(1 + joins). With `num_groups` b the
+  skips run over the steps `group, group + b, ...` only (cyclic sampling).
   """
+  b, g = int(num_groups), int(group)
+  if b > 1:
+    count = (total_steps - g + b - 1) // b if total_steps > g else 0
+    return [g + b * k for k in joined_steps(uid, count, q, seed)]
   if q >= 1.0:
     return list(range(total_steps))
   log1mq = math.log1p(-q)
@@ -184,8 +229,10 @@ class _DrawJoins(beam.DoFn):
 
   def process(self, keyed, n):
     uid, record = keyed
-    q, _, total, _ = self._config.sizes(n)
-    for step in joined_steps(uid, total, q, self._config.seed):
+    c = self._config
+    q, _, total, _ = c.sizes(n)
+    group = example_group(uid, c.num_groups, c.seed)
+    for step in joined_steps(uid, total, q, c.seed, c.num_groups, group):
       yield step // self._config.steps_per_shard, (step, uid, record)
 
 
@@ -258,7 +305,8 @@ def _write_manifest(counts, n, config: PoissonConfig, output_dir: str):
                        f"0..{num_shards - 1}.")
   manifest = {
       "num_examples": n, "expected_batch_size": config.expected_batch_size,
-      "sampling_rate": q, "steps_per_epoch": t, "epochs": config.epochs,
+      "sampling_rate": q, "num_groups": config.num_groups,
+      "steps_per_epoch": t, "epochs": config.epochs,
       "total_steps": total,
       "physical_batch_size": config.physical_batch_size,
       "accumulation_steps": config.accumulation_steps,
@@ -340,6 +388,9 @@ def main(argv=None):
   parser.add_argument("--steps_per_shard", type=int, default=100)
   parser.add_argument("--seed", type=int, default=None)
   parser.add_argument("--secure_mode", action="store_true")
+  parser.add_argument("--num_groups", type=int, default=1,
+                      help="cyclic Poisson sampling over this many groups "
+                      "(BandMF); q = B * num_groups / N")
   args, beam_args = parser.parse_known_args(argv)
   config = PoissonConfig(
       args.batch_size, epochs=args.epochs,
@@ -347,7 +398,8 @@ def main(argv=None):
       physical_batch_size=args.physical_batch_size,
       accumulation_steps=args.accumulation_steps,
       num_replicas=args.num_replicas, steps_per_shard=args.steps_per_shard,
-      seed=args.seed, secure_mode=args.secure_mode)
+      seed=args.seed, secure_mode=args.secure_mode,
+      num_groups=args.num_groups)
   run(args.input, args.output, config, PipelineOptions(beam_args))
 
 
@@ -355,5 +407,5 @@ if __name__ == "__main__":
   main()
 
 
-__all__ = ["PoissonConfig", "WritePoissonShards", "example_id",
-           "joined_steps", "main", "run"]
+__all__ = ["PoissonConfig", "WritePoissonShards", "example_group",
+           "example_id", "joined_steps", "main", "run"]

@@ -4,7 +4,9 @@ Each element is `(x, y, info)`: `x` and `y` are the dataset's arrays
 gathered at a `PhysicalBatch`'s indices (leading dimension P), and `info` is
 a dict of `[P]` float32 tensors: `dp_mask` (1 sampled, 0 padding),
 `dp_step_end` (1 on the last physical batch of a logical step, else 0),
-`dp_normalizer` (the expected batch size `qN` the step's sum is divided by)
+`dp_normalizer` (the expected batch size B = `qN` the step's sum is divided
+by; with cyclic sampling, `num_groups=b`, it stays the constant B = `qN / b`,
+the expected batch averaged over the groups, see `tf_pxg.data.poisson`)
 and, only when the user gave sample weights, `dp_weight` (their rows). A DP model's `fit` feeds
 this structure in the `sample_weight` slot; custom loops read it directly.
 """
@@ -71,7 +73,8 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
 
   Args:
     sampler: a `PoissonSampler` over `num_examples(x, y)` examples; its
-      seed (or `secure_mode`) keys the stream.
+      seed (or `secure_mode`) keys the stream, its `num_groups` makes it
+      cyclic (step s draws only rows i = s mod b).
     x: model inputs: an array or tensor, or a nest (dict, tuple, list) of
       them, with a leading example axis; any dtype, strings included.
     y: labels, same conventions.
@@ -83,9 +86,12 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
     start_step: key the stream's steps `start_step, start_step + 1, ...`
       (each a pure function of `(seed, step)`): every iteration yields those
       same steps, and a stream is resumed by starting where it stopped
-      (`fit` starts at `optimizer.iterations`). None (default): each
-      iteration draws fresh steps (a per-iteration nonce from the seeded
-      stream), reproducibly given the seed.
+      (`fit` starts at `optimizer.iterations`; with `num_groups` b the
+      step s samples group s mod b, so the cycle continues). None
+      (default): each iteration draws fresh steps (a per-iteration nonce
+      from the seeded stream), reproducibly given the seed, counted from 0
+      (group 0 first; with b > 1 and `repeat=False`,
+      `sampler.steps_per_epoch` must then be a multiple of b).
     num_parallel_calls: for the gather map.
     augmult: K >= 1, augmentation multiplicity: every sampled example's
       row appears K times, contiguously (P·K rows per physical batch, unit

@@ -364,7 +364,8 @@ def check_num_groups(num_groups, num_examples: int,
         f"examples and expected_batch_size B={expected_batch_size:g}: cyclic "
         f"Poisson sampling draws each group at rate q = B * num_groups / N = "
         f"{expected_batch_size * num_groups / num_examples:.6g}, which must "
-        f"be <= 1. The largest num_groups is floor(N / B) = {largest}.")
+        f"be <= 1. The largest num_groups is {largest} (floor(N / B), and "
+        "at most N).")
   return int(num_groups)
 
 

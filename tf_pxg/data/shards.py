@@ -6,7 +6,8 @@ No Apache Beam needed here: the shards are plain TFRecord files and a
 Layout written by the pipeline (`output_dir`):
 
 - `manifest.json`: `num_examples` N, `expected_batch_size` B,
-  `sampling_rate` q, `steps_per_epoch` T, `epochs` E,
+  `sampling_rate` q (`B b / N`), `num_groups` b (cyclic sampling; 1, also
+  for manifests written before it existed), `steps_per_epoch` T, `epochs` E,
   `physical_batch_size` P, `accumulation_steps` k, `num_replicas` R,
   `num_shards`, `steps_per_shard`, `physical_batches` (per shard), the
   seed (null if drawn from OS entropy), and the file names.
@@ -60,8 +61,9 @@ class PoissonShards:
       epochs=E)`, E at most the pipeline's epochs).
 
   Attributes: those of the manifest (`num_examples`, `expected_batch_size`,
-  `sampling_rate`, `steps_per_epoch`, `epochs`, `physical_batch_size`,
-  `accumulation_steps`, `num_replicas`, `num_shards`, `physical_batches`).
+  `sampling_rate`, `num_groups`, `steps_per_epoch`, `epochs`,
+  `physical_batch_size`, `accumulation_steps`, `num_replicas`,
+  `num_shards`, `physical_batches`).
 
   Raises:
     ValueError: no manifest (the pipeline did not finish) in `output_dir`.
@@ -77,6 +79,7 @@ class PoissonShards:
       self.manifest = json.load(f)
     self.output_dir = output_dir
     self.parse_fn = parse_fn
+    self.num_groups = 1  # manifests from before cyclic sampling
     for key, value in self.manifest.items():
       setattr(self, key, value)
 
