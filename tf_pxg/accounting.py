@@ -63,10 +63,14 @@ in each of which every example is in at most one Poisson-sampled step:
                         ceil(T / b)).
 
 This is the event of jax-privacy's `accounting.amplified_bandmf_event(
-noise_multiplier, iterations, num_bands=b, sampling_prob=q)` (it calls its
-`dpsgd_event` with `iterations=ceil(iterations / num_bands)`), used with
-`batch_selection.CyclicPoissonSampling(cycle_length=b)`. b = 1 is the DP-SGD
-event above, unchanged. The ε holds when:
+noise_multiplier, iterations, num_bands=b, sampling_prob=q)` (read in
+github.com/google-deepmind/jax_privacy, jax_privacy/accounting.py at commit
+8967688c: it returns its `dpsgd_event` with `iterations=math.ceil(
+iterations / num_bands)`, and takes σ "assuming the strategy matrix has
+maximum L2 column norm of one"), used with
+`batch_selection.CyclicPoissonSampling(cycle_length=b)`, which samples
+`partition[i % cycle_length]` at step i. b = 1 is the DP-SGD event above,
+unchanged. The ε holds when:
 
   - C's columns have L2 norm <= 1 (`BandedToeplitz` normalises ||c||_2 = 1;
     explicit coefficients are normalised too) and C has at most b bands;
@@ -82,12 +86,15 @@ event above, unchanged. The ε holds when:
     above; the noise state of C⁻¹ continues across the same steps;
   - T is the total number of steps. b need not divide the steps per epoch
     nor T: the groups follow the global step, and the last, partial round
-    counts as a whole one (ceil).
+    counts as a whole one (ceil);
+  - q = B b / N <= 1, i.e. b <= N // B (`max_num_bands`); larger b is
+    refused.
 
 Adaptive clipping (Andrew et al. 2021): a step that releases the clipped
-gradient sum with noise std σ_g × C and the count of examples whose norm is
-<= C, each contributing 1[‖g‖ <= C] - 1/2 (sensitivity 1/2), with noise std
-σ_b, is as private as one Gaussian mechanism with noise multiplier σ,
+gradient sum with noise std σ_g × R (R the clip norm) and the count of
+examples whose norm is <= R, each contributing 1[‖g‖ <= R] - 1/2
+(sensitivity 1/2), with noise std σ_b, is as private as one Gaussian
+mechanism with noise multiplier σ,
 σ⁻² = σ_g⁻² + (2 σ_b)⁻² (Theorem 1; Rényi DP of Gaussians adds in 1/σ²).
 So account the run with σ and add gradient noise σ_g =
 `split_noise_multipliers(σ, σ_b)`.
@@ -657,11 +664,11 @@ def split_noise_multipliers(noise_multiplier: float,
   """The gradient noise multiplier σ_g left after the clipped count's share.
 
   Quantile-adaptive clipping (Andrew et al. 2021) releases at every step,
-  for the same sampled batch, (1) the sum of gradients clipped to C plus
-  Gaussian noise of std σ_g C (sensitivity C) and (2) the count of examples
-  with ‖g‖ <= C, each contributing 1[‖g‖ <= C] - 1/2 (sensitivity 1/2
+  for the same sampled batch, (1) the sum of gradients clipped to R plus
+  Gaussian noise of std σ_g R (sensitivity R) and (2) the count of examples
+  with ‖g‖ <= R, each contributing 1[‖g‖ <= R] - 1/2 (sensitivity 1/2
   under adding or removing one example), plus Gaussian noise of std σ_b =
-  `count_noise_multiplier`. Scaling (1) by 1/C and (2) by 2 gives two
+  `count_noise_multiplier`. Scaling (1) by 1/R and (2) by 2 gives two
   Gaussian mechanisms of sensitivity 1 with noise multipliers σ_g and 2σ_b
   on disjoint coordinates; together they are one Gaussian mechanism with
   sensitivity 1 and noise multiplier σ,
@@ -675,6 +682,10 @@ def split_noise_multipliers(noise_multiplier: float,
   and a chosen σ_b, the gradient gets
 
       σ_g = (σ⁻² - (2 σ_b)⁻²)^(-1/2)  >  σ.
+
+  TensorFlow Federated's `adaptive_clip_noise_params` computes the same
+  σ_g and also rejects σ >= 2 σ_b; Andrew et al. recommend σ_b = B / 20
+  (as quoted in TF Privacy's `QuantileAdaptiveClipSumQuery`).
 
   Args:
     noise_multiplier: σ, the accounted noise multiplier; finite, > 0.
