@@ -134,6 +134,9 @@ def test_explicit_coefs_are_normalised():
   np.testing.assert_allclose(s.coefs, raw / np.sqrt(5.25), rtol=1e-15)
   with pytest.raises(ValueError):
     s.coefs[0] = 1.0  # read-only
+  for scale in (1e-300, 1e300):
+    np.testing.assert_allclose(
+        mf.BandedToeplitz(3, coefs=raw * scale).coefs, s.coefs, rtol=1e-15)
 
 
 # ---------------------------------------------------------------------------

@@ -113,9 +113,13 @@ def _normalise(coefs: np.ndarray) -> np.ndarray:
   c / ||c|| a few ulps above 1; it is then shrunk by (1 - eps) steps until
   `np.linalg.norm` gives <= 1, so the sensitivity bound holds in float64.
   """
-  norm = float(np.linalg.norm(coefs))
+  with np.errstate(over="ignore", under="ignore"):
+    norm = float(np.linalg.norm(coefs))
   if 1.0 - _NORM_TOLERANCE <= norm <= 1.0:
     return coefs
+  if not 1e-150 < norm < 1e150:  # avoid overflow/underflow in the norm
+    coefs = coefs / np.max(np.abs(coefs))
+    norm = float(np.linalg.norm(coefs))
   coefs = coefs / norm
   while float(np.linalg.norm(coefs)) > 1.0:
     coefs = coefs * (1.0 - np.finfo(np.float64).eps)
