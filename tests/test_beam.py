@@ -17,7 +17,13 @@ CI installs it). Against closed forms and against the in-memory path:
   sigma = 0, the same model fed the same physical batches from memory
   (`poisson_dataset(..., batches=...)`), to 1e-6;
 - multi-worker reading: each input pipeline's slices are the global
-  batch's rows of its replicas.
+  batch's rows of its replicas;
+- cyclic Poisson sampling (`num_groups` b = 4, q = B b / N): every example
+  joins only steps of one residue mod b (its group), its participations a
+  multiple of b apart; the group sizes are Binomial(N, 1/b) (uniform
+  groups), each example's count over its group's steps Binomial(T / b, q),
+  each step's size Binomial(|its group|, q); exactly the steps
+  `joined_steps` draws for the example's group; also in secure mode.
 """
 
 import math
@@ -33,6 +39,7 @@ from tf_pxg import data as dpd  # noqa: E402
 from tf_pxg.data import beam as dp_beam  # noqa: E402
 from tf_pxg.data import poisson  # noqa: E402
 
+import test_sampling as base  # noqa: E402
 import test_sampling_scale as scale  # noqa: E402
 
 N, B = 1000, 50
@@ -92,6 +99,7 @@ def law_run(tmp_path_factory):
 def test_manifest_sizes(law_run):
   _, shards, steps = law_run
   assert shards.num_examples == N and shards.steps_per_epoch == 20
+  assert shards.num_groups == 1 and shards.sampling_rate == B / N
   assert shards.total_steps == 2000 == len(steps)
   assert shards.num_shards == 8
   assert sum(shards.physical_batches) == sum(len(s) for s in steps)
@@ -311,3 +319,95 @@ def test_multi_worker_reading_splits_replica_rows(tmp_path):
                                       glob[2][dpd.MASK][rows])
   with pytest.raises(ValueError, match="laid out for 4 replicas"):
     shards.dataset(_parse_ids, tf.distribute.InputContext(1, 0, 2))
+
+
+# Cyclic Poisson sampling ----------------------------------------------------
+
+NC, BC, GC, EC = 400, 20, 4, 25  # q = 0.2, T = 20, 500 steps, 125 per group
+
+
+def _joins_by_example(steps):
+  got = {}
+  for t, batches in enumerate(steps):
+    for ids, mask in batches:
+      for i in ids[mask == 1]:
+        got.setdefault(int(i), []).append(t)
+  return got
+
+
+def test_cyclic_beam_output(tmp_path):
+  _check_cyclic_run(tmp_path, seed=9)
+
+
+def _check_cyclic_run(tmp_path, seed):
+  records = _records(NC)
+  shards = _run(records, tmp_path, expected_batch_size=BC, epochs=EC,
+                steps_per_shard=100, seed=seed, num_groups=GC)
+  q = BC * GC / NC
+  assert shards.num_groups == GC and shards.sampling_rate == q
+  # Whole cycles per epoch: b ceil(N / (B b)).
+  assert shards.steps_per_epoch == GC * math.ceil(NC / (BC * GC)) == 20
+  total = EC * 20
+  steps = _steps(shards)
+  assert len(steps) == shards.total_steps == total
+  got = _joins_by_example(steps)
+  # P(an example never joins its 125 steps) = 0.8^125 ~ 7e-13.
+  assert sorted(got) == list(range(NC))
+  residue = {}
+  for i, joined in got.items():
+    r = {t % GC for t in joined}
+    assert len(r) == 1, (i, r)  # one group per example
+    d = np.diff(joined)
+    assert np.all(d % GC == 0) and np.all(d >= GC)
+    residue[i] = r.pop()
+  # Groups: uniform, sizes Binomial(N, 1/b) (5 standard deviations).
+  sizes = np.bincount(list(residue.values()), minlength=GC)
+  sd = math.sqrt(NC * (1 / GC) * (1 - 1 / GC))
+  assert np.all(np.abs(sizes - NC / GC) < 5 * sd), sizes
+  # Each example over its group's total / b steps: Binomial(125, q).
+  per_group = total // GC
+  counts = np.array([len(got[i]) for i in range(NC)])
+  sd = math.sqrt(per_group * q * (1 - q))
+  assert np.all(np.abs(counts - per_group * q) < 5 * sd)
+  assert abs(counts.mean() - per_group * q) < 5 * sd / math.sqrt(NC)
+  assert abs(counts.var(ddof=1) / sd ** 2 - 1) < 5 * math.sqrt(2 / (NC - 1))
+  # Each step's size: Binomial(|G_{t mod b}|, q).
+  step_sizes = np.array([sum(int(m.sum()) for _, m in batches)
+                         for batches in steps])
+  for g in range(GC):
+    x, n = step_sizes[g::GC], int(sizes[g])
+    var = n * q * (1 - q)
+    assert abs(x.mean() - n * q) < 5 * math.sqrt(var / len(x))
+    assert abs(x.var(ddof=1) / var - 1) < 5 * math.sqrt(2 / (len(x) - 1))
+    assert base.binomial_chi_square_p(x, n, q) > 1e-3
+  # Exactly the drawn steps of the example's group.
+  for i, rec in enumerate(records):
+    uid, _ = dp_beam.example_id(rec)
+    group = dp_beam.example_group(uid, GC, seed)
+    assert group == residue[i]
+    assert got[i] == dp_beam.joined_steps(uid, total, q, seed, GC, group)
+
+
+def test_cyclic_beam_secure_mode_and_errors(tmp_path):
+  shards = _run(_records(60), tmp_path, expected_batch_size=5, epochs=4,
+                secure_mode=True, num_groups=3)
+  assert shards.num_groups == 3 and shards.seed is None
+  got = _joins_by_example(_steps(shards))
+  assert got
+  for joined in got.values():
+    assert len({t % 3 for t in joined}) == 1
+  # b > floor(N / B) is refused once N is known; the message names it.
+  config = dp_beam.PoissonConfig(5, num_groups=13, seed=1)
+  with pytest.raises(ValueError, match=r"largest num_groups is 12 "):
+    config.sizes(60)
+  assert config.sizes(65)[0] == 5 * 13 / 65
+  with pytest.raises(ValueError, match="num_groups"):
+    dp_beam.PoissonConfig(5, num_groups=0)
+  # A manifest from before cyclic sampling reads as one group.
+  import json  # noqa: PLC0415
+  old = tmp_path / "old"
+  old.mkdir()
+  manifest = dict(shards.manifest)
+  del manifest["num_groups"]
+  (old / "manifest.json").write_text(json.dumps(manifest))
+  assert dpd.PoissonShards(str(old)).num_groups == 1
