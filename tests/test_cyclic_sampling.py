@@ -380,8 +380,9 @@ def test_invalid_num_groups(groups):
 
 
 def test_too_many_groups_names_the_maximum():
-  with pytest.raises(ValueError, match=r"num_groups=41 .* q = B \* num_groups"
-                     r" / N = 1\.02.* largest num_groups is 40 \(floor\(N / B\)"):
+  with pytest.raises(ValueError, match=(
+      r"num_groups=41 .* q = B \* num_groups / N = 1\.02.* "
+      r"largest num_groups is 40 \(floor\(N / B\)")):
     dpd.PoissonSampler(N, B, num_groups=41)
 
 

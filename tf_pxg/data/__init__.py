@@ -2,9 +2,10 @@
 
 `PoissonSampler` draws logical batches (each example independently with
 probability q = B/N; with `num_groups=b`, cyclic Poisson sampling for
-BandMF: step s draws only the examples i = s mod b, at q = B b / N) and lays them out as fixed-size physical batches with a
-per-row mask; `poisson_dataset` turns them into a `tf.data.Dataset` of
-`(x, y, info)` that a DP model's `fit` and custom loops consume;
+BandMF: step s draws only the examples i = s mod b, at q = B b / N) and
+lays them out as fixed-size physical batches with a per-row mask;
+`poisson_dataset` turns them into a `tf.data.Dataset` of `(x, y, info)`
+that a DP model's `fit` and custom loops consume;
 `for_input_pipeline` splits global batches for
 `strategy.distribute_datasets_from_function`.
 `PoissonShards` reads the step-ordered TFRecord shards that the Apache
