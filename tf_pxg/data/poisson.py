@@ -77,6 +77,10 @@ divided by the data-independent constant `expected_batch_size` B
 (`NORMALIZER`), which is `q N / b`, the expected batch averaged over the b
 groups. `q <= 1` needs `b <= floor(N / B)`. b = 1 is ordinary Poisson
 sampling, bit for bit the same draws as a sampler without the argument.
+Because the groups are positional, the amplified-BandMF ε (ceil(T / b)
+rounds of the Poisson-subsampled Gaussian at rate q) is a guarantee under
+zero-out adjacency: one example's record replaced by a null one at the
+same position (docs/sampling.md, "Cyclic Poisson sampling").
 
 Randomness. Logical step t of a seeded sampler is a pure function of
 `(seed, t)`: the numpy sampler seeds a PCG64 generator with the key
