@@ -4,7 +4,9 @@ Public API: `GradientTape`, `register`, `registered_op_types`,
 `register_row_wise` and `row_wise_op_types` (the allowlist of ops that keep
 examples apart, `tf_pxg.batch_axis`), and the
 submodules `tf_pxg.keras`, `tf_pxg.data` (Poisson sampling), `tf_pxg.dp`,
-`tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`, `tf_pxg.audit`. TensorFlow is
+`tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`, `tf_pxg.audit`,
+`tf_pxg.clipping` (flat, automatic and quantile-adaptive clipping) and
+`tf_pxg.mf` (BandMF correlated-noise strategies). TensorFlow is
 imported on first use of a name that needs it, so `tf_pxg.accounting` and
 the `tf-pxg` command start without it.
 """
@@ -32,6 +34,8 @@ def __getattr__(name):
     module, attr = _LAZY[name]
     return getattr(importlib.import_module(module), attr)
   if name in ("keras", "accounting", "testing", "rules", "dp", "data",
-              "audit", "batch_axis"):
+              "audit", "batch_axis", "mf"):
     return importlib.import_module(f"tf_pxg.{name}")
+  if name == "clipping":  # the clipping policies
+    return importlib.import_module("tf_pxg.dp.clipping")
   raise AttributeError(f"module 'tf_pxg' has no attribute '{name}'")

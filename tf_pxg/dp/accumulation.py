@@ -47,17 +47,23 @@ class LogicalStepAccumulator:
   Args:
     variables: the trainable variables (any dtype; half precision is
       accumulated in float32).
+    num_scalars: extra float32 scalar sums accumulated after the
+      variables' (adaptive clipping's unclipped count); `step` then takes
+      `len(variables) + num_scalars` tensors.
   """
 
-  def __init__(self, variables: Sequence[tf.Variable]):
+  def __init__(self, variables: Sequence[tf.Variable], num_scalars: int = 0):
     self._keys = [id(v) for v in variables]
+    self.num_scalars = num_scalars
     on_read = tf.VariableSynchronization.ON_READ
     agg = tf.VariableAggregation.SUM
     self.sums = [
-        tf.Variable(tf.zeros(v.shape, _accumulator_dtype(v.dtype)),
-                    trainable=False, synchronization=on_read,
-                    aggregation=agg, name="dp_accumulated_sum")
-        for v in variables]
+        tf.Variable(tf.zeros(shape, dtype), trainable=False,
+                    synchronization=on_read, aggregation=agg,
+                    name="dp_accumulated_sum")
+        for shape, dtype in
+        [(v.shape, _accumulator_dtype(v.dtype)) for v in variables] +
+        [((), tf.float32)] * num_scalars]
     first = tf.VariableAggregation.ONLY_FIRST_REPLICA
     # Physical batches consumed since the last `reset`, and those of the
     # current logical step so far (equal on every replica). The sums hold
@@ -69,8 +75,10 @@ class LogicalStepAccumulator:
         0, dtype=tf.int64, trainable=False, synchronization=on_read,
         aggregation=first, name="dp_physical_in_step")
 
-  def matches(self, variables: Sequence[tf.Variable]) -> bool:
-    return self._keys == [id(v) for v in variables]
+  def matches(self, variables: Sequence[tf.Variable],
+              num_scalars: int = 0) -> bool:
+    return (self._keys == [id(v) for v in variables] and
+            self.num_scalars == num_scalars)
 
   def reset(self) -> None:
     """Discards a partial logical step (call outside replica context)."""

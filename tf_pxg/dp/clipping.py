@@ -1,4 +1,6 @@
-"""Per-example clipping factors (flat L2 clipping, Abadi et al. 2016).
+"""Per-example clipping: flat L2 clipping (Abadi et al. 2016) and the
+clipping policies `Flat`, `Automatic` (Bu et al. 2022) and
+`QuantileAdaptive` (Andrew et al. 2021), public as `tf_pxg.clipping`.
 
 Non-finite examples. An example whose gradient norm (or, in
 `tf_pxg.GradientTape.clipped_gradient_sum`, whose per-example target, e.g.
@@ -14,6 +16,9 @@ is not private: whether the weights move would depend on one example (a
 planted NaN-producing record reveals whether it was sampled), a change of
 unbounded size that no noise covers.
 """
+
+import math
+from typing import Optional
 
 import tensorflow as tf
 
@@ -36,3 +41,220 @@ def clip_factors(norms, l2_norm_clip):
   factors = tf.minimum(tf.ones_like(norms),
                        clip / tf.maximum(norms, tf.cast(_TINY, norms.dtype)))
   return tf.where(tf.math.is_finite(norms), factors, tf.zeros_like(factors))
+
+
+# Clipping policies ------------------------------------------------------------
+#
+# A policy turns the `[B]` norms and the clip (a Python float or a scalar
+# tensor, e.g. the adaptive clip's variable) into `[B]` factors. Each
+# example's scaled gradient has norm at most the clip, so the L2
+# sensitivity of the clipped sum to adding or removing one example is the
+# clip whatever the policy, and the Gaussian noise `sigma * clip` covers it.
+
+
+class ClippingPolicy:
+  """How per-example gradients are scaled before they are summed.
+
+  Subclasses implement `factors(norms, clip)`, returning `[B]` factors with
+  `factor_b * ||g_b|| <= clip` for every finite norm and 0 for a non-finite
+  one, and `get_config()`. The policies are small, immutable settings
+  objects; their state (the adaptive clip) is a `tf.Variable` held by the
+  `tf_pxg.keras.DPOptimizer`.
+  """
+
+  name = "policy"
+  adaptive = False
+
+  def factors(self, norms, clip):
+    raise NotImplementedError
+
+  def get_config(self) -> dict:
+    return {}
+
+  def __eq__(self, other):
+    return type(self) is type(other) and self.get_config() == other.get_config()
+
+  def __hash__(self):
+    return hash((type(self).__name__, tuple(sorted(self.get_config().items()))))
+
+  def __repr__(self):
+    args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+    return f"{type(self).__name__}({args})"
+
+
+class Flat(ClippingPolicy):
+  """Flat L2 clipping to a fixed norm C (Abadi et al. 2016): the default."""
+
+  name = "flat"
+
+  def factors(self, norms, clip):
+    return clip_factors(norms, clip)
+
+
+class Automatic(ClippingPolicy):
+  """Automatic clipping (Bu et al. 2022): `factor_b = R / (||g_b|| + gamma)`.
+
+  Every example is normalised (no clip threshold to tune); its scaled
+  gradient has norm `R ||g_b|| / (||g_b|| + gamma) < R`, so the sensitivity
+  is R, the model's (or DPOptimizer's) `l2_norm_clip`, and the noise std is
+  `noise_multiplier * R`. With plain SGD, R only rescales the learning rate;
+  `R = 1` is the paper's choice. A non-finite norm gets factor 0.
+
+  Args:
+    stability: gamma > 0, the stability constant (default 0.01, the paper's).
+
+  References:
+    Bu, Wang, Zha, Karypis, "Automatic Clipping: Differentially Private Deep
+    Learning Made Easier and Stronger", NeurIPS 2023 (arXiv 2206.07136).
+  """
+
+  name = "automatic"
+
+  def __init__(self, stability: float = 0.01):
+    stability = float(stability)
+    if not (math.isfinite(stability) and stability > 0):
+      raise ValueError(f"Automatic clipping: stability must be finite and "
+                       f"> 0; got {stability!r}.")
+    self.stability = stability
+
+  def factors(self, norms, clip):
+    norms = tf.convert_to_tensor(norms)
+    clip = tf.cast(clip, norms.dtype)
+    factors = clip / (norms + tf.cast(self.stability, norms.dtype))
+    return tf.where(tf.math.is_finite(norms), factors, tf.zeros_like(factors))
+
+  def get_config(self):
+    return {"stability": self.stability}
+
+
+class QuantileAdaptive(ClippingPolicy):
+  """Adaptive clipping to a private quantile of the norms (Andrew et al. 2021).
+
+  Each step clips at the current C_t (flat clipping) and also releases a
+  noisy count: every example of the step contributes
+  `1[||g_b|| <= C_t] - 1/2` (sensitivity 1/2), and the sum gets
+  `N(0, count_stddev^2)` noise once per global step. With the step's
+  divisor n (the expected batch size qN of a Poisson step, the batch size of
+  a plain batch), `b~ = noisy_count / n + 1/2` estimates the fraction of
+  examples within the clip, and
+
+    C_{t+1} = C_t * exp(-learning_rate * (b~ - target_quantile)),
+
+  the geometric update, so C moves towards the `target_quantile` quantile of
+  the norms. C_t lives in a `tf.Variable` (no retracing; saved with the
+  optimizer; logged as `l2_norm_clip`). The initial C is the model's (or
+  DPOptimizer's) `l2_norm_clip`.
+
+  Privacy (Andrew et al., Theorem 1). The step releases the clipped sum with
+  noise `sigma_g C_t` (sensitivity C_t) and the count with noise
+  `count_stddev` (sensitivity 1/2): two Gaussian mechanisms on the same
+  sample, whose composition is exactly one Gaussian mechanism with
+  `sigma^-2 = sigma_g^-2 + (2 count_stddev)^-2` (Renyi divergences of
+  Gaussians add in 1/sigma^2, and so do their subsampled versions, as the
+  pair is one Gaussian in a space with an extra coordinate). The model's
+  `noise_multiplier` is that accounted sigma; the gradient noise uses
+  `sigma_g = (sigma^-2 - (2 count_stddev)^-2)^-1/2`
+  (`tf_pxg.accounting.split_noise_multipliers`), so the ε that
+  `tf_pxg.accounting` and `PrivacyCallback` report for `noise_multiplier`
+  covers both releases. Requires `2 count_stddev > sigma` when sigma > 0.
+
+  Args:
+    target_quantile: gamma in [0, 1], the fraction of examples that should
+      be unclipped (default 0.5, the median).
+    learning_rate: eta > 0 of the geometric update (default 0.2).
+    count_stddev: the count's noise std; default `expected_batch_size / 20`
+      (Andrew et al.'s choice), resolved when `fit` knows the expected batch
+      size (give it explicitly for `train_on_batch` or custom loops).
+
+  References:
+    Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning
+    with Adaptive Clipping", NeurIPS 2021 (arXiv 1905.03871).
+  """
+
+  name = "quantile_adaptive"
+  adaptive = True
+
+  def __init__(self, target_quantile: float = 0.5,
+               learning_rate: float = 0.2,
+               count_stddev: Optional[float] = None):
+    target_quantile = float(target_quantile)
+    learning_rate = float(learning_rate)
+    if not 0.0 <= target_quantile <= 1.0:
+      raise ValueError(f"QuantileAdaptive: target_quantile must be in "
+                       f"[0, 1]; got {target_quantile!r}.")
+    if not (math.isfinite(learning_rate) and learning_rate > 0):
+      raise ValueError(f"QuantileAdaptive: learning_rate must be finite and "
+                       f"> 0; got {learning_rate!r}.")
+    if count_stddev is not None:
+      count_stddev = float(count_stddev)
+      if not (math.isfinite(count_stddev) and count_stddev >= 0):
+        raise ValueError(f"QuantileAdaptive: count_stddev must be finite and "
+                         f">= 0; got {count_stddev!r}.")
+    self.target_quantile = target_quantile
+    self.learning_rate = learning_rate
+    self.count_stddev = count_stddev
+
+  def factors(self, norms, clip):
+    return clip_factors(norms, clip)
+
+  def resolve_count_stddev(self, expected_batch_size: Optional[float]) -> float:
+    """`count_stddev`, or `expected_batch_size / 20` when not given."""
+    if self.count_stddev is not None:
+      return self.count_stddev
+    if expected_batch_size is None:
+      raise ValueError(
+          "QuantileAdaptive clipping needs count_stddev (the noise std of "
+          "the unclipped-example count) outside a Poisson `fit`, where the "
+          "expected batch size B is unknown; pass e.g. "
+          "QuantileAdaptive(count_stddev=B / 20).")
+    return float(expected_batch_size) / 20.0
+
+  def unclipped_count(self, norms, clip, mask=None):
+    """`sum_b mask_b (1[||g_b|| <= C] - 1/2)`, float32 (sensitivity 1/2).
+
+    A non-finite norm counts as clipped (-1/2), a data-independent rule
+    whose contribution is still bounded by 1/2. `mask` excludes padding
+    rows (0) of a Poisson physical batch.
+    """
+    norms = tf.cast(norms, tf.float32)
+    within = tf.cast(norms <= tf.cast(clip, tf.float32), tf.float32) - 0.5
+    if mask is not None:
+      within = within * tf.cast(mask, tf.float32)
+    return tf.reduce_sum(within)
+
+  def next_clip(self, clip, noisy_count, normalizer):
+    """`C exp(-eta (noisy_count / n + 1/2 - gamma))`, float32."""
+    fraction = noisy_count / tf.cast(normalizer, tf.float32) + 0.5
+    return tf.cast(clip, tf.float32) * tf.exp(
+        -self.learning_rate * (fraction - self.target_quantile))
+
+  def get_config(self):
+    return {"target_quantile": self.target_quantile,
+            "learning_rate": self.learning_rate,
+            "count_stddev": self.count_stddev}
+
+
+_POLICIES = {cls.name: cls for cls in (Flat, Automatic, QuantileAdaptive)}
+
+
+def get(identifier) -> ClippingPolicy:
+  """A `ClippingPolicy` from None (flat), a name ("flat", "automatic",
+  "quantile_adaptive"), a `{"class_name": ..., "config": ...}` dict (from
+  `serialize`) or an instance."""
+  if identifier is None:
+    return Flat()
+  if isinstance(identifier, ClippingPolicy):
+    return identifier
+  if isinstance(identifier, str) and identifier in _POLICIES:
+    return _POLICIES[identifier]()
+  if isinstance(identifier, dict) and identifier.get("class_name") in _POLICIES:
+    return _POLICIES[identifier["class_name"]](**identifier.get("config", {}))
+  raise ValueError(
+      f"Unknown clipping policy {identifier!r}: use None or 'flat', "
+      "'automatic', 'quantile_adaptive', or an instance of "
+      "tf_pxg.clipping.Flat, Automatic or QuantileAdaptive.")
+
+
+def serialize(policy: ClippingPolicy) -> dict:
+  """A JSON-able dict that `get` turns back into `policy`."""
+  return {"class_name": policy.name, "config": policy.get_config()}

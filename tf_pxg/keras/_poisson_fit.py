@@ -130,6 +130,13 @@ def _prepare_shards(model, shards, y, sample_weight, class_weight,
         f"accumulation_steps={accumulation_steps}, but the shards were laid "
         f"out with k={shards.accumulation_steps}; pass "
         f"accumulation_steps={shards.accumulation_steps}.")
+  groups = getattr(shards, "num_groups", 1)
+  if model.num_bands != groups:
+    raise ValueError(
+        f"The model's BandMF noise has num_bands={model.num_bands}, but the "
+        f"shards were sampled with num_groups={groups}: its ε needs cyclic "
+        "Poisson sampling with b groups. Rerun the pipeline with "
+        f"num_groups={model.num_bands}, or pass arrays to fit.")
   strategy = model.distribute_strategy
   if strategy.num_replicas_in_sync != shards.num_replicas:
     raise ValueError(
@@ -236,7 +243,7 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
       accumulation_steps=accumulation_steps,
       num_replicas=strategy.num_replicas_in_sync,
       steps_per_epoch=steps_per_epoch, seed=seed, secure_mode=secure,
-      start_step=start)
+      start_step=start, **_cyclic_groups(model))
   feed = _Feed(sampler, start)
   feed.units = units
   dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,
@@ -251,6 +258,20 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
   with strategy.scope():
     model._dp_accumulator_for(list(model.trainable_variables)).reset()
   return dataset, feed, (x, y, sample_weight), validation_data
+
+
+def _cyclic_groups(model) -> dict:
+  """The sampler's cyclic-group arguments for the model's BandMF bands.
+
+  The groups are drawn i.i.d. per example from the optimizer's persistent
+  `group_seed` (`tf_pxg.keras._dp_state`), so a resumed `fit` keeps every
+  example in its group and its participations stay b steps apart.
+  """
+  bands = model.num_bands
+  if bands == 1:
+    return {}
+  seed = model.optimizer.dp_state.group_seed
+  return {"num_groups": bands, "group_seed": int(seed.numpy())}
 
 
 def finish(model, feed, data):

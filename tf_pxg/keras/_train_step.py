@@ -185,6 +185,30 @@ def _regularization(model, variables):
   return reg_loss, reg_tape.gradient(reg_loss, variables)
 
 
+class Mechanism(NamedTuple):
+  """What a step needs beyond DP-SGD's flat clip and independent noise.
+
+  Attributes:
+    clipping: the `tf_pxg.clipping` policy.
+    clip_variable: the adaptive clip's variable (`QuantileAdaptive`), else
+      None (the clip is the Python `l2_norm_clip`).
+    count_stddev: the unclipped count's noise std (adaptive), else 0.
+    gradient_noise_multiplier: sigma_g, the gradient noise's multiplier:
+      the accounted `noise_multiplier` sigma, or with adaptive clipping
+      `(sigma^-2 - (2 count_stddev)^-2)^-1/2` (Andrew et al., Theorem 1).
+    coefs: BandMF's `[b]` strategy coefficients for b > 1, else None.
+    noise_state: the `tf_pxg.dp.correlated.NoiseBuffers` (b > 1), else None.
+    optimizer: the optimizer whose `iterations` index the steps.
+  """
+  clipping: Any
+  clip_variable: Optional[tf.Variable]
+  count_stddev: float
+  gradient_noise_multiplier: float
+  coefs: Any
+  noise_state: Any
+  optimizer: Any
+
+
 class ReplicaGradients(NamedTuple):
   """What `dp_gradients` computed on one replica for one physical batch.
 
@@ -203,6 +227,11 @@ class ReplicaGradients(NamedTuple):
     x, y, y_pred, sample_weight, losses, mask, reg_loss: for the loss and
       metric trackers (`mask` None for a plain batch; for units of several
       rows the pair `(unit mask [P], row mask [P G])`, `losses` per unit).
+    count: adaptive clipping's noisy unclipped count (this replica's share,
+      meaningful at a step's end), else None.
+    count_normalizer: the divisor for `count` (qN, or this replica's
+      example count of a plain batch; all-reduced in `dp_apply`).
+    mechanism: the step's `Mechanism`, or None (DP-SGD, flat clip).
   """
   grads: list
   normalizer: tf.Tensor
@@ -215,11 +244,15 @@ class ReplicaGradients(NamedTuple):
   losses: tf.Tensor
   mask: Optional[tf.Tensor]
   reg_loss: tf.Tensor
+  count: Optional[tf.Tensor] = None
+  count_normalizer: Optional[tf.Tensor] = None
+  mechanism: Optional[Mechanism] = None
 
 
 def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
                  noise_multiplier: float, generator: tf.random.Generator,
-                 accumulator_for=None) -> ReplicaGradients:
+                 accumulator_for=None,
+                 mechanism: Optional[Mechanism] = None) -> ReplicaGradients:
   """The replica-local part of a DP step: no cross-replica communication.
 
   Forward pass, per-example losses, flat per-example clipping, the logical
@@ -236,6 +269,13 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   `accumulator_for(variables)` must return the model's
   `tf_pxg.dp.accumulation.LogicalStepAccumulator`. Otherwise the batch is
   one logical step, to be divided by its realised global size.
+
+  `mechanism` (None: DP-SGD with flat clipping, unchanged) brings a
+  clipping policy (automatic; adaptive, whose clip is a variable and whose
+  unclipped count is accumulated with the sums and noised with them) and
+  BandMF's correlated noise (`tf_pxg.dp.correlated`: the step index is
+  `optimizer.iterations`; a step that will not be applied, past the step
+  limit, writes no noise buffer).
   """
   from tf_pxg import data as dp_data  # noqa: PLC0415
   from tf_pxg.dp import accumulation  # noqa: PLC0415
@@ -276,8 +316,12 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # without an Input) creates its variables in its first call.
   variables = list(model.trainable_variables)
   _validation.check_no_data_dependent_losses(model)
+  clipping = None if mechanism is None else mechanism.clipping
+  clip_variable = None if mechanism is None else mechanism.clip_variable
+  clip = l2_norm_clip if clip_variable is None else clip_variable.read_value()
   # A non-finite example's clip factor is 0 there: nothing to check here.
-  sums, _ = tape.clipped_gradient_sum(losses, variables, l2_norm_clip)
+  sums, norms = tape.clipped_gradient_sum(losses, variables, clip,
+                                          clipping=clipping)
   # An embedding's sum stays `IndexedSlices` up to the noise, which adds
   # its rows inside the fused noise loop (tf_pxg.dp.threefry).
   sums = [tf.zeros_like(v) if s is None else s
@@ -287,6 +331,11 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # logical step (divided by R: the all-reduce sums the replicas' copies).
   reg_loss, reg_grads = _regularization(model, variables)
 
+  count = None
+  if clip_variable is not None:  # adaptive: sum_b (1[||g_b|| <= C] - 1/2)
+    count = clipping.unclipped_count(
+        norms, clip, None if info is None else info[dp_data.MASK])
+    sums = sums + [count]
   if info is None:
     step_end, mask = None, None
     normalizer = tf.cast(tf.shape(losses)[0], tf.float32)
@@ -299,20 +348,82 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     if row_mask is not None:
       mask = (mask, info[dp_data.ROW_MASK])  # per unit, per row (metrics)
   draw = None if xla else step_end
-  if noise_multiplier and (info is not None or replicas == 1):
+  if count is not None:
+    sums, count = sums[:-1], sums[-1]
+    count = _noisy_count(count, mechanism.count_stddev, generator, replicas,
+                         draw)
+  if mechanism is not None and noise_multiplier:
+    # The gradient's share of the accounted noise (adaptive clipping keeps
+    # the rest for the count), times the clip in use.
+    noise_multiplier = mechanism.gradient_noise_multiplier
+  if mechanism is not None and mechanism.coefs is not None:
+    # Divided in the noise's pass when the divisor is known here (as below).
+    divide = info is not None or replicas == 1
+    noisy = _correlated_noise(model, mechanism, sums, clip, noise_multiplier,
+                              normalizer if divide else None, generator,
+                              replicas, step_end, draw)
+    normalizer = None if divide else normalizer
+  elif noise_multiplier and (info is not None or replicas == 1):
     # The divisor is known here (qN, or the only replica's batch): the
     # noise kernel divides in its own pass, one pass over the weights fewer.
-    noisy = accumulation.noisy_mean(sums, l2_norm_clip, noise_multiplier,
+    noisy = accumulation.noisy_mean(sums, clip, noise_multiplier,
                                     normalizer, generator, replicas, draw)
     normalizer = None
   else:
-    noisy = accumulation.step_noise(sums, l2_norm_clip, noise_multiplier,
+    noisy = accumulation.step_noise(sums, clip, noise_multiplier,
                                     generator, replicas, draw)
   # sigma = 0 leaves IndexedSlices.
   noisy = [dp_noise.densify(g) for g in noisy]
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
+  count_normalizer = None
+  if count is not None:
+    count_normalizer = (info[dp_data.NORMALIZER][0] if info is not None else
+                        tf.cast(tf.shape(losses)[0], tf.float32))
   return ReplicaGradients(noisy, normalizer, reg_grads, step_end, x, y,
-                          y_pred, sample_weight, losses, mask, reg_loss)
+                          y_pred, sample_weight, losses, mask, reg_loss,
+                          count, count_normalizer, mechanism)
+
+
+def _noisy_count(count, stddev, generator, replicas, draw):
+  """`count + N(0, stddev^2 / R)`: this replica's share of the noisy count
+  (drawn only when `draw` is true or None)."""
+  if not stddev:
+    return count
+  share = dp_noise.replica_noise_stddev(stddev, replicas)
+  add = lambda: dp_noise.add_gaussian_noise(  # noqa: E731
+      [tf.reshape(count, [1])], share, generator=generator)[0][0]
+  if draw is None:
+    return add()
+  return tf.cond(draw, add, lambda: tf.identity(count))
+
+
+def _correlated_noise(model, mechanism, sums, clip, noise_multiplier,
+                      normalizer, generator, replicas, step_end, draw):
+  """BandMF: `(sums + x_i) / normalizer` (None: not divided) with `x_i`
+  streamed from the
+  buffers (`tf_pxg.dp.correlated`), written only if this step is applied:
+  at a logical step's end and within the step limit (both data-independent).
+  """
+  from tf_pxg.dp import correlated  # noqa: PLC0415
+  optimizer = mechanism.optimizer
+  write = _within_limit(optimizer, step_limit_variable(model))
+  if step_end is not None:
+    write = tf.logical_and(write, step_end)
+  stddev = dp_noise.replica_noise_stddev(
+      noise_multiplier * tf.cast(clip, tf.float64), replicas)
+  scale = (None if normalizer is None else
+           1.0 / tf.cast(normalizer, tf.float64))
+  sums = [dp_noise.densify(g) for g in sums]
+
+  def noisy():
+    return correlated.correlated_noisy_sums(
+        sums, mechanism.coefs, mechanism.noise_state, optimizer.iterations,
+        stddev, generator, scale=scale, write=write)
+
+  if draw is None:
+    return noisy()
+  return tf.cond(draw, noisy, lambda: [tf.cast(g, b.dtype) for g, b in zip(
+      sums, mechanism.noise_state.buffers)])
 
 
 def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
@@ -347,6 +458,11 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
     return [g if r is None else g + tf.cast(r, g.dtype)
             for g, r in zip(grads, result.reg_grads)]
 
+  clip_variable = (None if result.mechanism is None else
+                   result.mechanism.clip_variable)
+  if clip_variable is not None:
+    _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
+                          replicas)
   _apply_gated(optimizer, result.grads, variables, limit, xla=xla,
                step_end=step_end, transform=normalise)
 
@@ -360,23 +476,52 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
     _compat.loss_tracker(model).update_state(
         tf.reduce_mean(losses) + tf.cast(result.reg_loss, losses.dtype),
         sample_weight=local_batch)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-  _compat.loss_tracker(model).update_state(
-      losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
-  if row_mask is not None:
-    mask = row_mask  # the metrics see rows
-  with _metrics_masked(model, mask):
-    return model.compute_metrics(
-        x, y, y_pred, sample_weight=mask if sample_weight is None else
-        _rows_times(sample_weight, mask))
+    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+  else:
+    _compat.loss_tracker(model).update_state(
+        losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
+    if row_mask is not None:
+      mask = row_mask  # the metrics see rows
+    with _metrics_masked(model, mask):
+      logs = model.compute_metrics(
+          x, y, y_pred, sample_weight=mask if sample_weight is None else
+          _rows_times(sample_weight, mask))
+  if clip_variable is not None:
+    # A function of the noisy counts only: post-processing, safe to log.
+    logs = dict(logs)
+    logs["l2_norm_clip"] = clip_variable.read_value()
+  return logs
+
+
+def _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
+                          replicas):
+  """`C <- C exp(-eta (noisy_count / n + 1/2 - gamma))` at an applied step.
+
+  The replicas' noisy count shares are all-reduced (summed: their noise
+  adds up to `N(0, count_stddev^2)`, once), so every replica computes the
+  same new clip; it is assigned only where the step's update is applied
+  (a logical step's end, within the step limit), decided before the apply
+  moves `iterations`.
+  """
+  count, n = result.count, result.count_normalizer
+  if ctx is not None and replicas > 1:
+    count = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
+    if result.step_end is None:  # plain batches: the global batch size
+      n = ctx.all_reduce(tf.distribute.ReduceOp.SUM, n)
+  go = _within_limit(optimizer, limit)
+  if result.step_end is not None:
+    go = tf.logical_and(go, result.step_end)
+  new = result.mechanism.clipping.next_clip(clip_variable.read_value(), count,
+                                            n)
+  clip_variable.assign(tf.where(go, new, clip_variable.read_value()))
 
 
 def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
                   noise_multiplier: float, generator: tf.random.Generator,
-                  optimizer, accumulator_for=None):
+                  optimizer, accumulator_for=None, mechanism=None):
   """One DP-SGD (physical) step: `dp_gradients` then `dp_apply`."""
   result = dp_gradients(model, data, l2_norm_clip, noise_multiplier,
-                        generator, accumulator_for)
+                        generator, accumulator_for, mechanism)
   return dp_apply(model, result, optimizer,
                   xla=bool(getattr(model, "jit_compile", False)))
 

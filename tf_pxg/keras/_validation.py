@@ -53,6 +53,35 @@ def validate_dp_params(l2_norm_clip, noise_multiplier,
           validate_noise_multiplier(noise_multiplier))
 
 
+def validate_mechanism(l2_norm_clip, noise_multiplier, clipping,
+                       noise_mechanism, where: str):
+  """`(clipping policy, noise mechanism)`, checked against the settings.
+
+  Raises:
+    ValueError: an unknown policy; `Automatic`/`QuantileAdaptive` with an
+      infinite `l2_norm_clip` (automatic clipping's sensitivity, the
+      adaptive clip's start); a mechanism that is not a `tf_pxg.mf`
+      strategy.
+  """
+  from tf_pxg.dp import clipping as policies  # noqa: PLC0415
+  policy = policies.get(clipping)
+  if (not isinstance(policy, policies.Flat) and l2_norm_clip is not None and
+      not math.isfinite(l2_norm_clip)):
+    raise ValueError(
+        f"{where}: clipping={policy!r} needs a finite l2_norm_clip (the "
+        "sensitivity R of automatic clipping, the initial clip of adaptive "
+        f"clipping); got {l2_norm_clip}.")
+  if noise_mechanism is not None and not (
+      hasattr(noise_mechanism, "num_bands") and
+      hasattr(noise_mechanism, "coefs")):
+    raise TypeError(
+        f"{where}: noise_mechanism must be None (DP-SGD) or a "
+        "tf_pxg.mf.BandedToeplitz(num_bands=b); got "
+        f"{noise_mechanism!r}.")
+  del noise_multiplier
+  return policy, noise_mechanism
+
+
 def _mixing_augmentations() -> tuple:
   """Keras' augmentation layers that combine examples of a batch."""
   return tuple(getattr(keras.layers, name) for name in ("MixUp", "CutMix")

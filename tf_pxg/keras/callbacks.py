@@ -15,7 +15,9 @@ class PrivacyCallback(keras.callbacks.Callback):
   """Reports the privacy spent by DP-SGD training and enforces a budget.
 
   ε is computed with `tf_pxg.accounting.compute_epsilon` (Poisson-subsampled
-  Gaussian, sampling rate `batch_size / num_examples`) from
+  Gaussian, sampling rate `batch_size / num_examples`; with BandMF's b
+  bands, `ceil(T / b)` compositions at rate `b batch_size / num_examples`)
+  from
   `model.optimizer.iterations`, the number of optimizer steps (logical
   steps, with gradient accumulation) taken so far —
   including steps before a checkpoint restore, so the figure survives
@@ -56,6 +58,12 @@ class PrivacyCallback(keras.callbacks.Callback):
     delta: the δ of (ε, δ)-DP.
     target_epsilon: optional budget; training stops before exceeding it.
     accountant: "rdp" or "pld".
+    num_bands: b of BandMF correlated noise (`tf_pxg.mf.BandedToeplitz`);
+      default: the model's (1 for DP-SGD). With b > 1, `fit` samples
+      cyclically (b groups, step i from group i mod b, rate `B b / N`) and
+      ε is that of `ceil(T / b)` compositions of the Poisson-subsampled
+      Gaussian at that rate (`tf_pxg.accounting.compute_epsilon(...,
+      num_bands=b)`).
 
     allow_shuffled: the ε above assumes Poisson sampling, the default data
       path of a DP model's `fit`. If `fit` is called with
@@ -78,7 +86,8 @@ class PrivacyCallback(keras.callbacks.Callback):
                noise_multiplier: Optional[float] = None, delta: float = 1e-5,
                target_epsilon: Optional[float] = None,
                accountant: str = "rdp", allow_shuffled: bool = False, *,
-               num_users: Optional[int] = None):
+               num_users: Optional[int] = None,
+               num_bands: Optional[int] = None):
     super().__init__()
     if target_epsilon is not None and not target_epsilon > 0:
       raise ValueError(
@@ -104,12 +113,21 @@ class PrivacyCallback(keras.callbacks.Callback):
     self.allow_shuffled = allow_shuffled
     self._log_key = self._base_key()
     self._noise_multiplier = noise_multiplier
+    self._num_bands = num_bands
     self._max_steps_cache = {}
     # Validate the accounting arguments now rather than after an epoch.
     accounting.compute_epsilon(num_examples, batch_size,
                                noise_multiplier if noise_multiplier is not None
                                else 1.0, steps=0, delta=delta,
-                               accountant=accountant)
+                               accountant=accountant,
+                               num_bands=num_bands or 1)
+
+  @property
+  def num_bands(self) -> int:
+    """b of the noise mechanism (given, else the model's; 1: DP-SGD)."""
+    if self._num_bands is not None:
+      return int(self._num_bands)
+    return int(getattr(self.model, "num_bands", 1) or 1)
 
   @property
   def noise_multiplier(self) -> float:
@@ -132,7 +150,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     return accounting.compute_epsilon(
         self.num_examples, self.batch_size, self.noise_multiplier,
         steps=self.steps() if steps is None else steps, delta=self.delta,
-        accountant=self.accountant)
+        accountant=self.accountant, num_bands=self.num_bands)
 
   def max_steps(self) -> Optional[int]:
     """The most steps whose ε stays within `target_epsilon` (None: no target).
@@ -142,7 +160,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     """
     if self.target_epsilon is None:
       return None
-    key = self.noise_multiplier
+    key = (self.noise_multiplier, self.num_bands)
     if self._max_steps_cache.get("key") != key:
       within = lambda s: self.epsilon(s) <= self.target_epsilon  # noqa: E731
       lo, hi = 0, 1
@@ -194,14 +212,22 @@ class PrivacyCallback(keras.callbacks.Callback):
           f"{self.batch_size}/{self.num_examples}, not a guarantee for "
           "these batches.", stacklevel=2)
     elif info.get("sampling") == "poisson":
-      rate = self.batch_size / self.num_examples
+      groups = info.get("num_groups", 1)
+      if groups != self.num_bands:
+        raise ValueError(
+            f"PrivacyCallback: accounts for num_bands={self.num_bands}, but "
+            f"fit sampled with {groups} cyclic group(s) (the model's "
+            f"num_bands is {getattr(self.model, 'num_bands', 1)}). BandMF's "
+            "ε needs b groups for b bands: give the callback the model's "
+            "num_bands (or leave it unset).")
+      rate = self.batch_size * self.num_bands / self.num_examples
       if not math.isclose(rate, info["sampling_rate"], rel_tol=1e-9):
         raise ValueError(
             f"PrivacyCallback: accounts for sampling rate {rate:.6g} "
-            f"(batch_size={self.batch_size} / num_examples="
-            f"{self.num_examples}) but fit samples with rate "
+            f"(batch_size={self.batch_size} * num_bands={self.num_bands} / "
+            f"num_examples={self.num_examples}) but fit samples with rate "
             f"{info['sampling_rate']:.6g} (batch_size="
-            f"{info['expected_batch_size']:g} / {info['num_examples']} "
+            f"{info['expected_batch_size']:g}, {info['num_examples']} "
             "examples). Give the callback the same numbers.")
 
   def on_train_begin(self, logs=None):

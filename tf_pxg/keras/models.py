@@ -56,6 +56,13 @@ class _DPTrainingMixin:
     seed: seeds the noise generator (tests only); by default it is seeded
       from OS entropy. The seed is not saved with the model, so a reloaded
       model never replays the noise of a previous run.
+    clipping: a `tf_pxg.clipping` policy (default flat clipping to
+      `l2_norm_clip`; `Automatic()`, `QuantileAdaptive(...)`); see
+      `tf_pxg.keras.DPOptimizer`.
+    noise_mechanism: None (DP-SGD) or `tf_pxg.mf.BandedToeplitz(b)`
+      (BandMF correlated noise with cyclic Poisson sampling in `fit`); see
+      `tf_pxg.keras.DPOptimizer`. With either set, `compile` wraps a
+      plain optimizer in a `DPOptimizer`, which holds their state.
     secure_mode: draw every step's noise keys from the OS CSPRNG (no
       generator state, nothing to replay) and sum four Gaussians per
       coordinate against floating-point attacks (`tf_pxg.dp.secure`); the
@@ -99,15 +106,19 @@ class _DPTrainingMixin:
   def __init__(self, *args, l2_norm_clip: Optional[float] = None,
                noise_multiplier: Optional[float] = None,
                seed: Optional[int] = None, secure_mode: bool = False,
-               **kwargs):
+               clipping=None, noise_mechanism=None, **kwargs):
     clip, noise = _validation.validate_dp_params(
         l2_norm_clip, noise_multiplier, type(self).__name__)
+    clipping, noise_mechanism = _validation.validate_mechanism(
+        clip, noise, clipping, noise_mechanism, type(self).__name__)
     secure_mode = _check_secure_mode(secure_mode, seed, type(self).__name__)
     super().__init__(*args, **kwargs)
     from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
     self._dp_l2_norm_clip = clip
     self._dp_noise_multiplier = noise
     self._dp_secure_mode = secure_mode
+    self._dp_clipping = clipping
+    self._dp_noise_mechanism = noise_mechanism
     self._dp_seed_given = seed is not None
     with tf.init_scope():
       self._dp_generator = dp_noise.make_generator(seed)
@@ -168,6 +179,78 @@ class _DPTrainingMixin:
           "tf_pxg.keras.DPOptimizer (e.g. tf_pxg.keras.DPSGD(...)).")
     return own
 
+  def _own_mechanism_is_default(self) -> bool:
+    from tf_pxg.dp import clipping as policies  # noqa: PLC0415
+    return (isinstance(getattr(self, "_dp_clipping", None) or policies.Flat(),
+                       policies.Flat) and
+            getattr(self, "_dp_noise_mechanism", None) is None)
+
+  def _resolve_mechanism(self, optimizer):
+    """`(clipping policy, noise mechanism)`: the DPOptimizer's, else the
+    model's; raises if both are set and differ."""
+    from tf_pxg.dp import clipping as policies  # noqa: PLC0415
+    own = (getattr(self, "_dp_clipping", None) or policies.Flat(),
+           getattr(self, "_dp_noise_mechanism", None))
+    if isinstance(optimizer, DPOptimizer):
+      opt = (optimizer.clipping, optimizer.noise_mechanism)
+      if not self._own_mechanism_is_default() and own != opt:
+        raise ValueError(
+            f"Model {self.name!r} has clipping={own[0]!r}, noise_mechanism="
+            f"{own[1]!r} but its DPOptimizer has clipping={opt[0]!r}, "
+            f"noise_mechanism={opt[1]!r}. Set them in one place.")
+      return opt
+    return own
+
+  @property
+  def clipping(self):
+    """The effective `tf_pxg.clipping` policy."""
+    return self._resolve_mechanism(getattr(self, "optimizer", None))[0]
+
+  @property
+  def noise_mechanism(self):
+    """The effective noise mechanism (None: DP-SGD)."""
+    return self._resolve_mechanism(getattr(self, "optimizer", None))[1]
+
+  @property
+  def num_bands(self) -> int:
+    """b of the BandMF noise mechanism (1: DP-SGD)."""
+    from tf_pxg.keras import _dp_state  # noqa: PLC0415
+    return _dp_state.num_bands(self.noise_mechanism)
+
+  def _dp_step_mechanism(self, noise_multiplier):
+    """The train step's `_train_step.Mechanism`, or None for DP-SGD with
+    flat clipping (and BandMF with b = 1, which is DP-SGD exactly)."""
+    from tf_pxg import accounting  # noqa: PLC0415
+    from tf_pxg.dp import clipping as policies  # noqa: PLC0415
+    optimizer = self.optimizer
+    policy, mech = self._resolve_mechanism(optimizer)
+    coefs = None
+    if mech is not None and int(mech.num_bands) > 1:
+      coefs = mech.coefs
+    if isinstance(policy, policies.Flat) and coefs is None:
+      return None
+    if not isinstance(optimizer, DPOptimizer):
+      raise ValueError(  # compile wraps; only a hand-set optimizer gets here
+          f"Model {self.name!r}: clipping={policy!r} and noise_mechanism="
+          f"{mech!r} keep state in a tf_pxg.keras.DPOptimizer; compile with "
+          "one.")
+    if not optimizer.built:
+      with tf.init_scope():
+        optimizer.build(list(self.trainable_variables))
+    state = optimizer.dp_state
+    count_stddev, sigma_g = 0.0, noise_multiplier
+    if policy.adaptive:
+      info = getattr(self, "_dp_data", None) or {}
+      count_stddev = policy.resolve_count_stddev(
+          info.get("expected_batch_size")
+          if info.get("sampling") == "poisson" else None)
+      if noise_multiplier:
+        sigma_g = accounting.split_noise_multipliers(noise_multiplier,
+                                                     count_stddev)
+    return _train_step.Mechanism(
+        policy, state.clip, count_stddev, sigma_g, coefs, state.noise,
+        optimizer)
+
   def _check_trainable_for_dp(self, optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
       raise ValueError(
@@ -176,6 +259,7 @@ class _DPTrainingMixin:
           "optimizer would unscale unscaled gradients. Use the float32 or "
           "mixed_bfloat16 dtype policy.")
     self._resolve_dp_params(optimizer, strict=True)
+    self._resolve_mechanism(optimizer)
     self._adopt_secure_mode(optimizer)
     inner = (optimizer.inner_optimizer if isinstance(optimizer, DPOptimizer)
              else optimizer)
@@ -194,6 +278,15 @@ class _DPTrainingMixin:
 
   def compile(self, optimizer="rmsprop", *args, **kwargs):
     optimizer = keras.optimizers.get(optimizer)
+    if (not isinstance(optimizer, DPOptimizer) and
+        not self._own_mechanism_is_default()):
+      # The policy's and mechanism's state lives in a DPOptimizer (saved
+      # with it), so the model's settings wrap the given optimizer.
+      self._resolve_dp_params(optimizer, strict=True)
+      optimizer = DPOptimizer(
+          optimizer, self._dp_l2_norm_clip, self._dp_noise_multiplier,
+          secure_mode=self.secure_mode, clipping=self._dp_clipping,
+          noise_mechanism=self._dp_noise_mechanism)
     self._check_trainable_for_dp(optimizer)
     if self.secure_mode:
       jit = kwargs.get("jit_compile", "auto")
@@ -212,11 +305,13 @@ class _DPTrainingMixin:
   def train_step(self, data):
     self._check_trainable_for_dp(self.optimizer)
     clip, noise = self._resolve_dp_params(self.optimizer, strict=True)
+    mechanism = self._dp_step_mechanism(noise)
     optimizer = self.optimizer
     if isinstance(optimizer, DPOptimizer):
       optimizer = optimizer.inner_optimizer
     return dp_train_step(self, data, clip, noise, self._dp_noise_source(),
-                         optimizer, accumulator_for=self._dp_accumulator_for)
+                         optimizer, accumulator_for=self._dp_accumulator_for,
+                         mechanism=mechanism)
 
   def dp_gradients(self, data):
     """The replica-local half of `train_step` (no synchronisation).
@@ -231,7 +326,8 @@ class _DPTrainingMixin:
     clip, noise = self._resolve_dp_params(self.optimizer, strict=True)
     return _train_step.dp_gradients(self, data, clip, noise,
                                      self._dp_noise_source(),
-                                     self._dp_accumulator_for)
+                                     self._dp_accumulator_for,
+                                     self._dp_step_mechanism(noise))
 
   def dp_apply(self, result):
     """The synchronising half of `train_step`: apply (within the step
@@ -287,9 +383,12 @@ class _DPTrainingMixin:
     """
     from tf_pxg.dp import accumulation  # noqa: PLC0415
     acc = self.__dict__.get("_dp_accumulator")
-    if acc is None or not acc.matches(variables):
+    # Adaptive clipping accumulates its unclipped count with the sums.
+    scalars = int(self._resolve_mechanism(
+        getattr(self, "optimizer", None))[0].adaptive)
+    if acc is None or not acc.matches(variables, scalars):
       with tf.init_scope():
-        acc = accumulation.LogicalStepAccumulator(variables)
+        acc = accumulation.LogicalStepAccumulator(variables, scalars)
       # Not a Keras-tracked weight: it is not part of the model's state.
       object.__setattr__(self, "_dp_accumulator", acc)
     return acc
@@ -373,6 +472,13 @@ class _DPTrainingMixin:
         validation_steps=validation_steps)
     if sampling == "shuffled" and (augmult != 1 or user_ids is not None):
       raise ValueError("augmult and user_ids need sampling='poisson'.")
+    if sampling == "shuffled" and self.num_bands > 1:
+      raise ValueError(
+          f"Model {self.name!r} uses BandMF correlated noise "
+          f"(num_bands={self.num_bands}), whose ε needs cyclic Poisson "
+          "sampling (participations at least b steps apart); "
+          "sampling='shuffled' gives no such guarantee. Use the default "
+          "sampling='poisson'.")
     if sampling == "shuffled":
       self._dp_data = {"sampling": "shuffled"}
       return super().fit(
@@ -399,6 +505,7 @@ class _DPTrainingMixin:
         "privacy_unit": "user" if user_ids is not None else "example",
         "augmult": augmult,
         "sampling": "poisson", "sampling_rate": sampler.sampling_rate,
+        "num_groups": getattr(sampler, "num_groups", 1),
         "num_examples": sampler.num_examples,
         "expected_batch_size": sampler.expected_batch_size,
         "accumulation_steps": sampler.accumulation_steps,
@@ -421,6 +528,12 @@ class _DPTrainingMixin:
     config["l2_norm_clip"] = self._dp_l2_norm_clip
     config["noise_multiplier"] = self._dp_noise_multiplier
     config["secure_mode"] = self.secure_mode
+    if not self._own_mechanism_is_default():
+      from tf_pxg.dp import clipping as policies  # noqa: PLC0415
+      from tf_pxg.keras import _dp_state  # noqa: PLC0415
+      config["clipping"] = policies.serialize(self._dp_clipping)
+      config["noise_mechanism"] = _dp_state.serialize_mechanism(
+          self._dp_noise_mechanism)
     return config
 
   @classmethod
@@ -428,8 +541,15 @@ class _DPTrainingMixin:
     config = dict(config)
     dp = {k: config.pop(k, None) for k in _DP_CONFIG_KEYS}
     secure_mode = bool(config.pop("secure_mode", False))
+    from tf_pxg.dp import clipping as policies  # noqa: PLC0415
+    from tf_pxg.keras import _dp_state  # noqa: PLC0415
+    clipping = policies.get(config.pop("clipping", None))
+    mechanism = _dp_state.deserialize_mechanism(
+        config.pop("noise_mechanism", None))
     model = super().from_config(config, custom_objects=custom_objects)
     model._dp_secure_mode = secure_mode
+    model._dp_clipping = clipping
+    model._dp_noise_mechanism = mechanism
     clip, noise = _validation.validate_dp_params(
         dp["l2_norm_clip"], dp["noise_multiplier"], cls.__name__)
     model._dp_l2_norm_clip = clip
@@ -491,10 +611,12 @@ def make_dp_model_class(cls: type) -> type:
 def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                  noise_multiplier: Optional[float] = None,
                  seed: Optional[int] = None,
-                 secure_mode: bool = False) -> keras.Model:
+                 secure_mode: bool = False, clipping=None,
+                 noise_mechanism=None) -> keras.Model:
   """A DP model sharing `model`'s layers and weights.
 
-  `secure_mode`: see `_DPTrainingMixin` (raises with a `seed`).
+  `secure_mode`, `clipping`, `noise_mechanism`: see `_DPTrainingMixin`
+  (secure mode raises with a `seed`).
 
   Works for functional and `Sequential` models (the result is a `DPModel` or
   `DPSequential` over the same layer objects: training one trains the
@@ -511,7 +633,8 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                                                "make_private")
   _validation.check_no_batch_mixing_layers(model)
   kwargs = dict(l2_norm_clip=clip, noise_multiplier=noise, seed=seed,
-                secure_mode=secure_mode)
+                secure_mode=secure_mode, clipping=clipping,
+                noise_mechanism=noise_mechanism)
   if isinstance(model, keras.Sequential):
     return DPSequential(model.layers, name=f"dp_{model.name}", **kwargs)
   if isinstance(model, _compat.functional_class()):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import keras
 
 from tf_pxg import _compat
+from tf_pxg.dp import clipping as clipping_policies
+from tf_pxg.keras import _dp_state as dp_state
 from tf_pxg.keras import _validation
 
 
@@ -37,6 +39,18 @@ class DPOptimizer(keras.optimizers.Optimizer):
       noise keys (and sampler randomness) from the OS CSPRNG every step and
       sums four Gaussians per coordinate (`tf_pxg.dp.secure`); the model
       must not have a `seed`. Saved in the config.
+    clipping: a `tf_pxg.clipping` policy: None or `Flat()` (clip to
+      `l2_norm_clip`), `Automatic()` (normalise, sensitivity
+      `l2_norm_clip`), `QuantileAdaptive(...)` (`l2_norm_clip` is the
+      initial clip; the current one is the variable `current_l2_norm_clip`,
+      saved with the optimizer). Saved in the config.
+    noise_mechanism: None (DP-SGD: independent noise every step) or a
+      `tf_pxg.mf.BandedToeplitz(num_bands=b)` (BandMF correlated noise,
+      `tf_pxg.dp.correlated`: `b - 1` model-sized noise buffers, which are
+      optimizer state, saved in checkpoints). b = 1 is DP-SGD exactly. Its
+      ε holds with `fit`'s cyclic Poisson sampling (b groups, rate
+      `B b / N`), which the model then uses; `PrivacyCallback` accounts
+      for it. Saved in the config.
     name: optimizer name.
 
   Raises:
@@ -53,7 +67,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
   """
 
   def __init__(self, inner_optimizer, l2_norm_clip, noise_multiplier,
-               name=None, secure_mode=False, **kwargs):
+               name=None, secure_mode=False, clipping=None,
+               noise_mechanism=None, **kwargs):
     if kwargs:
       raise ValueError(
           f"DPOptimizer does not take `{'`, `'.join(kwargs)}`; set them on "
@@ -69,20 +84,39 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if not isinstance(secure_mode, bool):
       raise TypeError("DPOptimizer: secure_mode must be True or False; got "
                       f"{secure_mode!r}.")
+    clipping, noise_mechanism = _validation.validate_mechanism(
+        clip, noise, clipping, noise_mechanism, "DPOptimizer")
     super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
     self.inner_optimizer = inner_optimizer
     self.l2_norm_clip = clip
     self.noise_multiplier = noise
     self.secure_mode = secure_mode
+    self.clipping = clipping
+    self.noise_mechanism = noise_mechanism
+    # The mechanism's state (adaptive clip, noise buffers): tf.Variables in
+    # a tf.Module, so tf.train.Checkpoint tracks them; `variables` lists
+    # them for Keras' saving.
+    self.dp_state = dp_state.DPState()
+    self.dp_state.init_group_seed(noise_mechanism)
 
   @_compat.no_automatic_dependency_tracking
   def build(self, var_list):
     self.inner_optimizer.build(var_list)
     super().build(var_list)
+    self.dp_state.build(var_list, self.clipping, self.noise_mechanism,
+                        self.l2_norm_clip)
 
   @property
   def variables(self):
-    return _compat.optimizer_own_variables(self) + self.inner_optimizer.variables
+    return (_compat.optimizer_own_variables(self) +
+            self.inner_optimizer.variables + self.dp_state.variables)
+
+  @property
+  def current_l2_norm_clip(self):
+    """The clip in use: the adaptive clip's current value (a float) with
+    `QuantileAdaptive`, else `l2_norm_clip`."""
+    var = self.dp_state.clip
+    return self.l2_norm_clip if var is None else float(var.numpy())
 
   @property
   def learning_rate(self):
@@ -121,6 +155,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "l2_norm_clip": self.l2_norm_clip,
         "noise_multiplier": self.noise_multiplier,
         "secure_mode": self.secure_mode,
+        "clipping": clipping_policies.serialize(self.clipping),
+        "noise_mechanism": dp_state.serialize_mechanism(self.noise_mechanism),
     }
 
   @classmethod
@@ -128,20 +164,25 @@ class DPOptimizer(keras.optimizers.Optimizer):
     config = dict(config)
     inner = keras.saving.deserialize_keras_object(
         config.pop("inner_optimizer"), custom_objects=custom_objects)
+    config["clipping"] = clipping_policies.get(config.get("clipping"))
+    config["noise_mechanism"] = dp_state.deserialize_mechanism(
+        config.get("noise_mechanism"))
     return cls(inner, **config)
 
 
 def DPSGD(l2_norm_clip: float, noise_multiplier: float,
-          secure_mode: bool = False,
+          secure_mode: bool = False, clipping=None, noise_mechanism=None,
           **sgd_kwargs) -> DPOptimizer:  # noqa: N802  (optimizer-class style)
   """DP-SGD: `DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), ...)`."""
   return DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), l2_norm_clip,
-                     noise_multiplier, secure_mode=secure_mode)
+                     noise_multiplier, secure_mode=secure_mode,
+                     clipping=clipping, noise_mechanism=noise_mechanism)
 
 
 def DPAdam(l2_norm_clip: float, noise_multiplier: float,
-           secure_mode: bool = False,
+           secure_mode: bool = False, clipping=None, noise_mechanism=None,
            **adam_kwargs) -> DPOptimizer:  # noqa: N802
   """DP-Adam: `DPOptimizer(keras.optimizers.Adam(**adam_kwargs), ...)`."""
   return DPOptimizer(keras.optimizers.Adam(**adam_kwargs), l2_norm_clip,
-                     noise_multiplier, secure_mode=secure_mode)
+                     noise_multiplier, secure_mode=secure_mode,
+                     clipping=clipping, noise_mechanism=noise_mechanism)

@@ -279,7 +279,8 @@ class GradientTape:
       _, engine = self._per_example(target, sources)
       return tf.sqrt(engine.sq_norms())
 
-  def clipped_gradient_sum(self, target, sources, l2_norm_clip):
+  def clipped_gradient_sum(self, target, sources, l2_norm_clip,
+                           clipping=None):
     """Sum over examples of per-example gradients clipped to `l2_norm_clip`.
 
     Flat clipping: example b's gradient over all sources together is scaled
@@ -298,6 +299,16 @@ class GradientTape:
     privacy argument). Non-finite values that are not an example's (a
     parameter, a scalar target) still propagate.
 
+    Args:
+      target: `[B]` per-example values (e.g. unreduced losses), or a scalar
+        that is a sum over examples.
+      sources: a tensor/variable or nest of them.
+      l2_norm_clip: the clip C, a Python number or scalar tensor (e.g. an
+        adaptive clip's variable: no retracing when it changes).
+      clipping: a `tf_pxg.clipping` policy (default `Flat()`, the factors
+        above); `Automatic()` uses `c_b = C / (||g_b|| + gamma)`. Either
+        way `c_b ||g_b|| <= C`.
+
     Returns:
       `(sums, norms)`: the structure of `sources` with `sum_b c_b g_b` each
       (None for unconnected sources), and the `[B]` unclipped norms (NaN or
@@ -306,7 +317,8 @@ class GradientTape:
     with self._computing():
       flat_sources, engine = self._per_example(target, sources)
       norms = tf.sqrt(engine.sq_norms())
-      c = clip_factors(norms, l2_norm_clip)
+      c = (clip_factors(norms, l2_norm_clip) if clipping is None else
+           clipping.factors(norms, l2_norm_clip))
       target = tf.convert_to_tensor(target)
       if engine.vector_target and target.dtype.is_floating:
         c = tf.where(tf.math.is_finite(target), c,
