@@ -4,6 +4,10 @@
     python examples/dp_digits.py --noise_multiplier=1.2
     python examples/dp_digits.py --nodp               # non-private baseline
     python examples/dp_digits.py --augmult=16         # 16 augmented copies
+    python examples/dp_digits.py --num_bands=4        # BandMF correlated noise
+    python examples/dp_digits.py --num_bands=0        # BandMF, b chosen
+    python examples/dp_digits.py --clipping=quantile --l2_norm_clip=0.1
+    python examples/dp_digits.py --clipping=automatic
 
 Prints test accuracy and ε after each epoch and a final line
 `final: test_accuracy=... epsilon=... delta=...`. The data (1797 images,
@@ -28,7 +32,9 @@ import keras  # noqa: E402
 from sklearn import datasets  # noqa: E402
 from sklearn import model_selection  # noqa: E402
 
+import tf_pxg  # noqa: E402
 from tf_pxg import accounting  # noqa: E402
+from tf_pxg import mf  # noqa: E402
 import tf_pxg.keras as dpk  # noqa: E402
 
 _EPOCHS = flags.DEFINE_integer("epochs", 40, "Training epochs.")
@@ -60,6 +66,20 @@ _AUGMENT = flags.DEFINE_bool(
     "--augmult > 1).")
 _FLIP = flags.DEFINE_bool("flip", True, "With augmentation, also random "
                           "horizontal flips.")
+_NUM_BANDS = flags.DEFINE_integer(
+    "num_bands", 1,
+    "BandMF correlated noise with b bands (tf_pxg.mf.BandedToeplitz, "
+    "cyclic Poisson sampling; docs/correlated_noise.md). 1 is DP-SGD; 0 "
+    "chooses b from N, B, the epochs and --target_epsilon "
+    "(tf_pxg.mf.choose_num_bands).")
+_CLIPPING = flags.DEFINE_enum(
+    "clipping", "flat", ["flat", "automatic", "quantile"],
+    "flat: clip to --l2_norm_clip; automatic: R / (||g|| + 0.01) with "
+    "R = --l2_norm_clip (Bu et al.); quantile: adaptive clipping to the "
+    "--target_quantile of the norms, starting at --l2_norm_clip "
+    "(Andrew et al.; its noisy count is in the accounted noise).")
+_TARGET_QUANTILE = flags.DEFINE_float(
+    "target_quantile", 0.5, "Quantile adaptive clipping aims for.")
 
 
 def load_data(seed):
@@ -113,19 +133,34 @@ def main(argv):
     model = keras.Sequential(layers)
     noise = None
   else:
+    bands, mechanism = _NUM_BANDS.value, None
+    if bands == 0:
+      bands = mf.choose_num_bands(n, batch, _EPOCHS.value,
+                                  _TARGET_EPSILON.value,
+                                  _DELTA.value).num_bands
+    if bands > 1:
+      mechanism = mf.BandedToeplitz(bands)
     noise = _NOISE_MULTIPLIER.value
     if noise is None:
       noise = accounting.noise_multiplier_for_epsilon(
           _TARGET_EPSILON.value, n, batch, epochs=_EPOCHS.value,
-          delta=_DELTA.value)
+          delta=_DELTA.value, num_bands=bands)
+    policy = {"flat": None, "automatic": tf_pxg.clipping.Automatic(),
+              "quantile": tf_pxg.clipping.QuantileAdaptive(
+                  _TARGET_QUANTILE.value,
+                  # Andrew et al.'s B / 20, at least sigma (then sigma_g is
+                  # at most 1.16 sigma).
+                  count_stddev=max(batch / 20, noise))}[_CLIPPING.value]
     model = dpk.DPSequential(layers, l2_norm_clip=_L2_NORM_CLIP.value,
-                             noise_multiplier=noise)
+                             noise_multiplier=noise, clipping=policy,
+                             noise_mechanism=mechanism)
     callbacks.append(dpk.PrivacyCallback(
         num_examples=n, batch_size=batch, delta=_DELTA.value,
         target_epsilon=_TARGET_EPSILON.value))
     print(f"DP-SGD: l2_norm_clip={_L2_NORM_CLIP.value} "
           f"noise_multiplier={noise:.4f} batch_size={batch} "
-          f"train_examples={n} augmult={_AUGMULT.value} augment={augment}")
+          f"train_examples={n} augmult={_AUGMULT.value} augment={augment} "
+          f"num_bands={bands} clipping={_CLIPPING.value}")
   model.compile(optimizer=keras.optimizers.Adam(_LEARNING_RATE.value),
                 loss=loss, metrics=["accuracy"])
   callbacks.append(_Report())
@@ -138,8 +173,10 @@ def main(argv):
     epsilon = float("inf")
   else:
     epsilon = callbacks[0].epsilon()
+  clip = getattr(model.optimizer, "current_l2_norm_clip", None)
   print(f"final: test_accuracy={accuracy:.4f} epsilon={epsilon:.3f} "
-        f"delta={_DELTA.value:g}")
+        f"delta={_DELTA.value:g}" +
+        (f" l2_norm_clip={clip:.4g}" if clip is not None else ""))
 
 
 if __name__ == "__main__":

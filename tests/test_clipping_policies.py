@@ -7,7 +7,9 @@ dp_accounting's composition of the two Gaussian releases.
 """
 
 import math
+import textwrap
 
+import _multi_worker as multi_worker
 import dp_accounting
 import keras
 import numpy as np
@@ -273,3 +275,51 @@ def test_policy_errors_name_the_fix():
   assert clipping.get(clipping.serialize(
       clipping.QuantileAdaptive(0.7, 0.1, 3.0))) == clipping.QuantileAdaptive(
           0.7, 0.1, 3.0)
+
+
+_MIRRORED = textwrap.dedent("""
+    import json, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_pxg
+    import tf_pxg.keras as dpk
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 3)).astype("float32")
+    y = rng.standard_normal((64, 2)).astype("float32")
+
+    def run(strategy):
+      with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = dpk.DPSequential(
+            [keras.Input((3,)), keras.layers.Dense(2)], l2_norm_clip=0.05,
+            noise_multiplier=0.0, clipping=tf_pxg.clipping.QuantileAdaptive(
+                0.5, 0.5, count_stddev=0.0))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)
+      ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+      clips = []
+      cb = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch,
+          logs: clips.append(model.optimizer.current_l2_norm_clip))
+      model.fit(ds, epochs=2, verbose=0, sampling="shuffled", callbacks=[cb])
+      return clips, [v.numpy().tolist() for v in model.trainable_variables]
+
+    one = run(tf.distribute.get_strategy())
+    two = run(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    print("RESULT", json.dumps(dict(one=one, two=two)))
+    """)
+
+
+def test_adaptive_clip_under_mirrored_strategy_equals_one_device():
+  result = multi_worker.run_script(_MIRRORED, timeout=240)
+  (clips1, w1), (clips2, w2) = result["one"], result["two"]
+  assert len(clips1) == len(clips2) == 8
+  np.testing.assert_allclose(clips2, clips1, rtol=1e-5)
+  assert clips1[-1] > 2 * clips1[0]  # C = 0.05 is far below the median
+  for a, b in zip(w1, w2):
+    np.testing.assert_allclose(np.array(b), np.array(a), rtol=0, atol=1e-5)

@@ -109,7 +109,7 @@ def test_noise_buffers_are_one_slot_ring_of_last_b_minus_1_noises():
   for t in range(4, 7):  # x_t lives in slot t mod 3
     np.testing.assert_allclose(buf[t % 3].ravel(), noises[t], rtol=1e-6,
                                atol=1e-6)
-  assert model.optimizer.dp_state.noise.nbytes == 3 * 20 * 50 * 4
+  assert model.optimizer.noise_buffer_bytes == 3 * 20 * 50 * 4
   assert correlated.memory_report(model.optimizer.dp_state.noise) == {
       "num_buffers": 3, "buffer_bytes": 3 * 20 * 50 * 4}
 

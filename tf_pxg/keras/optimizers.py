@@ -112,6 +112,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.variables + self.dp_state.variables)
 
   @property
+  def noise_buffer_bytes(self) -> int:
+    """Bytes of BandMF's noise buffers per replica ((b - 1) times the
+    trainable variables'; 0 for DP-SGD or before the optimizer is built)."""
+    noise = self.dp_state.noise
+    return 0 if noise is None else noise.nbytes
+
+  @property
   def current_l2_norm_clip(self):
     """The clip in use: the adaptive clip's current value (a float) with
     `QuantileAdaptive`, else `l2_norm_clip`."""

@@ -1,0 +1,162 @@
+r"""Privacy–utility and cost of the DP mechanisms (issue 21's measurements).
+
+Two parts, from the repository root with the project's venv:
+
+  .venv/bin/python -m benchmarks.dp_mechanisms --part=cost
+  .venv/bin/python -m benchmarks.dp_mechanisms --part=accuracy --runs=5
+
+`cost`: the DP step with BandMF (b = 16) and with DP-SGD, each over the
+non-private Keras step of the same model (`benchmarks.models`: mlp, cnn;
+batch 32), timed in interleaved rounds in one process (the ratio is the
+median of the per-round ratios), and the noise buffers' bytes against the
+parameters' bytes.
+
+`accuracy`: `examples/dp_digits.py` at ε ∈ {1, 2, 8}, `--runs` runs each
+(different weight seeds; sampling and noise from OS entropy), for DP-SGD
+(flat C = 1, the tuned default), BandMF with the b that
+`tf_pxg.mf.choose_num_bands` picks (and fixed b if given), quantile
+clipping from C = 0.1 and from C = 10, and automatic clipping. Prints mean
+± standard deviation and writes `benchmarks/results/dp_mechanisms.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+_PART = flags.DEFINE_enum("part", "cost", ["cost", "accuracy"], "What to run.")
+_RUNS = flags.DEFINE_integer("runs", 5, "Runs per accuracy configuration.")
+_EPSILONS = flags.DEFINE_list("epsilons", ["1", "2", "8"], "Target ε's.")
+_CONFIGS = flags.DEFINE_list(
+    "configs", ["dpsgd", "bandmf", "quantile_0.1", "quantile_10",
+                "automatic"], "Accuracy configurations.")
+_PARALLEL = flags.DEFINE_integer("parallel", 2, "Example runs at a time.")
+_ROUNDS = flags.DEFINE_integer("rounds", 15, "Timing rounds.")
+_STEPS = flags.DEFINE_integer("steps_per_round", 10, "Steps per round.")
+_BANDS = flags.DEFINE_integer("bands", 16, "b for the cost part.")
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_RESULTS = _ROOT / "benchmarks" / "results"
+
+_ARGS = {
+    "dpsgd": [],
+    "bandmf": ["--num_bands=0"],
+    "quantile_0.1": ["--clipping=quantile", "--l2_norm_clip=0.1"],
+    "quantile_10": ["--clipping=quantile", "--l2_norm_clip=10"],
+    "automatic": ["--clipping=automatic"],
+}
+
+
+def _cost():
+  import keras  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from benchmarks import models  # noqa: PLC0415
+  from tf_pxg import mf  # noqa: PLC0415
+  import tf_pxg.keras as dpk  # noqa: PLC0415
+
+  out = {}
+  for name in ("mlp", "cnn"):
+    x, y = models.batch(name, 32)
+
+    def make(kind):
+      keras.utils.set_random_seed(0)
+      net = models.build(keras, name)
+      if kind == "keras":
+        model = net
+      else:
+        mech = mf.BandedToeplitz(_BANDS.value) if kind == "bandmf" else None
+        model = dpk.make_private(net, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                 noise_mechanism=mech)
+      model.compile(optimizer=keras.optimizers.SGD(0.01),
+                    loss=keras.losses.SparseCategoricalCrossentropy(
+                        from_logits=True))
+      model.train_on_batch(x, y)  # trace and build
+      model.train_on_batch(x, y)
+      return model
+
+    steps = {k: make(k) for k in ("keras", "dpsgd", "bandmf")}
+    times = {k: [] for k in steps}
+    for _ in range(_ROUNDS.value):
+      for k, model in steps.items():
+        start = time.perf_counter()
+        for _ in range(_STEPS.value):
+          model.train_on_batch(x, y)
+        times[k].append((time.perf_counter() - start) / _STEPS.value)
+    ratio = {k: statistics.median(t / b for t, b in zip(times[k],
+                                                        times["keras"]))
+             for k in ("dpsgd", "bandmf")}
+    params = sum(int(np.prod(v.shape)) * 4
+                 for v in steps["keras"].trainable_variables)
+    buffers = steps["bandmf"].optimizer.dp_state.noise.nbytes
+    out[name] = {"step_ms": {k: 1e3 * statistics.median(t)
+                             for k, t in times.items()},
+                 "ratio_over_keras": ratio, "param_bytes": params,
+                 "buffer_bytes": buffers, "num_bands": _BANDS.value,
+                 "load": os.getloadavg()[0]}
+    print(f"{name}: keras {out[name]['step_ms']['keras']:.2f} ms, DP-SGD "
+          f"{ratio['dpsgd']:.2f}x, BandMF b={_BANDS.value} "
+          f"{ratio['bandmf']:.2f}x; buffers {buffers / 2**20:.1f} MiB = "
+          f"{buffers / params:.0f}x the parameters", flush=True)
+  return out
+
+
+def _run_example(config, epsilon, seed):
+  cmd = [sys.executable, str(_ROOT / "examples" / "dp_digits.py"),
+         f"--target_epsilon={epsilon}", f"--seed={seed}"] + _ARGS[config]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                        cwd=_ROOT)
+  final = re.search(r"final: test_accuracy=([0-9.]+) epsilon=([0-9.]+)",
+                    proc.stdout)
+  bands = re.search(r"num_bands=(\d+)", proc.stdout)
+  if final is None:
+    return {"error": (proc.stderr or proc.stdout)[-400:]}
+  return {"accuracy": float(final.group(1)), "epsilon": float(final.group(2)),
+          "num_bands": int(bands.group(1)) if bands else 1}
+
+
+def _accuracy():
+  import concurrent.futures  # noqa: PLC0415
+  jobs = [(c, e, s) for e in _EPSILONS.value for c in _CONFIGS.value
+          for s in range(_RUNS.value)]
+  with concurrent.futures.ThreadPoolExecutor(_PARALLEL.value) as pool:
+    results = list(pool.map(lambda j: (j, _run_example(*j)), jobs))
+  table = {}
+  for (config, eps, _), r in results:
+    table.setdefault(f"{config}@{eps}", []).append(r)
+  summary = {}
+  for key, runs in table.items():
+    acc = [r["accuracy"] for r in runs if "accuracy" in r]
+    summary[key] = {
+        "mean": statistics.mean(acc) if acc else None,
+        "std": statistics.stdev(acc) if len(acc) > 1 else None,
+        "runs": runs}
+    bands = sorted({r.get("num_bands") for r in runs if "num_bands" in r})
+    print(f"{key:22s} " + (f"{summary[key]['mean']:.4f} ± "
+                           f"{summary[key]['std'] or 0:.4f}" if acc else
+                           "failed") + f"  (n={len(acc)}, b={bands})",
+          flush=True)
+  return summary
+
+
+def main(argv):
+  del argv
+  _RESULTS.mkdir(parents=True, exist_ok=True)
+  path = _RESULTS / "dp_mechanisms.json"
+  results = json.loads(path.read_text()) if path.exists() else {}
+  results[_PART.value] = _cost() if _PART.value == "cost" else _accuracy()
+  results[_PART.value + "_finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+  path.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)
