@@ -18,12 +18,15 @@ CI installs it). Against closed forms and against the in-memory path:
   (`poisson_dataset(..., batches=...)`), to 1e-6;
 - multi-worker reading: each input pipeline's slices are the global
   batch's rows of its replicas;
-- cyclic Poisson sampling (`num_groups` b = 4, q = B b / N): every example
-  joins only steps of one residue mod b (its group), its participations a
-  multiple of b apart; the group sizes are Binomial(N, 1/b) (uniform
-  groups), each example's count over its group's steps Binomial(T / b, q),
-  each step's size Binomial(|its group|, q); exactly the steps
-  `joined_steps` draws for the example's group; also in secure mode.
+- cyclic Poisson sampling (`num_groups` b = 4, q = B b / N, `group_seed`):
+  every example joins only steps of one residue mod b (its group), its
+  participations a multiple of b apart; that group is the documented keyed
+  hash of its id under the group seed (BLAKE2b recomputed here), the same
+  in secure mode and whatever the sampling seed; the group sizes are
+  Binomial(N, 1/b) (uniform groups), each example's count over its group's
+  steps Binomial(T / b, q), each step's size Binomial(|its group|, q);
+  exactly the steps `joined_steps` draws for the example's group; the
+  manifest records the group seed; b > 1 without a group seed is refused.
 """
 
 import math
@@ -100,6 +103,7 @@ def test_manifest_sizes(law_run):
   _, shards, steps = law_run
   assert shards.num_examples == N and shards.steps_per_epoch == 20
   assert shards.num_groups == 1 and shards.sampling_rate == B / N
+  assert shards.group_seed is None
   assert shards.total_steps == 2000 == len(steps)
   assert shards.num_shards == 8
   assert sum(shards.physical_batches) == sum(len(s) for s in steps)
@@ -335,6 +339,17 @@ def _joins_by_example(steps):
   return got
 
 
+GROUP_SEED = 2 ** 62 + 12345
+
+
+def _reference_group(uid, b, group_seed):
+  """The documented keyed hash, recomputed here."""
+  import hashlib  # noqa: PLC0415
+  digest = hashlib.blake2b(uid, key=group_seed.to_bytes(8, "little"),
+                           person=b"tf_pxg.group", digest_size=8).digest()
+  return int.from_bytes(digest, "little") % b
+
+
 def test_cyclic_beam_output(tmp_path):
   _check_cyclic_run(tmp_path, seed=9)
 
@@ -342,9 +357,11 @@ def test_cyclic_beam_output(tmp_path):
 def _check_cyclic_run(tmp_path, seed):
   records = _records(NC)
   shards = _run(records, tmp_path, expected_batch_size=BC, epochs=EC,
-                steps_per_shard=100, seed=seed, num_groups=GC)
+                steps_per_shard=100, seed=seed, num_groups=GC,
+                group_seed=GROUP_SEED)
   q = BC * GC / NC
   assert shards.num_groups == GC and shards.sampling_rate == q
+  assert shards.group_seed == GROUP_SEED
   # Whole cycles per epoch: b ceil(N / (B b)).
   assert shards.steps_per_epoch == GC * math.ceil(NC / (BC * GC)) == 20
   total = EC * 20
@@ -380,24 +397,39 @@ def _check_cyclic_run(tmp_path, seed):
     assert abs(x.mean() - n * q) < 5 * math.sqrt(var / len(x))
     assert abs(x.var(ddof=1) / var - 1) < 5 * math.sqrt(2 / (len(x) - 1))
     assert base.binomial_chi_square_p(x, n, q) > 1e-3
-  # Exactly the drawn steps of the example's group.
+  # The group is the keyed hash of the id under the group seed, and the
+  # example joins exactly the drawn steps of that group.
   for i, rec in enumerate(records):
     uid, _ = dp_beam.example_id(rec)
-    group = dp_beam.example_group(uid, GC, seed)
-    assert group == residue[i]
+    group = dp_beam.example_group(uid, GC, GROUP_SEED)
+    assert group == residue[i] == _reference_group(uid, GC, GROUP_SEED)
     assert got[i] == dp_beam.joined_steps(uid, total, q, seed, GC, group)
+  # Another group seed, another partition (the sampling seed plays no
+  # part in it).
+  other = [dp_beam.example_group(dp_beam.example_id(r)[0], GC, 1)
+           for r in records]
+  assert other != [residue[i] for i in range(NC)]
 
 
 def test_cyclic_beam_secure_mode_and_errors(tmp_path):
-  shards = _run(_records(60), tmp_path, expected_batch_size=5, epochs=4,
-                secure_mode=True, num_groups=3)
+  records = _records(60)
+  shards = _run(records, tmp_path, expected_batch_size=5, epochs=4,
+                secure_mode=True, num_groups=3, group_seed=GROUP_SEED)
   assert shards.num_groups == 3 and shards.seed is None
   got = _joins_by_example(_steps(shards))
   assert got
-  for joined in got.values():
-    assert len({t % 3 for t in joined}) == 1
+  for i, joined in got.items():
+    # Secure mode draws the joins from the OS; the groups are still the
+    # group seed's.
+    uid, _ = dp_beam.example_id(records[i])
+    assert {t % 3 for t in joined} == {_reference_group(uid, 3, GROUP_SEED)}
+  # b > 1 needs the group seed; b = 1 does not (and writes null).
+  with pytest.raises(ValueError, match="needs group_seed"):
+    dp_beam.PoissonConfig(5, num_groups=3, secure_mode=True)
+  with pytest.raises(ValueError, match=r"group_seed.*\[0, 2\^64\)"):
+    dp_beam.PoissonConfig(5, num_groups=3, group_seed=-1)
   # b > floor(N / B) is refused once N is known; the message names it.
-  config = dp_beam.PoissonConfig(5, num_groups=13, seed=1)
+  config = dp_beam.PoissonConfig(5, num_groups=13, seed=1, group_seed=2)
   with pytest.raises(ValueError, match=r"largest num_groups is 12 "):
     config.sizes(60)
   assert config.sizes(65)[0] == 5 * 13 / 65
@@ -408,6 +440,7 @@ def test_cyclic_beam_secure_mode_and_errors(tmp_path):
   old = tmp_path / "old"
   old.mkdir()
   manifest = dict(shards.manifest)
-  del manifest["num_groups"]
+  del manifest["num_groups"], manifest["group_seed"]
   (old / "manifest.json").write_text(json.dumps(manifest))
   assert dpd.PoissonShards(str(old)).num_groups == 1
+  assert dpd.PoissonShards(str(old)).group_seed is None

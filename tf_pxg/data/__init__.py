@@ -1,8 +1,10 @@
 """Poisson sampling for DP-SGD: masked fixed-shape batches, logical steps.
 
 `PoissonSampler` draws logical batches (each example independently with
-probability q = B/N; with `num_groups=b`, cyclic Poisson sampling for
-BandMF: step s draws only the examples i = s mod b, at q = B b / N) and
+probability q = B/N; with `num_groups=b, group_seed=s`, cyclic Poisson
+sampling for BandMF: every example is assigned a group uniformly at random
+under the run's secret `group_seed` (`group_assignment`), and step s draws
+only the examples of group s mod b, at q = B b / N) and
 lays them out as fixed-size physical batches with a per-row mask;
 `poisson_dataset` turns them into a `tf.data.Dataset` of `(x, y, info)`
 that a DP model's `fit` and custom loops consume;
@@ -22,6 +24,7 @@ from tf_pxg.data.dataset import poisson_dataset
 from tf_pxg.data.dataset import shard_batch
 from tf_pxg.data.dataset import user_index
 from tf_pxg.data.poisson import default_physical_batch_size
+from tf_pxg.data.poisson import group_assignment
 from tf_pxg.data.poisson import MASK
 from tf_pxg.data.poisson import max_num_groups
 from tf_pxg.data.poisson import NORMALIZER
@@ -44,6 +47,7 @@ __all__ = [
     "default_physical_batch_size",
     "dp_batch_info",
     "for_input_pipeline",
+    "group_assignment",
     "is_dp_batch_info",
     "max_num_groups",
     "num_examples",

@@ -29,19 +29,27 @@ a cluster, unchanged:
    smallest hash), masked out. Rows are split into R replica files.
 4. **Manifest last**: `manifest.json` (sizes, per-shard batch counts).
 
-Cyclic Poisson sampling (`PoissonConfig(num_groups=b)`, for BandMF; the
-in-memory `PoissonSampler(num_groups=b)` explains it): global step s
-samples only group `s mod b`, at rate `q = B b / N`. Records have no index
-here, so a record's group is a uniform draw of its own: a BLAKE2b hash of
-its id keyed by the seed (domain-separated from its joins), or 64 bits of
-`os.urandom` in secure mode, reduced mod b (bias below b / 2^64). The
-partition is therefore fixed for the run and independent of every other
-record (adding or removing a record moves no one else), but the group
-sizes are Binomial(N, 1/b) instead of differing by at most one. A record
-of group g draws its joins by geometric skips over the steps
-`g, g + b, g + 2b, ...` only, so its participations are multiples of b
-steps apart. T defaults to `b ceil(N / (B b))` (whole cycles); b = 1 is
-the plain pipeline, byte for byte.
+Cyclic Poisson sampling (`PoissonConfig(num_groups=b, group_seed=s)`, for
+BandMF; the in-memory `PoissonSampler(num_groups=b, group_seed=s)`
+explains it): global step s samples only group `s mod b`, at rate
+`q = B b / N`. The partition is the independent one, as in memory, keyed
+by the same kind of secret `group_seed` (required for b > 1, drawn once
+per training run from OS entropy, e.g. `secrets.randbits(62)`, and reused
+by every pipeline run that feeds the same training run): records have no
+index here, so a record's group is a keyed hash of its id,
+`BLAKE2b(id, key=group_seed as 8 little-endian bytes,
+person="tf_pxg.group", 8-byte digest)` read as a little-endian integer mod
+b (`example_group`; uniform up to a bias below b / 2^64). Given the secret
+seed the groups of distinct ids are i.i.d. uniform on `range(b)`, each
+depending on nothing but its own record, so adding or removing a record
+moves no one else (add/remove adjacency) and the group sizes are
+Binomial(N, 1/b), as in memory (the two paths assign different groups: one
+keys positions, the other ids). The groups do not depend on `seed` or
+`secure_mode`, which only drive the joins. A record of group g draws its
+joins by geometric skips over the steps `g, g + b, g + 2b, ...` only, so
+its participations are multiples of b steps apart. T defaults to
+`b ceil(N / (B b))` (whole cycles); b = 1 is the plain pipeline, byte for
+byte, and needs no group seed.
 
 Randomness: with `seed`, example x's joins are a function of
 `(seed, id(x))`, `id(x)` a BLAKE2b hash of the example's key (elements
@@ -97,9 +105,13 @@ class PoissonConfig:
     secure_mode: every uniform from `os.urandom`; excludes `seed`.
     num_groups: b >= 1, cyclic Poisson sampling (module docstring); checked
       against N (`b <= floor(N / B)`) when the pipeline has counted N.
+    group_seed: required for b > 1: the secret key of the records' group
+      assignment, an int in `[0, 2^64)` drawn once per training run
+      (module docstring). Ignored for b = 1.
 
   Raises:
-    ValueError: invalid values (named); `seed` with `secure_mode`.
+    ValueError: invalid values (named); `seed` with `secure_mode`; b > 1
+      without `group_seed`.
   """
 
   def __init__(self, expected_batch_size: float, epochs: int = 1,
@@ -107,7 +119,8 @@ class PoissonConfig:
                physical_batch_size: Optional[int] = None,
                accumulation_steps: int = 1, num_replicas: int = 1,
                steps_per_shard: int = 100, seed: Optional[int] = None,
-               secure_mode: bool = False, num_groups: int = 1):
+               secure_mode: bool = False, num_groups: int = 1,
+               group_seed: Optional[int] = None):
     poisson._check_positive(expected_batch_size, "expected_batch_size")
     for value, name in ((epochs, "epochs"),
                         (accumulation_steps, "accumulation_steps"),
@@ -133,6 +146,7 @@ class PoissonConfig:
     self.num_replicas = int(num_replicas)
     self.steps_per_shard = int(steps_per_shard)
     self.num_groups = int(num_groups)
+    self.group_seed = poisson.check_group_seed(group_seed, self.num_groups)
     self.secure_mode = bool(secure_mode)
     self.seed_given = seed is not None
     self.seed = poisson.resolve_seed(seed, self.secure_mode)
@@ -168,20 +182,22 @@ def example_id(element) -> tuple:
   return hashlib.blake2b(tag + key, digest_size=16).digest(), record
 
 
-def example_group(uid: bytes, num_groups: int, seed: Optional[int]) -> int:
+def example_group(uid: bytes, num_groups: int,
+                  group_seed: Optional[int]) -> int:
   """The cyclic-sampling group of example `uid`, uniform on `range(b)`.
 
-  BLAKE2b of `uid` keyed by `seed` (personalised, so independent of the
-  joins' stream), or `os.urandom` when `seed` is None; 64 bits mod b.
-  Always 0 for b = 1.
+  BLAKE2b of `uid` keyed by `group_seed` (8 little-endian bytes),
+  personalised "tf_pxg.group" (so independent of the joins' stream), 8-byte
+  digest as a little-endian integer, mod b. Always 0 for b = 1.
+
+  Raises:
+    ValueError: b > 1 without a valid `group_seed`.
   """
   if num_groups == 1:
     return 0
-  if seed is None:
-    raw = os.urandom(8)
-  else:
-    raw = hashlib.blake2b(uid, key=seed.to_bytes(8, "little"),
-                          person=b"tf_pxg.group", digest_size=8).digest()
+  group_seed = poisson.check_group_seed(group_seed, num_groups)
+  raw = hashlib.blake2b(uid, key=group_seed.to_bytes(8, "little"),
+                        person=b"tf_pxg.group", digest_size=8).digest()
   return int.from_bytes(raw, "little") % num_groups
 
 
@@ -231,7 +247,7 @@ class _DrawJoins(beam.DoFn):
     uid, record = keyed
     c = self._config
     q, _, total, _ = c.sizes(n)
-    group = example_group(uid, c.num_groups, c.seed)
+    group = example_group(uid, c.num_groups, c.group_seed)
     for step in joined_steps(uid, total, q, c.seed, c.num_groups, group):
       yield step // self._config.steps_per_shard, (step, uid, record)
 
@@ -314,6 +330,7 @@ def _write_manifest(counts, n, config: PoissonConfig, output_dir: str):
       "steps_per_shard": config.steps_per_shard,
       "physical_batches": [per_shard[s] for s in range(num_shards)],
       "seed": config.seed if config.seed_given else None,
+      "group_seed": config.group_seed,
       "secure_mode": config.secure_mode,
   }
   with FileSystems.create(os.path.join(output_dir, shards.MANIFEST)) as f:
@@ -391,6 +408,11 @@ def main(argv=None):
   parser.add_argument("--num_groups", type=int, default=1,
                       help="cyclic Poisson sampling over this many groups "
                       "(BandMF); q = B * num_groups / N")
+  parser.add_argument("--group_seed", type=int, default=None,
+                      help="required with --num_groups > 1: the secret key "
+                      "of the records' group assignment, drawn once per "
+                      "training run (e.g. secrets.randbits(62)) and reused "
+                      "by every pipeline run of it")
   args, beam_args = parser.parse_known_args(argv)
   config = PoissonConfig(
       args.batch_size, epochs=args.epochs,
@@ -399,7 +421,7 @@ def main(argv=None):
       accumulation_steps=args.accumulation_steps,
       num_replicas=args.num_replicas, steps_per_shard=args.steps_per_shard,
       seed=args.seed, secure_mode=args.secure_mode,
-      num_groups=args.num_groups)
+      num_groups=args.num_groups, group_seed=args.group_seed)
   run(args.input, args.output, config, PipelineOptions(beam_args))
 
 

@@ -74,8 +74,10 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
 
   Args:
     sampler: a `PoissonSampler` over `num_examples(x, y)` examples; its
-      seed (or `secure_mode`) keys the stream, its `num_groups` makes it
-      cyclic (step s draws only rows i = s mod b).
+      seed (or `secure_mode`) keys the stream, its `num_groups` and
+      `group_seed` make it cyclic (step s draws only the rows of group
+      s mod b, the sampler's `group_members(s % b)`; its member lists are
+      held in the dataset as constant tensors).
     x: model inputs: an array or tensor, or a nest (dict, tuple, list) of
       them, with a leading example axis; any dtype, strings included.
     y: labels, same conventions.
@@ -102,11 +104,13 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
     user_ids: optional `[N]` int or string user of each example, for
       user-level DP: `sampler` is then over the U users
       (`PoissonSampler(U, B)`, U = number of distinct ids, see
-      `user_index`), and each sampled user contributes up to
-      `examples_per_user` = k of their examples chosen uniformly at random
-      without replacement (fresh per physical batch), padded to k with
-      masked rows (`dp_row_mask` 0): P·k rows. The train step takes the
-      masked mean of the user's rows' losses as the user's loss.
+      `user_index`; with `num_groups`, the groups are of users, by their
+      index among the sorted distinct ids), and each sampled user
+      contributes up to `examples_per_user` = k of their examples chosen
+      uniformly at random without replacement (fresh per physical
+      batch), padded to k with masked rows (`dp_row_mask` 0): P·k rows.
+      The train step takes the masked mean of the user's rows' losses as
+      the user's loss.
     examples_per_user: k, required with `user_ids`. With `augmult` K as
       well, each chosen example appears K times: P·k·K rows.
 

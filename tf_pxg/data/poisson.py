@@ -61,26 +61,60 @@ the same tests as the N-uniform sampler (`tests/test_sampling.py`).
 
 Cyclic Poisson sampling (`num_groups=b > 1`; Choquette-Choo et al. 2023,
 "Amplified banded matrix factorization", for BandMF's correlated noise).
-The examples are split once into b fixed, data-independent groups:
-example i is in group `i mod b` (shuffle the data once beforehand if its
-order means something; the partition is a function of the index only, so a
-resumed run has the same groups). Global logical step s (counted like
-`optimizer.iterations`, from `start_step`) samples only group `s mod b`,
-each of its examples independently with probability `q = B b / N`, by the
-same geometric skips over the group's positions `k` (example `s mod b +
-b k`). So an example can join only every b-th step, and two of its
-participations are a multiple of b steps apart. The expected batch of a
-step of group g is `q |G_g|`: B when b divides N; otherwise the groups
-have `ceil(N / b)` or `floor(N / b)` examples and the expected batch is
-`B + q (|G_g| - N / b)`, within q (<= 1) of B. The noisy sum is still
-divided by the data-independent constant `expected_batch_size` B
-(`NORMALIZER`), which is `q N / b`, the expected batch averaged over the b
-groups. `q <= 1` needs `b <= floor(N / B)`. b = 1 is ordinary Poisson
-sampling, bit for bit the same draws as a sampler without the argument.
-Because the groups are positional, the amplified-BandMF ε (ceil(T / b)
-rounds of the Poisson-subsampled Gaussian at rate q) is a guarantee under
-zero-out adjacency: one example's record replaced by a null one at the
-same position (docs/sampling.md, "Cyclic Poisson sampling").
+The examples are split once into b groups by an **independent uniform
+assignment**: example i's group is `g_i`, where
+
+    g = np.random.default_rng([group_seed, GROUP_SALT]).integers(
+        0, b, size=N)
+
+(`group_assignment`; `GROUP_SALT` is the ASCII of "tf_pxg/groups" read as a
+big-endian integer, above 2^64, so this generator is never the one of a
+sampling step, keyed `[seed, step]`). Global logical step s (counted like
+`optimizer.iterations`, from `start_step`) samples only group `s mod b`:
+each of its members independently with probability `q = B b / N`, by the
+same geometric skips, run over the group's sorted member list (precomputed
+once per sampler) and mapped back to the members' indices: O(B) per step.
+So an example can join only every b-th step, and two of its participations
+are a multiple of b steps apart.
+
+Why this partition, and why a seed. The amplified-BandMF ε (ceil(T / b)
+rounds of the Poisson-subsampled Gaussian at rate q) is claimed, like
+every ε here, under add/remove adjacency. A partition by position
+(`i mod b`) does not give that: removing one example shifts the groups of
+all the examples after it, so it is only valid under zero-out/replace
+adjacency (jax-privacy's `PartitionType` docs draw the same line:
+`INDEPENDENT`, each example's group drawn independently and uniformly at
+random, is the partition valid for add/remove). Here the groups are a
+function of the position too, but under a secret seed drawn uniformly at
+random and independently of the data: the values `g_0, ..., g_{N-1}` are
+then (modelling the generator as a random function of its key) i.i.d.
+uniform on `range(b)` for every N, whichever records sit at those
+positions. So the data set with one record removed, its later rows shifted
+up, gives the remaining records i.i.d. uniform groups again: the same law
+as the full data set's assignment restricted to them. That is the
+independent partition, and the mechanism on the smaller data set is the
+mechanism on the larger one without the removed record's contributions,
+which is what the add/remove analysis needs. The seed must therefore be
+drawn once from OS entropy, never chosen after looking at the data, kept
+secret (like the noise; it is optimizer state, not a published artefact),
+and kept for the whole run: the group assignment must not change between
+epochs or resumed fits (nor differ between the workers of a multi-worker
+job: broadcast it like the sampling seed), or an example could join two
+steps less than b apart. That is why it is an argument, `group_seed`, and not drawn here: a
+DP model's `fit` passes the seed its optimizer drew once and persists
+(`optimizer.dp_state.group_seed`); a custom loop draws one
+(`secrets.randbits(62)`), saves it with its checkpoint and passes it to
+every sampler of the run. `group_seed=None` with b > 1 raises.
+
+The group sizes are Binomial(N, 1/b) (they differ by about `sqrt(N / b)`;
+they depend on the seed and N only, never on the data). The expected batch
+of a step of group g is `q |G_g|`, on average over the assignment
+`q N / b = B`; the noisy sum is divided by the data-independent constant
+`expected_batch_size` B (`NORMALIZER`). `q <= 1` needs `b <= floor(N / B)`.
+b = 1 is ordinary Poisson sampling, bit for bit the same draws as a sampler
+without the argument, with no group seed (one group, nothing to assign).
+The Beam pipeline (`tf_pxg.data.beam`) draws each record's group from a
+keyed hash of its id under the same kind of `group_seed`.
 
 Randomness. Logical step t of a seeded sampler is a pure function of
 `(seed, t)`: the numpy sampler seeds a PCG64 generator with the key
@@ -95,7 +129,11 @@ system's CSPRNG (`os.urandom` for the numpy sampler: every uniform is 53
 bits read from it; the `tf.data` stream reads a fresh 128-bit key per step
 from `/dev/urandom` and expands only that step's draws from it with
 stateless Philox), so no step can be predicted from another and two runs
-never repeat; a `seed` with `secure_mode=True` raises.
+never repeat; a `seed` with `secure_mode=True` raises. The group
+assignment of cyclic sampling is not per-step randomness but state that
+must persist over the run, so secure mode still takes `group_seed` (from
+OS entropy, see above); only the draws within the groups come from the
+CSPRNG.
 """
 
 from __future__ import annotations
@@ -115,6 +153,15 @@ WEIGHT = "dp_weight"
 # Per-row mask of a batch of privacy units of several rows (augmult, users):
 # `[P * G]`, the G rows of a unit contiguous; `MASK` is then per unit `[P]`.
 ROW_MASK = "dp_row_mask"
+
+# Second word of the key of the group assignment's generator,
+# `np.random.default_rng([group_seed, GROUP_SALT])`: the ASCII bytes of
+# "tf_pxg/groups" as a big-endian integer. It is above 2^64, so it is never
+# the step of a sampling key `[seed, step]`.
+GROUP_SALT = int.from_bytes(b"tf_pxg/groups", "big")
+# Examples per call of `integers` when drawing the assignment (the draws of
+# consecutive calls on one generator concatenate to those of one call).
+_GROUP_CHUNK = 1 << 22
 
 
 def max_num_groups(num_examples: int, expected_batch_size: float) -> int:
@@ -199,20 +246,32 @@ class PoissonSampler:
       `optimizer.iterations`). With `num_groups` it also fixes where the
       cycle is: step s samples group `s mod b`.
     num_groups: b >= 1, cyclic Poisson sampling (module docstring): example
-      i is in group `i mod b`, step s samples only group `s mod b`, at rate
+      i is in group `g_i` (`group_assignment(N, b, group_seed)`, i.i.d.
+      uniform on `range(b)`), step s samples only group `s mod b`, at rate
       `q = B b / N`. 1 (default) is ordinary Poisson sampling.
+    group_seed: required when b > 1: a non-negative int below 2^64 that
+      keys the group assignment. It must be drawn once per training run
+      from OS entropy, kept secret, and passed unchanged to every sampler
+      of the run (every epoch and resumed fit), so that each example keeps
+      its group. A DP model's `fit` passes its optimizer's persisted seed;
+      in a custom loop use e.g. `secrets.randbits(62)` and save it with
+      the checkpoint. Independent of `seed` and `secure_mode` (secure
+      mode needs it too). Ignored (no assignment) when b = 1.
 
   Attributes:
     seed: the stream's seed (None in secure mode).
     next_step: the index of the next logical step the stateful methods draw.
     num_groups: b.
+    group_seed: the assignment's seed (None when b = 1 and none was given).
     sampling_rate: q = B b / N, the probability that an example joins a
       step of its group (what the accountant composes, ceil(T / b) times
       per example for BandMF).
 
   Raises:
     ValueError: invalid sizes (named); `seed` together with `secure_mode`;
-      `num_groups` not a positive integer or above `floor(N / B)` (q > 1).
+      `num_groups` not a positive integer or above `floor(N / B)` (q > 1);
+      b > 1 without `group_seed` (the message says where it comes from),
+      or a `group_seed` that is not an int in `[0, 2^64)`.
   """
 
   def __init__(self, num_examples: int, expected_batch_size: float,
@@ -220,7 +279,8 @@ class PoissonSampler:
                accumulation_steps: int = 1, num_replicas: int = 1,
                steps_per_epoch: Optional[int] = None,
                seed: Optional[int] = None, secure_mode: bool = False,
-               start_step: int = 0, num_groups: int = 1):
+               start_step: int = 0, num_groups: int = 1,
+               group_seed: Optional[int] = None):
     _check_positive_int(num_examples, "num_examples")
     _check_positive(expected_batch_size, "expected_batch_size")
     _check_positive_int(accumulation_steps, "accumulation_steps")
@@ -240,6 +300,7 @@ class PoissonSampler:
           "slice of each physical batch.")
     num_groups = check_num_groups(num_groups, num_examples,
                                   expected_batch_size)
+    group_seed = check_group_seed(group_seed, num_groups)
     if steps_per_epoch is None:
       steps_per_epoch = default_steps_per_epoch(
           num_examples, expected_batch_size, num_groups)
@@ -261,21 +322,50 @@ class PoissonSampler:
       raise ValueError(
           f"`start_step` must be a non-negative integer; got {start_step!r}.")
     self.next_step = int(start_step)
+    self.group_seed = group_seed
+    # The groups' members, once: group g is `members[offsets[g]:
+    # offsets[g + 1]]`, ascending (b = 1: no arrays, the plain sampler).
+    self._groups = None
+    if self.num_groups > 1:
+      self._groups = GroupIndex(self.num_examples, self.num_groups,
+                                group_seed)
+
+  @property
+  def group_index(self) -> Optional["GroupIndex"]:
+    """The `GroupIndex` of the assignment (None for b = 1)."""
+    return self._groups
 
   def group_of_step(self, step: int) -> int:
     """The group that global logical step `step` samples: `step mod b`."""
     return int(step) % self.num_groups
 
   def group_size(self, group: int) -> int:
-    """|G_g| = `ceil((N - g) / b)`: examples `g, g + b, g + 2b, ... < N`."""
-    return group_size(self.num_examples, self.num_groups, group)
+    """|G_g|, the number of examples assigned to group g (N for b = 1)."""
+    if self._groups is None:
+      _check_group(group, 1)
+      return self.num_examples
+    return self._groups.size(group)
+
+  def group_members(self, group: int) -> np.ndarray:
+    """`[|G_g|]` int64, the ascending indices of the examples of group g."""
+    if self._groups is None:
+      _check_group(group, 1)
+      return np.arange(self.num_examples, dtype=np.int64)
+    return self._groups.members(group).astype(np.int64)
+
+  def example_groups(self) -> np.ndarray:
+    """`[N]` int64, every example's group (`group_assignment`; 0s for b = 1)."""
+    if self._groups is None:
+      return np.zeros(self.num_examples, np.int64)
+    return self._groups.assignment()
 
   def indices_for_step(self, step: int) -> np.ndarray:
     """The sorted indices of logical step `step` (O(B) work, see module doc).
 
-    A pure function of `(seed, step)`; in secure mode every call draws
-    fresh OS randomness (there is no stream to index). With b groups, only
-    examples `i = step mod b (mod b)` can be drawn.
+    A pure function of `(seed, step)` (and `group_seed`); in secure mode
+    every call draws fresh OS randomness (there is no stream to index).
+    With b groups, only the members of group `step mod b` can be drawn:
+    the geometric skips run over the positions in the group's member list.
 
     Returns:
       `[n]` int64, sorted, distinct, in `[0, N)`, all in group
@@ -290,10 +380,10 @@ class PoissonSampler:
     if self.num_groups == 1:
       return geometric_skip_indices(uniforms, self.num_examples,
                                     self.sampling_rate)
-    group = self.group_of_step(step)
-    positions = geometric_skip_indices(uniforms, self.group_size(group),
+    members = self._groups.members(self.group_of_step(step))
+    positions = geometric_skip_indices(uniforms, len(members),
                                        self.sampling_rate)
-    return group + self.num_groups * positions
+    return members[positions].astype(np.int64)
 
   def sample_indices(self) -> np.ndarray:
     """The indices of the next Poisson sample (sorted; ~ Binomial(N, q))."""
@@ -346,10 +436,80 @@ def layout(indices: np.ndarray, physical_batch_size: int,
   return batches
 
 
-def group_size(num_examples: int, num_groups: int, group: int) -> int:
-  """`ceil((N - g) / b)`, the size of group g of `range(N)` mod b."""
-  return (int(num_examples) - int(group) + int(num_groups) - 1) // int(
-      num_groups)
+def group_assignment(num_examples: int, num_groups: int,
+                     group_seed: int) -> np.ndarray:
+  """`[N]` int64, the group of every example under `group_seed`.
+
+  Exactly `np.random.default_rng([group_seed, GROUP_SALT]).integers(0, b,
+  size=N)` (drawn in chunks of one generator, which concatenate to the
+  same values): i.i.d. uniform on `range(b)` given a secret random seed
+  (module docstring). b = 1 gives zeros.
+
+  Raises:
+    ValueError: invalid N or b, or `group_seed` not an int in `[0, 2^64)`.
+  """
+  _check_positive_int(num_examples, "num_examples")
+  _check_positive_int(num_groups, "num_groups")
+  if num_groups == 1:
+    return np.zeros(int(num_examples), np.int64)
+  group_seed = check_group_seed(group_seed, num_groups)
+  return np.concatenate(list(_assignment_chunks(
+      int(num_examples), int(num_groups), group_seed)))
+
+
+def _assignment_chunks(n: int, b: int, group_seed: int):
+  rng = np.random.default_rng([group_seed, GROUP_SALT])
+  for start in range(0, n, _GROUP_CHUNK):
+    yield rng.integers(0, b, size=min(_GROUP_CHUNK, n - start))
+
+
+class GroupIndex:
+  """The b groups of `group_assignment(N, b, group_seed)`, as member lists.
+
+  Built once per sampler in O(N) (a stable radix sort of the assignment):
+  `member_indices` holds the example indices sorted by (group, index), and
+  group g is `member_indices[offsets[g]:offsets[g + 1]]`, ascending.
+  `member_indices` is int32 when N < 2^31, else int64; `groups` is the
+  `[N]` assignment in the smallest unsigned dtype that holds b.
+  """
+
+  def __init__(self, num_examples: int, num_groups: int, group_seed: int):
+    n, b = int(num_examples), int(num_groups)
+    self.num_examples, self.num_groups = n, b
+    self.group_seed = check_group_seed(group_seed, b)
+    dtype = (np.uint8 if b <= 1 << 8 else np.uint16 if b <= 1 << 16 else
+             np.uint32 if b <= 1 << 32 else np.uint64)
+    self.groups = np.empty(n, dtype)
+    start = 0
+    for chunk in _assignment_chunks(n, b, self.group_seed):
+      self.groups[start:start + len(chunk)] = chunk
+      start += len(chunk)
+    # Radix sort for 8/16-bit keys; stable, so each group stays ascending.
+    order = np.argsort(self.groups, kind="stable")
+    self.member_indices = order.astype(np.int32 if n < 1 << 31 else
+                                       np.int64)
+    del order
+    self.offsets = np.zeros(b + 1, np.int64)
+    np.cumsum(np.bincount(self.groups, minlength=b), out=self.offsets[1:])
+
+  def members(self, group: int) -> np.ndarray:
+    """Group g's members, ascending (a view of `member_indices`)."""
+    g = _check_group(group, self.num_groups)
+    return self.member_indices[self.offsets[g]:self.offsets[g + 1]]
+
+  def size(self, group: int) -> int:
+    """|G_g|."""
+    g = _check_group(group, self.num_groups)
+    return int(self.offsets[g + 1] - self.offsets[g])
+
+  def assignment(self) -> np.ndarray:
+    """`[N]` int64, `group_assignment(N, b, group_seed)`."""
+    return self.groups.astype(np.int64)
+
+  @property
+  def max_size(self) -> int:
+    """The largest group's size."""
+    return int(np.diff(self.offsets).max())
 
 
 def check_num_groups(num_groups, num_examples: int,
@@ -371,6 +531,45 @@ def check_num_groups(num_groups, num_examples: int,
         f"be <= 1. The largest num_groups is {largest} (floor(N / B), and "
         "at most N).")
   return int(num_groups)
+
+
+def check_group_seed(group_seed, num_groups: int) -> Optional[int]:
+  """`group_seed` as an int, checked; required for b > 1.
+
+  Raises:
+    ValueError: b > 1 and `group_seed` None (the message says why the seed
+      must be fixed for the run and where it comes from), or a value that
+      is not an int in `[0, 2^64)`.
+  """
+  if group_seed is None:
+    if num_groups == 1:
+      return None
+    raise ValueError(
+        f"num_groups={num_groups} (cyclic Poisson sampling) needs "
+        "group_seed: each example's group is drawn uniformly at random from "
+        f"range({num_groups}) by a generator keyed by group_seed, and that "
+        "assignment must stay the same for the whole training run (every "
+        "epoch and every resumed fit; otherwise an example could join two "
+        "steps less than num_groups apart), so the seed cannot be drawn "
+        "here for each sampler. A DP model's fit passes it for you: its "
+        "optimizer draws the seed once from OS entropy and keeps it in its "
+        "state (optimizer.dp_state.group_seed), saved with checkpoints. In "
+        "a custom loop, draw it once (e.g. secrets.randbits(62)), keep it "
+        "secret, save it with your checkpoint and pass the same "
+        "group_seed to every sampler of the run.")
+  if isinstance(group_seed, bool) or not isinstance(
+      group_seed, (int, np.integer)) or not 0 <= int(group_seed) < 1 << 64:
+    raise ValueError(
+        f"`group_seed` must be an integer in [0, 2^64); got {group_seed!r}.")
+  return int(group_seed)
+
+
+def _check_group(group, num_groups: int) -> int:
+  if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or (
+      not 0 <= group < num_groups):
+    raise ValueError(f"group must be an integer in [0, {num_groups}); got "
+                     f"{group!r}.")
+  return int(group)
 
 
 def default_steps_per_epoch(num_examples: int, expected_batch_size: float,

@@ -10,10 +10,12 @@ The `tf.data` stream of `tf_pxg.data.poisson_dataset` is built from these:
   from the OS CSPRNG (`/dev/urandom`) by a `tf.data` file reader.
 - `layout(indices, ...)`: the step's `[m, P]` index and mask matrices, the
   same layout as `PoissonSampler.layout`.
-- `group_step_indices(key, step, N, b, q)`: cyclic Poisson sampling
-  (`PoissonSampler(num_groups=b)`): step `step` samples only group
-  `g = step mod b`, i.e. the geometric skips run over the group's
-  positions k and map back to the examples `g + b k`.
+- `group_step_indices(key, step, members, offsets, q)`: cyclic Poisson
+  sampling (`PoissonSampler(num_groups=b, group_seed=...)`): step `step`
+  samples only group `g = step mod b`, i.e. the geometric skips run over
+  the positions k of the group's member list
+  `members[offsets[g]:offsets[g + 1]]` (the sampler's `GroupIndex`, held
+  as constant tensors) and map back to `members[offsets[g] + k]`.
 - `index_stream(...)`: a dataset of `(indices [P], mask [P], step_end)`
   physical batches, to be gathered from tensors held once.
 """
@@ -124,27 +126,41 @@ def step_indices(key, num_examples, sampling_rate: float,
   return found
 
 
-def group_step_indices(key, step, num_examples: int, num_groups: int,
-                       sampling_rate: float, alg: str = "philox") -> tf.Tensor:
+def group_step_indices(key, step, members, offsets, sampling_rate: float,
+                       alg: str = "philox",
+                       max_group_size: Optional[int] = None) -> tf.Tensor:
   """Cyclic Poisson sampling of one step, as TF ops.
 
   Step `step` (a scalar int tensor, the global logical step) samples group
-  `g = step mod b` of `range(N)` (examples `g, g + b, g + 2b, ...`, there
-  are `ceil((N - g) / b)` of them): a Poisson sample of the group's
-  positions k at rate q by `step_indices`, mapped back to `g + b k`.
-  With b = 1 this is exactly `step_indices(key, N, q, alg)`.
+  `g = step mod b` (b = `len(offsets) - 1`), whose members are
+  `members[offsets[g]:offsets[g + 1]]` (ascending; the sampler's
+  `GroupIndex.member_indices` and `offsets`): a Poisson sample of the
+  positions k in that list at rate q by `step_indices`, mapped back to
+  `members[offsets[g] + k]`. O(B) per step.
+
+  Args:
+    key: `[2]` int64 stateless key of the step.
+    step: scalar int, the global logical step.
+    members: `[N]` int32 or int64 tensor, the examples sorted by group.
+    offsets: `[b + 1]` int64 tensor, group g's slice of `members`.
+    sampling_rate: q.
+    alg: the stateless RNG algorithm.
+    max_group_size: a Python int bound on the group sizes (sizes the rounds
+      of gaps, `gap_chunk_size(max_group_size, q)`); default `len(members)`.
 
   Returns:
-    `[n]` int64 sorted distinct indices, all `= step (mod b)`.
+    `[n]` int64 sorted distinct indices, all members of group g.
   """
-  n, b = int(num_examples), int(num_groups)
-  if b == 1:
-    return step_indices(key, n, sampling_rate, alg)
+  offsets = tf.cast(offsets, tf.int64)
+  b = tf.shape(offsets, out_type=tf.int64)[0] - 1
   group = tf.math.floormod(tf.cast(step, tf.int64), b)
-  size = (n - group + b - 1) // b
+  first = offsets[group]
+  size = offsets[group + 1] - first
+  if max_group_size is None:
+    max_group_size = int(members.shape[0])
   positions = step_indices(key, size, sampling_rate, alg,
-                           max_examples=-(-n // b))
-  return group + b * positions
+                           max_examples=int(max_group_size))
+  return tf.cast(tf.gather(members, first + positions), tf.int64)
 
 
 def layout(indices, physical_batch_size: int, accumulation_steps: int,
@@ -193,10 +209,12 @@ def index_stream(sampler: "poisson.PoissonSampler",
 
   Cyclic sampling (`sampler.num_groups` = b > 1): the stream's step
   `start_step + t` samples group `(start_step + t) mod b`
-  (`group_step_indices`), so a stream resumed at `start_step` continues
-  the cycle. With `start_step=None` every iteration counts its steps from
-  0 (group 0 first); so that consecutive iterations continue the cycle,
-  `num_steps` must then be a multiple of b (or None).
+  (`group_step_indices` over the sampler's member lists, the same groups
+  as its numpy path: one `group_assignment` under `sampler.group_seed`),
+  so a stream resumed at `start_step` continues the cycle. With
+  `start_step=None` every iteration counts its steps from 0 (group 0
+  first); so that consecutive iterations continue the cycle, `num_steps`
+  must then be a multiple of b (or None).
 
   Raises:
     ValueError: `start_step=None` with b > 1 and `num_steps` not a
@@ -237,9 +255,24 @@ def index_stream(sampler: "poisson.PoissonSampler",
 
     keys = nonces.flat_map(epoch)
 
-  def physical_batches(step, key):
-    idx, mask, end = layout(group_step_indices(key, step, n, b, q, alg),
-                            p, k, r)
+  def batches_of(indices):
+    idx, mask, end = layout(indices, p, k, r)
     return tf.data.Dataset.from_tensor_slices((idx, mask, end))
 
-  return keys.flat_map(physical_batches)
+  if b == 1:
+    return keys.flat_map(
+        lambda step, key: batches_of(step_indices(key, n, q, alg)))
+  groups = sampler.group_index
+  # The member lists are held once, as the data is in `poisson_dataset`,
+  # and handed to every step.
+  held = tf.data.Dataset.from_tensors(
+      (tf.constant(groups.member_indices), tf.constant(groups.offsets))
+  ).repeat()
+  max_size = groups.max_size
+
+  def group_batches(step_key_, members_offsets):
+    (step, key), (members, offsets) = step_key_, members_offsets
+    return batches_of(group_step_indices(key, step, members, offsets, q,
+                                         alg, max_group_size=max_size))
+
+  return tf.data.Dataset.zip((keys, held)).flat_map(group_batches)

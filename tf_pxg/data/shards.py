@@ -10,7 +10,10 @@ Layout written by the pipeline (`output_dir`):
   for manifests written before it existed), `steps_per_epoch` T, `epochs` E,
   `physical_batch_size` P, `accumulation_steps` k, `num_replicas` R,
   `num_shards`, `steps_per_shard`, `physical_batches` (per shard), the
-  seed (null if drawn from OS entropy), and the file names.
+  seed (null if drawn from OS entropy), `group_seed` (the secret key of
+  cyclic sampling's group assignment; null for b = 1 and for older
+  manifests), and the file names. The manifest is as private as the
+  shards (which already say which record joined which step).
 - `poisson-SSSSS-of-TTTTT-replica-RRR-of-QQQ.tfrecord`: shard S holds the
   logical steps `[S * steps_per_shard, (S + 1) * steps_per_shard)` (global
   step = epoch * T + step in epoch), in step order; replica file r holds
@@ -61,7 +64,7 @@ class PoissonShards:
       epochs=E)`, E at most the pipeline's epochs).
 
   Attributes: those of the manifest (`num_examples`, `expected_batch_size`,
-  `sampling_rate`, `num_groups`, `steps_per_epoch`, `epochs`,
+  `sampling_rate`, `num_groups`, `group_seed`, `steps_per_epoch`, `epochs`,
   `physical_batch_size`, `accumulation_steps`, `num_replicas`,
   `num_shards`, `physical_batches`).
 
@@ -80,6 +83,7 @@ class PoissonShards:
     self.output_dir = output_dir
     self.parse_fn = parse_fn
     self.num_groups = 1  # manifests from before cyclic sampling
+    self.group_seed = None
     for key, value in self.manifest.items():
       setattr(self, key, value)
 
