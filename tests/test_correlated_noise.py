@@ -124,6 +124,10 @@ def _fit_model(mechanism, jit=False, spe=1, seed=5):
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True),
                 jit_compile=jit, steps_per_execution=spe)
+  if model.optimizer.dp_state.group_seed is not None:
+    # The run's secret group assignment (OS entropy by default), fixed so
+    # that two runs sample the same batches.
+    model.optimizer.dp_state.group_seed.assign(1234)
   return model
 
 
@@ -207,6 +211,9 @@ def test_keras_save_and_load_keep_buffers_and_mechanism():
   loaded = keras.models.load_model(path)
   assert loaded.noise_mechanism == strategy
   assert loaded.optimizer.noise_mechanism == strategy
+  # The run's cyclic group assignment survives with it.
+  assert int(loaded.optimizer.dp_state.group_seed.numpy()) == int(
+      model.optimizer.dp_state.group_seed.numpy())
   for a, b in zip(loaded.optimizer.dp_state.noise.buffers,
                   model.optimizer.dp_state.noise.buffers):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
