@@ -55,6 +55,8 @@ def _define_flags():
       batch_size=flags.DEFINE_integer("batch_size", 0,
                                       "0: the model's default."),
       seq_len=flags.DEFINE_integer("seq_len", 0, "0: the model's default."),
+      size=flags.DEFINE_enum("size", "full", ["full", "tiny"],
+                             "Model size (tiny: the smoke test's)."),
       steps=flags.DEFINE_integer("steps", 3, "Steps measured after warm-up."))
 
 
@@ -103,7 +105,7 @@ def allocator_peak_bytes() -> Optional[int]:
 
 
 def measure(mode: str, model: str, batch_size: int, seq_len: int,
-            steps: int) -> dict:
+            steps: int, size: str = "full") -> dict:
   """Builds `mode` for `model`, runs warm-up and `steps` steps; memory."""
   from benchmarks import models  # noqa: PLC0415
   from benchmarks import modes  # noqa: PLC0415
@@ -112,7 +114,7 @@ def measure(mode: str, model: str, batch_size: int, seq_len: int,
     batch_size = batch_size or models.SPECS[model].batch
     result.update(batch_size=batch_size,
                   seq_len=seq_len or models.SPECS[model].seq_len or None)
-    step = modes.make(mode, model, batch_size, seq_len)
+    step = modes.make(mode, model, batch_size, seq_len, size=size)
     result["rss_base_mb"] = _mb(_status_kb("VmRSS"))
     modes.sync(step.fn())
     modes.sync(step.fn())

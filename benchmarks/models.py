@@ -1,15 +1,29 @@
 """The benchmark models, buildable with Keras 3 or with tf_keras.
 
 Each builder takes the Keras package to use (`keras` for Keras 3, `tf_keras`
-for TensorFlow Privacy) and a size (`batch` for the batch-size series,
-`seq_len` for sequence models), so the two frameworks train the same
-architecture on the same batch.
+for TensorFlow Privacy; Keras 3 on JAX for jax-privacy) and a size (`batch`
+for the batch-size series, `seq_len` for sequence models), so the frameworks
+train the same architecture on the same batch.
+
+Two groups of models:
+
+* the small models `mlp`, `cnn`, `embed`, `transformer` (and `lstm`), each
+  near its limit in earlier rounds;
+* the real architectures (issue 22, `REAL_MODELS`), at batch 32:
+  `convnext` (`keras.applications.ConvNeXtTiny` at 32x32x3), `wrn_gn`
+  (WRN-16-4 with GroupNorm, De et al. 2022), `vit` (a ViT-S/4-style
+  encoder at 32x32), `bert` (a BERT-style text encoder, T = 128) and
+  `lstm`.
+
+Every real model's sizes are keyword arguments of its builder; `Spec.tiny`
+holds a tiny size of each (a few channels, short sequences) that builds and
+trains in a second, for the smoke test (`build(..., size="tiny")`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Tuple
+from typing import Callable, Dict, Tuple
 
 import numpy as np
 
@@ -65,25 +79,150 @@ def transformer(k, seq_len=128):
   return k.Model(inp, k.layers.Dense(CLASSES)(h))
 
 
-def lstm(k, seq_len=64):
+def lstm(k, seq_len=64, vocab=VOCAB_EMBED, dim=64, units=128):
   """Embedding(20000, 64) -> LSTM(128) (a while loop) -> Dense 2."""
   return k.Sequential([
       k.Input((seq_len,), dtype="int32"),
-      k.layers.Embedding(VOCAB_EMBED, 64),
-      k.layers.LSTM(128),
+      k.layers.Embedding(vocab, dim),
+      k.layers.LSTM(units),
       k.layers.Dense(2),
   ])
 
 
+# The real architectures (issue 22). Images are 32x32x3, batch 32.
+
+IMAGE = (32, 32, 3)
+VOCAB_BERT = 30_000
+
+
+def convnext(k, seq_len=None, depths=None, dims=None):
+  """`ConvNeXtTiny(weights=None, input_shape=(32, 32, 3), classes=10)`.
+
+  With `depths`/`dims` (the tiny size of the smoke test), the same
+  `ConvNeXt` builder of the Keras package with other stage depths and
+  widths. The classifier returns logits (`classifier_activation=None`), as
+  the benchmarks' loss expects; everything else is the application's
+  default (its `Normalization` pre-stem included).
+  """
+  del seq_len
+  kwargs = dict(weights=None, input_shape=IMAGE, classes=CLASSES,
+                classifier_activation=None)
+  if depths is None:
+    return k.applications.ConvNeXtTiny(**kwargs)
+  import importlib  # noqa: PLC0415
+  module = importlib.import_module(f"{k.__name__}.src.applications.convnext")
+  return module.ConvNeXt(depths=list(depths), projection_dims=list(dims),
+                         default_size=IMAGE[0], **kwargs)
+
+
+def wrn_gn(k, seq_len=None, widths=(64, 128, 256), stem=16, blocks=2,
+           groups=16):
+  """WRN-16-4 with GroupNorm, as De et al. 2022 train it with DP.
+
+  Conv 3x3 (16) on 32x32x3, then 3 groups of `blocks` pre-activation wide
+  basic blocks (GroupNorm(16 groups), ReLU, Conv 3x3, GroupNorm, ReLU,
+  Conv 3x3; a 1x1 conv shortcut where the shape changes), widths 64, 128,
+  256, strides 1, 2, 2; GroupNorm, ReLU, global average pool, Dense 10.
+  (De et al. also standardise the conv weights; this model does not.)
+  """
+  del seq_len
+  L = k.layers  # noqa: N806
+  inp = k.Input(IMAGE)
+  h = L.Conv2D(stem, 3, padding="same", use_bias=False)(inp)
+  for g, width in enumerate(widths):
+    for b in range(blocks):
+      stride = 2 if (g > 0 and b == 0) else 1
+      a = L.Activation("relu")(L.GroupNormalization(groups)(h))
+      r = L.Conv2D(width, 3, strides=stride, padding="same",
+                   use_bias=False)(a)
+      r = L.Activation("relu")(L.GroupNormalization(groups)(r))
+      r = L.Conv2D(width, 3, padding="same", use_bias=False)(r)
+      if stride != 1 or h.shape[-1] != width:
+        h = L.Conv2D(width, 1, strides=stride, use_bias=False)(a)
+      h = L.Add()([h, r])
+  h = L.Activation("relu")(L.GroupNormalization(groups)(h))
+  h = L.GlobalAveragePooling2D()(h)
+  return k.Model(inp, L.Dense(CLASSES)(h))
+
+
+def _position_embedding(k):
+  """A learned position embedding added to `[B, T, d]` (one weight of
+  `[T, d]`), for the Keras package `k`."""
+
+  class PositionEmbedding(k.layers.Layer):
+
+    def build(self, input_shape):
+      self.position = self.add_weight(
+          name="position", shape=tuple(input_shape[1:]),
+          initializer=k.initializers.RandomNormal(stddev=0.02))
+
+    def call(self, x):
+      return x + self.position
+
+  return PositionEmbedding()
+
+
+def _pre_ln_block(k, h, heads, dim, mlp):
+  L = k.layers  # noqa: N806
+  a = L.LayerNormalization(epsilon=1e-6)(h)
+  a = L.MultiHeadAttention(num_heads=heads, key_dim=dim // heads)(a, a)
+  h = L.Add()([h, a])
+  f = L.LayerNormalization(epsilon=1e-6)(h)
+  f = L.Dense(mlp, activation="gelu")(f)
+  f = L.Dense(dim)(f)
+  return L.Add()([h, f])
+
+
+def vit(k, seq_len=None, dim=384, depth=6, heads=6, patch=4):
+  """ViT-S/4-style encoder at 32x32: patch embedding Conv2D 4x4 stride 4
+  (64 tokens), learned position embedding, 6 pre-LN blocks (6-head
+  attention, MLP 4x with GELU), LayerNorm, mean pool, Dense 10."""
+  del seq_len
+  L = k.layers  # noqa: N806
+  inp = k.Input(IMAGE)
+  h = L.Conv2D(dim, patch, strides=patch)(inp)
+  h = L.Reshape(((IMAGE[0] // patch) * (IMAGE[1] // patch), dim))(h)
+  h = _position_embedding(k)(h)
+  for _ in range(depth):
+    h = _pre_ln_block(k, h, heads, dim, 4 * dim)
+  h = L.LayerNormalization(epsilon=1e-6)(h)
+  h = L.GlobalAveragePooling1D()(h)
+  return k.Model(inp, L.Dense(CLASSES)(h))
+
+
+def bert(k, seq_len=128, vocab=VOCAB_BERT, dim=256, depth=4, heads=4,
+         ffn=1024):
+  """BERT-style text encoder: token Embedding 30000 x 256 plus a learned
+  position embedding, LayerNorm, 4 post-LN blocks (4-head attention, FFN
+  1024 with GELU), mean pool, Dense 10; T = 128."""
+  L = k.layers  # noqa: N806
+  inp = k.Input((seq_len,), dtype="int32")
+  h = L.Embedding(vocab, dim)(inp)
+  h = L.LayerNormalization(epsilon=1e-12)(_position_embedding(k)(h))
+  for _ in range(depth):
+    a = L.MultiHeadAttention(num_heads=heads, key_dim=dim // heads)(h, h)
+    h = L.LayerNormalization(epsilon=1e-12)(L.Add()([h, a]))
+    f = L.Dense(ffn, activation="gelu")(h)
+    f = L.Dense(dim)(f)
+    h = L.LayerNormalization(epsilon=1e-12)(L.Add()([h, f]))
+  h = L.GlobalAveragePooling1D()(h)
+  return k.Model(inp, L.Dense(CLASSES)(h))
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """A benchmark model: builder, default batch, input kind and length."""
+  """A benchmark model: builder, default batch, input kind and length.
+
+  `tiny`: keyword arguments of the builder for the smoke test's tiny size
+  (`seq_len` and `vocab` among them apply to the batch too).
+  """
   build: Callable
   batch: int
   input_shape: Callable[[int], Tuple[int, ...]]  # seq_len -> example shape
   vocab: int = 0  # > 0: integer token inputs below vocab
   seq_len: int = 0
   classes: int = CLASSES
+  tiny: Dict[str, object] = dataclasses.field(default_factory=dict)
 
 
 SPECS = {
@@ -92,25 +231,56 @@ SPECS = {
     "embed": Spec(embed, 256, lambda t: (t,), VOCAB_EMBED, 32),
     "transformer": Spec(transformer, 64, lambda t: (t,), VOCAB_TRANSFORMER,
                         128),
-    "lstm": Spec(lstm, 64, lambda t: (t,), VOCAB_EMBED, 64, classes=2),
+    "lstm": Spec(lstm, 64, lambda t: (t,), VOCAB_EMBED, 64, classes=2,
+                 tiny=dict(seq_len=6, vocab=50, dim=8, units=8)),
+    "convnext": Spec(convnext, 32, lambda t: IMAGE,
+                     tiny=dict(depths=(1, 1, 1, 1), dims=(8, 8, 16, 16))),
+    # Tiny WRN: 16 channels into the stride-2 1x1 shortcuts. With 2, 4 or
+    # 8, TF 2.21's oneDNN gradient of a 1x1 stride-2 VALID Conv2D on a
+    # 32x32 or 16x16 input corrupts the heap (glibc abort or segfault) at
+    # odd batch sizes (3, 5; also 1); at 16 channels and more it does not.
+    "wrn_gn": Spec(wrn_gn, 32, lambda t: IMAGE,
+                   tiny=dict(widths=(16, 16, 16), stem=4, blocks=1,
+                             groups=2)),
+    "vit": Spec(vit, 32, lambda t: IMAGE,
+                tiny=dict(dim=16, depth=1, heads=2, patch=8)),
+    "bert": Spec(bert, 32, lambda t: (t,), VOCAB_BERT, 128,
+                 tiny=dict(seq_len=8, vocab=50, dim=16, depth=1, heads=2,
+                           ffn=32)),
 }
+SMALL_MODELS = ("mlp", "cnn", "embed", "transformer", "lstm")
+REAL_MODELS = ("convnext", "wrn_gn", "vit", "bert", "lstm")
+SIZES = ("full", "tiny")
 
 
-def build(k, name: str, seq_len: int = 0):
-  """Builds model `name` with Keras package `k` (seq_len 0: the default)."""
+def _kwargs(name: str, seq_len: int, size: str) -> dict:
   spec = SPECS[name]
-  if spec.seq_len:
-    return spec.build(k, seq_len or spec.seq_len)
-  return spec.build(k)
+  if size not in SIZES:
+    raise ValueError(f"size {size!r}: one of {SIZES}")
+  kwargs = dict(spec.tiny) if size == "tiny" else {}
+  if seq_len:
+    kwargs["seq_len"] = seq_len
+  elif spec.seq_len and "seq_len" not in kwargs:
+    kwargs["seq_len"] = spec.seq_len
+  return kwargs
 
 
-def batch(name: str, batch_size: int, seq_len: int = 0, seed: int = 0):
+def build(k, name: str, seq_len: int = 0, size: str = "full"):
+  """Builds model `name` with Keras package `k` (seq_len 0: the default;
+  size "tiny": the smoke test's size, `Spec.tiny`)."""
+  return SPECS[name].build(k, **_kwargs(name, seq_len, size))
+
+
+def batch(name: str, batch_size: int, seq_len: int = 0, seed: int = 0,
+          size: str = "full"):
   """A fixed random batch `(x, y)` for model `name` (NumPy arrays)."""
   spec = SPECS[name]
+  kwargs = _kwargs(name, seq_len, size)
+  vocab = kwargs.get("vocab", spec.vocab)
   rng = np.random.default_rng(seed)
-  shape = (batch_size, *spec.input_shape(seq_len or spec.seq_len))
-  if spec.vocab:
-    x = rng.integers(0, spec.vocab, size=shape).astype("int32")
+  shape = (batch_size, *spec.input_shape(kwargs.get("seq_len", 0)))
+  if vocab:
+    x = rng.integers(0, vocab, size=shape).astype("int32")
   else:
     x = rng.normal(size=shape).astype("float32")
   y = rng.integers(0, spec.classes, size=(batch_size,)).astype("int32")

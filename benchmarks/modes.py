@@ -86,29 +86,29 @@ def _fit_step(model, x, y, k, jit_compile, optimizer=None, loss=None):
 # Keras 3 and tf_pxg.
 
 
-def _keras(name, x, y, seq_len, jit):
+def _keras(name, x, y, seq_len, jit, size):
   import keras  # noqa: PLC0415
-  model = models.build(keras, name, seq_len)
+  model = models.build(keras, name, seq_len, size)
   return Step(_fit_step(model, x, y, keras, jit), model=model)
 
 
-def _pxg(name, x, y, seq_len, jit):
+def _pxg(name, x, y, seq_len, jit, size):
   import keras  # noqa: PLC0415
   import tf_pxg.keras as pxk  # noqa: PLC0415
-  model = pxk.make_private(models.build(keras, name, seq_len),
+  model = pxk.make_private(models.build(keras, name, seq_len, size),
                            l2_norm_clip=L2_NORM_CLIP,
                            noise_multiplier=NOISE_MULTIPLIER)
   return Step(_fit_step(model, x, y, keras, jit), model=model)
 
 
-def _pxg_naive(name, x, y, seq_len, jit):
+def _pxg_naive(name, x, y, seq_len, jit, size):
   """Per-example gradients materialised ([B, *w] each), clipped, summed."""
   del jit
   import keras  # noqa: PLC0415
   import tensorflow as tf  # noqa: PLC0415
   import tf_pxg  # noqa: PLC0415
   from tf_pxg import dp  # noqa: PLC0415
-  model = models.build(keras, name, seq_len)
+  model = models.build(keras, name, seq_len, size)
   variables = model.trainable_variables
   optimizer = keras.optimizers.SGD(LEARNING_RATE)
   optimizer.build(variables)
@@ -136,13 +136,13 @@ def _pxg_naive(name, x, y, seq_len, jit):
   return Step(lambda: step(x, y), model=model)
 
 
-def _noise(name, x, y, seq_len, jit):
+def _noise(name, x, y, seq_len, jit, size):
   """Draws the noise of one DP step of `name` (one Gaussian per weight)."""
   del x, y
   import keras  # noqa: PLC0415
   import tensorflow as tf  # noqa: PLC0415
   from tf_pxg import dp  # noqa: PLC0415
-  shapes = [v.shape for v in models.build(keras, name, seq_len)
+  shapes = [v.shape for v in models.build(keras, name, seq_len, size)
             .trainable_variables]
   generator = dp.make_generator()
 
@@ -157,14 +157,14 @@ def _noise(name, x, y, seq_len, jit):
 # tf_keras and TensorFlow Privacy 0.9.0 (in the benchmark venv).
 
 
-def _tf_keras_model(name, seq_len):
+def _tf_keras_model(name, seq_len, size):
   import tf_keras  # noqa: PLC0415
-  return models.build(tf_keras, name, seq_len)
+  return models.build(tf_keras, name, seq_len, size)
 
 
-def _tf_keras(name, x, y, seq_len, jit):
+def _tf_keras(name, x, y, seq_len, jit, size):
   import tf_keras  # noqa: PLC0415
-  model = _tf_keras_model(name, seq_len)
+  model = _tf_keras_model(name, seq_len, size)
   return Step(_fit_step(model, x, y, tf_keras, jit), model=model)
 
 
@@ -193,11 +193,11 @@ def fullest_registry():
   return registry
 
 
-def _tfp_dpmodel(name, x, y, seq_len, jit):
+def _tfp_dpmodel(name, x, y, seq_len, jit, size):
   import tf_keras  # noqa: PLC0415
   from tensorflow_privacy.privacy.keras_models import (  # noqa: PLC0415
       dp_keras_model)
-  base = _tf_keras_model(name, seq_len)
+  base = _tf_keras_model(name, seq_len, size)
   model = dp_keras_model.DPModel(
       L2_NORM_CLIP, NOISE_MULTIPLIER, None, jit, fullest_registry(),
       inputs=base.inputs, outputs=base.outputs)
@@ -208,7 +208,7 @@ def _tfp_dpmodel(name, x, y, seq_len, jit):
   return Step(_fit_step(model, x, y, tf_keras, False), info, model)
 
 
-def _tfp_optimizer(name, x, y, seq_len, jit):
+def _tfp_optimizer(name, x, y, seq_len, jit, size):
   import tf_keras  # noqa: PLC0415
   from tensorflow_privacy.privacy.optimizers import (  # noqa: PLC0415
       dp_optimizer_keras)
@@ -217,7 +217,7 @@ def _tfp_optimizer(name, x, y, seq_len, jit):
       num_microbatches=None, learning_rate=LEARNING_RATE)
   loss = tf_keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
-  model = _tf_keras_model(name, seq_len)
+  model = _tf_keras_model(name, seq_len, size)
   return Step(_fit_step(model, x, y, tf_keras, jit, optimizer=optimizer,
                         loss=loss),
               {"path": "per-example jacobian (num_microbatches=None)"}, model)
@@ -239,8 +239,12 @@ _BUILDERS = {
 
 
 def make(mode: str, name: str, batch_size: int,
-         seq_len: Optional[int] = None, seed: int = 0) -> Step:
+         seq_len: Optional[int] = None, seed: int = 0,
+         size: str = "full") -> Step:
   """Builds mode `mode` for model `name`; the returned step is not yet run.
+
+  `size`: "full", or "tiny" for the smoke test's size of a real model
+  (`benchmarks.models.Spec.tiny`).
 
   Raises:
     KeyError: unknown mode or model.
@@ -250,5 +254,5 @@ def make(mode: str, name: str, batch_size: int,
   builder, jit = _BUILDERS[mode]
   keras.utils.set_random_seed(seed)
   tf.random.set_seed(seed)
-  x, y = models.batch(name, batch_size, seq_len or 0, seed)
-  return builder(name, x, y, seq_len or 0, jit)
+  x, y = models.batch(name, batch_size, seq_len or 0, seed, size)
+  return builder(name, x, y, seq_len or 0, jit, size)

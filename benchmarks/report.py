@@ -12,7 +12,7 @@ import sys
 from typing import List, Optional
 
 DP_MODES = ("pxg", "pxg_xla", "pxg_naive", "tfp_dpmodel", "tfp_dpmodel_xla",
-            "tfp_optimizer")
+            "tfp_optimizer", "jaxp_dpmodel")
 LABELS = {
     "pxg": "tf_pxg DPModel",
     "pxg_xla": "tf_pxg DPModel, XLA",
@@ -21,6 +21,7 @@ LABELS = {
     "tfp_dpmodel": "TF Privacy DPModel",
     "tfp_dpmodel_xla": "TF Privacy DPModel, XLA",
     "tfp_optimizer": "TF Privacy DPKerasSGDOptimizer",
+    "jaxp_dpmodel": "jax-privacy Keras API (JAX)",
 }
 
 
@@ -68,9 +69,17 @@ def summary(result: dict) -> dict:
         row[f"pxg_over_tfp_{kind}time"] = ours[ms] / theirs[ms]
       if a and b and b > 1:
         row[f"{kind}overhead_ratio"] = (a - 1) / (b - 1)
+    jaxp = _mode(res, "jaxp_dpmodel")
+    row["jaxp_ratio"], row["jaxp_cpu_ratio"] = (jaxp.get("ratio"),
+                                                jaxp.get("cpu_ratio"))
     mem = result.get("memory", {}).get(model, {})
     row["pxg_alloc_ratio"] = mem.get("pxg", {}).get("alloc_ratio")
     row["tfp_alloc_ratio"] = mem.get("tfp_dpmodel", {}).get("alloc_ratio")
+    row["pxg_rss_growth_ratio"] = mem.get("pxg", {}).get("rss_growth_ratio")
+    row["tfp_rss_growth_ratio"] = mem.get("tfp_dpmodel", {}).get(
+        "rss_growth_ratio")
+    row["jaxp_rss_growth_ratio"] = mem.get("jaxp_dpmodel", {}).get(
+        "rss_growth_ratio")
     out[model] = row
   return out
 
@@ -122,6 +131,8 @@ def markdown(result: dict) -> str:
     if errors:
       lines += ["", "Not run: " + "; ".join(errors) + "."]
     lines.append("")
+  lines += _real_lines(result)
+  lines += _profile_lines(result)
   lines += _floor_lines(result)
   lines += _target_lines(result)
   growth = result.get("growth", [])
@@ -239,6 +250,152 @@ def _floor_lines(result: dict) -> List[str]:
 
 MEMORY_TARGET = 1.3
 OVERHEAD_TARGET = 0.33
+# Issue 22's targets for the real architectures (DP / non-private step).
+REAL_TARGETS = {"convnext": 1.3, "wrn_gn": 1.2, "vit": 1.2, "bert": 1.2}
+REAL_MODELS = ("convnext", "wrn_gn", "vit", "bert", "lstm")
+REAL_NAMES = {"convnext": "ConvNeXtTiny", "wrn_gn": "WRN-16-4 GN",
+              "vit": "ViT-S/4-style", "bert": "BERT-style encoder",
+              "lstm": "LSTM(128)"}
+
+
+def _status_or(r: dict, text: str) -> str:
+  if not r:
+    return "–"
+  if r.get("status") != "ok":
+    return str(r.get("status", "?"))
+  return text
+
+
+def _mem_cell(r: dict, key: str = "alloc_ratio") -> str:
+  """A memory ratio cell: `alloc (RSS growth)` or `RSS growth`."""
+  if r.get("status") != "ok":
+    return _status_or(r, "")
+  growth = r.get("rss_growth_ratio")
+  if key == "rss_growth_ratio":
+    return f"{_fmt(growth)} (RSS {_fmt(r.get('rss_ratio'))})"
+  return f"{_fmt(r.get(key))} (RSS growth {_fmt(growth)})"
+
+
+def _real_lines(result: dict) -> List[str]:
+  """Issue 22's table: the real architectures, three libraries."""
+  time_res = result.get("time", {})
+  models = [m for m in REAL_MODELS if m in time_res]
+  if not models:
+    return []
+  memory = result.get("memory", {})
+  rows = []
+  for model in models:
+    res = time_res[model]
+    keras, pxg = _mode(res, "keras"), _mode(res, "pxg")
+    tfk, tfp = _mode(res, "tf_keras"), _mode(res, "tfp_dpmodel")
+    kjax, jaxp = _mode(res, "keras_jax"), _mode(res, "jaxp_dpmodel")
+    weights = _mode(res, "noise").get("weights")
+    mem = memory.get(model, {})
+    target = REAL_TARGETS.get(model)
+    tfp_path = tfp.get("path", "")
+    tfp_path = (" fallback" if "fallback" in tfp_path else
+                " fast path" if "fast" in tfp_path else "")
+    size = f"{res['batch_size']}" + (f", T={res['seq_len']}"
+                                     if res.get("seq_len") else "")
+    ms = lambda r: (f"{r['ms']:.0f} ms" if r.get("ms", 0) >= 10 else  # noqa: E731
+                    _fmt(r.get("ms"), 1, " ms") if r.get("ms") else
+                    _status_or(r, "–"))
+    rows.append(
+        f"| {REAL_NAMES.get(model, model)} (`{model}`, B={size}"
+        f"{_weights(weights)}) | "
+        f"{_status_or(pxg, _cell(pxg) + ' (' + ms(pxg) + ' / ' + ms(keras) + ')')} | "
+        f"{_status_or(tfp, _cell(tfp) + tfp_path + ' (' + ms(tfp) + ' / ' + ms(tfk) + ')')} | "
+        f"{_status_or(jaxp, _cell(jaxp) + ' (' + ms(jaxp) + ' / ' + ms(kjax) + ')')} | "
+        f"{_mem_cell(mem.get('pxg', {}))} | "
+        f"{_mem_cell(mem.get('tfp_dpmodel', {}))} | "
+        f"{_mem_cell(mem.get('jaxp_dpmodel', {}), 'rss_growth_ratio')} | "
+        f"{'≤ %s×' % target if target else '–'} "
+        f"{_met_mark(pxg.get('ratio'), target)} | "
+        f"{res.get('load_before')} → {res.get('load_after')} |")
+  errors = [f"`{model}` {k}: {r.get('status')}: {r.get('error')}"
+            for model in models
+            for k, r in {**time_res[model]["modes"],
+                         **{f"{m} (memory)": v for m, v in
+                            memory.get(model, {}).items()}}.items()
+            if r.get("status") != "ok" and k.split(" ")[0] in
+            ("pxg", "tfp_dpmodel", "jaxp_dpmodel", "keras", "tf_keras",
+             "keras_jax")]
+  lines = [
+      "**Real architectures** (issue 22): DP step / the same framework's "
+      "non-private step, median of per-round ratios of wall time (CPU time "
+      "in parentheses), with the two steps' median wall times; tf_pxg "
+      "against Keras 3 (TF backend), TF Privacy's DPModel against tf_keras, "
+      "jax-privacy's Keras API against Keras 3 on JAX (its own process, "
+      "`jit`). Peak memory, each mode in a process of its own: TF "
+      "allocator peak ratio (RSS growth ratio: peak RSS minus RSS before "
+      "the first step, over the baseline's), and for JAX, whose CPU client "
+      "keeps no allocator statistics, the RSS growth ratio (peak RSS "
+      "ratio). Load: the 1/5/15-minute load averages before and after the "
+      "model's timing (2 cores).", "",
+      "| model | tf_pxg | TF Privacy 0.9 DPModel (tf_keras) | jax-privacy "
+      "2.0 Keras API (Keras 3, JAX) | memory tf_pxg | memory TF Privacy | "
+      "memory jax-privacy | target (tf_pxg wall) | load |",
+      "|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+  if errors:
+    lines += ["Not measured: " + "; ".join(errors) + ".", ""]
+  return lines
+
+
+def _weights(n: Optional[int]) -> str:
+  if not n:
+    return ""
+  return f", {n / 1e6:.1f}M weights" if n >= 1e5 else f", {n:,} weights"
+
+
+def _met_mark(value: Optional[float], target: Optional[float]) -> str:
+  if value is None or target is None:
+    return ""
+  return "✓" if value <= target else "✗"
+
+
+def _profile_lines(result: dict) -> List[str]:
+  """Where the time goes: op time per family, Keras' step and tf_pxg's."""
+  prof = result.get("profile") or {}
+  if not prof:
+    return []
+  from benchmarks import profile as profile_lib  # noqa: PLC0415
+  lines = [
+      "**Where the time goes** (`python -m benchmarks.profile --families`): "
+      "op time per step under the TF profiler (summed over both cores' "
+      "threads, so not wall time), by family: the model's forward pass "
+      "and loss; the backward pass that reaches the update without the "
+      "clip factors (output gradients through the model; in Keras' step "
+      "also the weight gradients, which in the DP step are the weighted "
+      "sums; in the DP step also whatever the norms and the sums share); "
+      "the clip norms (what only the factors need); the weighted sums "
+      "(everything after the factors up to the noise); the noise; the "
+      "optimizer's update; other (metrics, shapes, ops not in the graph).",
+      ""]
+  for model, modes in prof.items():
+    keras, pxg = modes.get("keras", {}), modes.get("pxg", {})
+    if keras.get("status") != "ok" and pxg.get("status") != "ok":
+      lines += [f"`{model}`: not profiled: keras {keras.get('error')}; "
+                f"pxg {pxg.get('error')}.", ""]
+      continue
+    kf, pf = keras.get("families", {}), pxg.get("families", {})
+    ktot, ptot = keras.get("op_ms_per_step"), pxg.get("op_ms_per_step")
+    lines += [f"`{model}` (batch {pxg.get('batch_size') or keras.get('batch_size')}"
+              f", {pxg.get('steps') or keras.get('steps')} steps each):", "",
+              "| family | Keras 3 step (ms) | tf_pxg DP step (ms) | share of "
+              "DP op time |", "|---|---|---|---|"]
+    for fam in profile_lib.FAMILIES:
+      k, d = kf.get(fam), pf.get(fam)
+      lines.append(
+          f"| {fam} | {'–' if k is None else '%.1f' % k} | "
+          f"{'–' if d is None else '%.1f' % d} | "
+          f"{'–' if d is None or not ptot else '%.0f%%' % (100 * d / ptot)}"
+          " |")
+    lines.append(
+        f"| **all ops** | {'–' if ktot is None else '%.1f' % ktot} | "
+        f"{'–' if ptot is None else '%.1f' % ptot} | "
+        f"{'–' if not (ktot and ptot) else '%.2f× Keras' % (ptot / ktot)} |")
+    lines.append("")
+  return lines
 
 
 def _met(value: Optional[float], target: float) -> str:

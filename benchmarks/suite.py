@@ -1,25 +1,39 @@
-r"""The benchmark suite: tf_pxg against Keras 3 and TensorFlow Privacy 0.9.0.
+r"""The benchmark suite: tf_pxg against Keras 3, TensorFlow Privacy 0.9.0
+and jax-privacy 2.0.
 
-One command, from the repository root, with tf_pxg's venv:
+From the repository root, with tf_pxg's venv:
 
-  .venv/bin/python -m benchmarks            # full run, ~20-30 min on 2 cores
-  .venv/bin/python -m benchmarks --quick    # < 5 min
+  .venv/bin/python -m benchmarks            # everything, ~1.5-2 h on 2 cores
+  .venv/bin/python -m benchmarks --quick    # a subset
+  .venv/bin/python -m benchmarks --models=convnext,wrn_gn,vit,bert,lstm
+                                            # the real architectures only
 
 It creates `benchmarks/.venv-tfp` on first use (see `benchmarks.venv`),
 re-runs itself there, and then:
 
 1. **Time**, per model (`benchmarks.models`): builds every mode
-   (`benchmarks.modes`) in this one process and times them in interleaved
-   rounds (`benchmarks.timing`); each DP mode's ratio to its own framework's
-   non-private `fit` step is the median of per-round ratios.
+   (`benchmarks.modes`) in one process per model (`benchmarks.time_group`)
+   and times them in interleaved rounds (`benchmarks.timing`); each DP
+   mode's ratio to its own framework's non-private `fit` step is the median
+   of per-round ratios. For the real architectures (`models.REAL_MODELS`)
+   also jax-privacy's Keras API against Keras 3 on JAX, in the same way in
+   a process of `benchmarks/.venv-jaxp` (`benchmarks.jax_anchor`).
 2. **Cost growth**: the same DP / non-private ratios at batch 32, 128, 512
    (mlp, cnn) and sequence length 32, 128, 512 (transformer).
-3. **Memory**: each mode in a subprocess of its own (`benchmarks.memory`):
-   peak RSS and, where the allocator keeps statistics, the TF allocator's
-   peak over a step.
+3. **Memory**: each mode in a subprocess of its own (`benchmarks.memory`,
+   `benchmarks.jax_anchor`): peak RSS and, where the allocator keeps
+   statistics, the TF allocator's peak over a step.
+4. **Where the time goes** (real architectures): tf_pxg's DP step and
+   Keras' step under the TF profiler, op time per family
+   (`benchmarks.profile.families`: forward, backward, clip norms, weighted
+   sums, noise, optimizer).
 
-Writes `benchmarks/results/{full,quick}.json`, a PNG chart and a Markdown
-table (`benchmarks.report`).
+The machine's load average is recorded at the start and end of each part
+and around each model's timing.
+
+Writes `benchmarks/results/<name>.json`, a PNG chart and a Markdown table
+(`benchmarks.report`); `<name>` is `--output_name`, else `quick` for
+`--quick`, `real` when every model is a real architecture, else `full`.
 """
 
 from __future__ import annotations
@@ -49,19 +63,39 @@ _MODES = flags.DEFINE_list("modes", [], "Modes (default: all, or the quick "
 _ROUNDS = flags.DEFINE_integer("rounds", 0, "Timing rounds (0: 5, quick 3).")
 _ROUND_SECONDS = flags.DEFINE_float(
     "round_seconds", 0, "Wall time of one mode per round (0: 0.6, quick 0.3).")
-_SKIP = flags.DEFINE_list("skip", [],
-                          "Parts to skip: time, growth, limits, memory.")
+_SKIP = flags.DEFINE_list(
+    "skip", [], "Parts to skip: time, growth, limits, memory, profile.")
 _OUT = flags.DEFINE_string("output_dir", "", "Default benchmarks/results.")
 _MEMORY_JOBS = flags.DEFINE_integer(
     "memory_jobs", 2, "Memory subprocesses run at once.")
 _NO_VENV = flags.DEFINE_bool(
     "no_venv", False, "Run in this interpreter (TF Privacy modes fail "
     "unless it has tensorflow-privacy).")
+_OUTPUT_NAME = flags.DEFINE_string(
+    "output_name", "", "Stem of the result files (default: quick, real or "
+    "full; see the module doc).")
+_JAX = flags.DEFINE_bool(
+    "jax", True, "Run jax-privacy's Keras API on the real architectures "
+    "(creates benchmarks/.venv-jaxp on first use).")
+_SIZE = flags.DEFINE_enum(
+    "size", "full", ["full", "tiny"], "Model size: tiny runs every model "
+    "at the smoke test's size (checks the suite, measures nothing real).")
+_PROFILE_STEPS = flags.DEFINE_integer(
+    "profile_steps", 0, "Steps profiled per model and mode (0: 5, quick 3).")
+_JAX_MEMORY_LIMIT = flags.DEFINE_float(
+    "jax_memory_limit_gb", 16.0, "Data-segment limit of each jax-privacy "
+    "process (an allocation past it fails as out of memory).")
 
-ALL_MODELS = ("mlp", "cnn", "embed", "transformer", "lstm")
-QUICK_MODELS = ("mlp", "cnn", "embed", "transformer")
+ALL_MODELS = ("mlp", "cnn", "embed", "transformer", "lstm", "convnext",
+              "wrn_gn", "vit", "bert")
+QUICK_MODELS = ("mlp", "cnn", "embed", "transformer", "wrn_gn")
 QUICK_MODES = ("keras", "pxg", "noise", "tf_keras", "tfp_dpmodel")
 QUICK_MEMORY_MODES = ("keras", "pxg")
+# The real architectures: no XLA modes (minutes of compilation each) and no
+# materialised per-example gradients (pxg_naive, TF Privacy's optimizer:
+# B x 28M floats for ConvNeXt).
+REAL_MODES = ("keras", "pxg", "noise", "tf_keras", "tfp_dpmodel")
+REAL_MEMORY_MODES = ("keras", "pxg", "tf_keras", "tfp_dpmodel")
 QUICK_GROWTH_SIZES = (32, 512)
 GROWTH = {"mlp": ("batch", (32, 128, 512)), "cnn": ("batch", (32, 128, 512)),
           "transformer": ("seq_len", (32, 128, 512))}
@@ -127,19 +161,64 @@ def _clear():
   gc.collect()
 
 
+def _real(model: str) -> bool:
+  from benchmarks import models  # noqa: PLC0415
+  return model in models.REAL_MODELS and model not in models.SMALL_MODELS
+
+
+def output_name(settings) -> str:
+  from benchmarks import models  # noqa: PLC0415
+  if _OUTPUT_NAME.value:
+    return _OUTPUT_NAME.value
+  if settings["quick"]:
+    return "quick"
+  if all(m in models.REAL_MODELS for m in settings["models"]):
+    return "real"
+  return "full"
+
+
 def _settings():
   quick = _QUICK.value
+  from benchmarks import jax_anchor  # noqa: PLC0415
+  from benchmarks import models  # noqa: PLC0415
   from benchmarks import modes  # noqa: PLC0415
+  chosen = [m for m in _MODES.value if m not in jax_anchor.JAX_MODES]
+  model_list = list(_MODELS.value or (QUICK_MODELS if quick else ALL_MODELS))
+  unknown = [m for m in model_list if m not in models.SPECS]
+  if unknown:
+    raise app.UsageError(f"unknown models {unknown}; "
+                         f"known: {sorted(models.SPECS)}")
+
+  def model_modes(model):
+    if chosen:
+      return chosen
+    if quick:
+      return list(QUICK_MODES)
+    return list(REAL_MODES if _real(model) else modes.ALL_MODES)
+
+  def model_memory_modes(model):
+    if quick:
+      return list(QUICK_MEMORY_MODES)
+    if chosen:
+      return chosen
+    return list(REAL_MEMORY_MODES if _real(model) else modes.ALL_MODES)
+
+  jax_wanted = _JAX.value and (not _MODES.value or any(
+      m in jax_anchor.JAX_MODES for m in _MODES.value))
   return dict(
       quick=quick,
-      models=list(_MODELS.value or (QUICK_MODELS if quick else ALL_MODELS)),
+      models=model_list,
       growth_sizes=list(QUICK_GROWTH_SIZES) if quick else None,
-      modes=list(_MODES.value or (QUICK_MODES if quick else modes.ALL_MODES)),
+      modes={m: model_modes(m) for m in model_list},
+      jax_models=[m for m in model_list
+                  if jax_wanted and m in models.REAL_MODELS],
       rounds=_ROUNDS.value or (3 if quick else 5),
       round_seconds=_ROUND_SECONDS.value or (0.3 if quick else 0.6),
       growth_modes=list(QUICK_GROWTH_MODES if quick else GROWTH_MODES),
-      memory_modes=list(QUICK_MEMORY_MODES if quick else
-                        (_MODES.value or modes.ALL_MODES)))
+      memory_modes={m: model_memory_modes(m) for m in model_list},
+      size=_SIZE.value,
+      profile_models=[m for m in model_list if m in models.REAL_MODELS],
+      profile_steps=_PROFILE_STEPS.value or (3 if quick else 5))
 
 
 def _time_group(model, batch_size, seq_len, names, settings):
@@ -156,20 +235,43 @@ def _time_group(model, batch_size, seq_len, names, settings):
 
 
 def run_time(settings) -> dict:
+  from benchmarks import jax_anchor  # noqa: PLC0415
   from benchmarks import models  # noqa: PLC0415
+  from benchmarks import time_group  # noqa: PLC0415
   out = {}
   for model in settings["models"]:
     spec = models.SPECS[model]
+    seq_len = (spec.tiny.get("seq_len", spec.seq_len)
+               if settings["size"] == "tiny" else spec.seq_len)
     _log(f"[time] {model} (batch {spec.batch}"
-         f"{', seq_len %d' % spec.seq_len if spec.seq_len else ''})")
-    res = _time_group(model, spec.batch, 0, settings["modes"], settings)
-    out[model] = {"batch_size": spec.batch, "seq_len": spec.seq_len or None,
-                  "modes": res}
+         f"{', seq_len %d' % seq_len if seq_len else ''}"
+         f"{', tiny size' if settings['size'] == 'tiny' else ''}), "
+         f"load {_load()}")
+    load_before, start = _load(), time.perf_counter()
+    res = time_group.run(model, settings["modes"][model], spec.batch, 0,
+                         settings["rounds"], settings["round_seconds"],
+                         size=settings["size"], log=_log)
+    record = {"batch_size": spec.batch, "seq_len": seq_len or None,
+              "modes": res, "load_before": load_before, "load_after": None,
+              "seconds": None}
+    if model in settings["jax_models"]:
+      _log(f"  [jax-privacy] {model}, load {_load()}")
+      jax_start = time.perf_counter()
+      res.update(jax_anchor.run_time(
+          model, spec.batch, settings["rounds"], settings["round_seconds"],
+          size=settings["size"], memory_limit_gb=_JAX_MEMORY_LIMIT.value,
+          log=_log))
+      record["jax_seconds"] = round(time.perf_counter() - jax_start, 1)
+    record["load_after"] = _load()
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    out[model] = record
     for k, r in res.items():
-      ratio = f" ratio {r['ratio']:.2f}x" if "ratio" in r else ""
-      _log(f"  {k:16s} {r.get('status'):11s} "
+      ratio = (f" ratio {r['ratio']:.2f}x (CPU {r['cpu_ratio']:.2f}x)"
+               if "ratio" in r else "")
+      _log(f"  {k:16s} {r.get('status'):13s} "
            f"{r.get('ms', float('nan')):9.2f} ms{ratio} "
            f"{r.get('path', '')}{r.get('error', '')}")
+    _log(f"  ({record['seconds']:.0f} s, load {record['load_after']})")
   return out
 
 
@@ -193,32 +295,43 @@ def run_growth(settings) -> list:
   return out
 
 
-def _memory_one(mode, model, batch_size=0, seq_len=0) -> dict:
+def _memory_one(mode, model, batch_size=0, seq_len=0, size="full") -> dict:
+  from benchmarks import jax_anchor  # noqa: PLC0415
+  from benchmarks import models  # noqa: PLC0415
+  timeout = 1800 if model in models.REAL_MODELS else 900
+  if mode in jax_anchor.JAX_MODES:
+    return jax_anchor.run_memory(
+        mode, model, batch_size or models.SPECS[model].batch, size=size,
+        timeout=timeout, memory_limit_gb=_JAX_MEMORY_LIMIT.value, log=_log)
   cmd = [sys.executable, "-m", "benchmarks.memory", f"--mode={mode}",
          f"--model={model}", f"--batch_size={batch_size}",
-         f"--seq_len={seq_len}"]
+         f"--seq_len={seq_len}", f"--size={size}"]
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **memory.ALLOCATOR_ENV)
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          cwd=str(venv.REPO), timeout=900)
+                          cwd=str(venv.REPO), timeout=timeout)
   except subprocess.TimeoutExpired:
     return {"mode": mode, "model": model, "status": "error",
-            "error": "timed out after 900 s"}
+            "error": f"timed out after {timeout} s"}
   lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
   if proc.returncode or not lines:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
-    return {"mode": mode, "model": model, "status": "error",
-            "error": f"exit {proc.returncode}: {' '.join(tail)[:400]}"}
+    from benchmarks import timing  # noqa: PLC0415
+    tail = timing.process_failure_line(proc.stderr or proc.stdout)
+    return {"mode": mode, "model": model,
+            "status": "crashed" if proc.returncode < 0 else "error",
+            "error": f"exit {proc.returncode}: {tail}"}
   return json.loads(lines[-1])
 
 
 def _memory_ratios(mem: dict) -> None:
+  from benchmarks import jax_anchor  # noqa: PLC0415
   from benchmarks import modes  # noqa: PLC0415
+  baseline = dict(modes.BASELINE, **jax_anchor.BASELINE)
   for k, r in mem.items():
-    base = mem.get(modes.BASELINE.get(k, ""))
+    base = mem.get(baseline.get(k, ""))
     if not base or r.get("status") != "ok" or base.get("status") != "ok":
       continue
-    r["baseline"] = modes.BASELINE[k]
+    r["baseline"] = baseline[k]
     if r.get("alloc_peak_mb") and base.get("alloc_peak_mb"):
       r["alloc_ratio"] = r["alloc_peak_mb"] / base["alloc_peak_mb"]
     r["rss_ratio"] = r["rss_peak_mb"] / base["rss_peak_mb"]
@@ -230,25 +343,74 @@ def _memory_ratios(mem: dict) -> None:
 
 def run_memory(settings) -> dict:
   """Each (model, mode) in a subprocess of its own, `--memory_jobs` at a
-  time (peaks do not depend on what else runs; time is not measured)."""
-  jobs = [(model, mode) for model in settings["models"]
-          for mode in settings["memory_modes"] if mode != "noise"]
+  time for the small models (peaks do not depend on what else runs; time
+  is not measured) and one at a time for the real architectures, whose
+  processes take gigabytes each."""
+  from benchmarks import jax_anchor  # noqa: PLC0415
+  jobs = []
+  for model in settings["models"]:
+    names = [m for m in settings["memory_modes"][model] if m != "noise"]
+    if model in settings["jax_models"]:
+      names += list(jax_anchor.JAX_MODES)
+    jobs += [(model, mode) for mode in names]
 
   def one(job):
     start = time.perf_counter()
-    r = _memory_one(job[1], job[0])
+    r = _memory_one(job[1], job[0], size=settings["size"])
     _log(f"[memory] {job[0]} {job[1]}: {r.get('status')} "
          f"alloc {r.get('alloc_peak_mb')} MB, rss {r.get('rss_peak_mb')} MB"
          f" ({time.perf_counter() - start:.0f} s) {r.get('error', '')}")
     return r
 
+  small = [j for j in jobs if not _real(j[0])]
+  real = [j for j in jobs if _real(j[0])]
   with concurrent.futures.ThreadPoolExecutor(_MEMORY_JOBS.value) as pool:
-    results = list(pool.map(one, jobs))
+    results = dict(zip(small, pool.map(one, small)))
+  results.update((j, one(j)) for j in real)
   out = {model: {} for model in settings["models"]}
-  for (model, mode), r in zip(jobs, results):
-    out[model][mode] = r
+  for (model, mode) in jobs:
+    out[model][mode] = results[(model, mode)]
   for model in out:
     _memory_ratios(out[model])
+  return out
+
+
+def _profile_one(model, mode, steps, size) -> dict:
+  cmd = [sys.executable, "-m", "benchmarks.profile", f"--model={model}",
+         f"--mode={mode}", "--families", "--json", f"--steps={steps}",
+         f"--size={size}"]
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                          cwd=str(venv.REPO), timeout=1800)
+  except subprocess.TimeoutExpired:
+    return {"status": "error", "error": "timed out after 1800 s"}
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if proc.returncode or not lines:
+    from benchmarks import timing  # noqa: PLC0415
+    tail = timing.process_failure_line(proc.stderr or proc.stdout)
+    return {"status": "crashed" if proc.returncode < 0 else "error",
+            "error": f"exit {proc.returncode}: {tail}"}
+  return dict(json.loads(lines[-1]), status="ok")
+
+
+def run_profile(settings) -> dict:
+  """Op time per family (`benchmarks.profile.families`) of tf_pxg's DP
+  step and Keras' step, each in a process of its own, per real model."""
+  out = {}
+  for model in settings["profile_models"]:
+    out[model] = {}
+    for mode in ("keras", "pxg"):
+      start = time.perf_counter()
+      r = _profile_one(model, mode, settings["profile_steps"],
+                       settings["size"])
+      r["load_after"] = _load()
+      out[model][mode] = r
+      fams = ", ".join(f"{k} {v:.1f}" for k, v in
+                       r.get("families", {}).items() if v >= 0.05)
+      _log(f"[profile] {model} {mode}: {r['status']} "
+           f"{r.get('op_ms_per_step', 0):.1f} ms op time/step ({fams}) "
+           f"({time.perf_counter() - start:.0f} s) {r.get('error', '')}")
   return out
 
 
@@ -282,9 +444,11 @@ def main(argv):
   result["load_average_after_timing"] = _load()
   if "memory" not in _SKIP.value:
     result["memory"] = run_memory(settings)
+  result["load_average_after_memory"] = _load()
+  if "profile" not in _SKIP.value:
+    result["profile"] = run_profile(settings)
   result["load_average_end"] = _load()
   result["seconds"] = round(time.time() - started, 1)
   out_dir = pathlib.Path(_OUT.value or venv.REPO / "benchmarks" / "results")
-  paths = report.write(result, out_dir, "quick" if settings["quick"] else
-                       "full")
+  paths = report.write(result, out_dir, output_name(settings))
   _log(f"done in {result['seconds']:.0f} s: " + ", ".join(map(str, paths)))

@@ -16,6 +16,7 @@ bracket the truth, and they agree on an idle machine.
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
 from typing import Callable, Dict, Optional
@@ -35,6 +36,23 @@ def error_message(exc: BaseException) -> str:
   return text[:500]
 
 
+_CRASH = re.compile(r"free\(\)|malloc|corruption|Segmentation|"
+                    r"RESOURCE_EXHAUSTED|Out of memory|Killed")
+_ERROR = re.compile(r"Fatal|Aborted|[A-Za-z]*Error\b")
+
+
+def process_failure_line(text: str) -> str:
+  """The most telling line of a dead process's output: the last line that
+  names a crash (glibc's abort message, out of memory), else the last that
+  names an error (`...Error: ...`), skipping Python's list of extension
+  modules; else the last line."""
+  lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()
+           and not ln.startswith("Extension modules")]
+  crash = [ln for ln in lines if _CRASH.search(ln)]
+  error = [ln for ln in lines if _ERROR.search(ln)]
+  return ((crash or error or lines or ["(no output)"])[-1])[:400]
+
+
 def _error(exc: BaseException) -> dict:
   return {"status": "unsupported" if isinstance(exc, NotImplementedError)
                     else "error",
@@ -42,27 +60,34 @@ def _error(exc: BaseException) -> dict:
           "traceback_tail": traceback.format_exc().strip().splitlines()[-3:]}
 
 
-def _time_calls(fn: Callable[[], object], n: int):
-  """(wall seconds, CPU seconds) per call, over `n` calls."""
+def _time_calls(fn: Callable[[], object], n: int, sync=None):
+  """(wall seconds, CPU seconds) per call, over `n` calls; `sync` waits for
+  a step's outputs (default `modes.sync`, TensorFlow's)."""
   start, cpu = time.perf_counter(), time.process_time()
   out = None
   for _ in range(n):
     out = fn()
-  modes_lib.sync(out)
+  (sync or modes_lib.sync)(out)
   return ((time.perf_counter() - start) / n,
           (time.process_time() - cpu) / n)
 
 
 def build_group(names, make: Callable[[str], modes_lib.Step],
-                log=print) -> Dict[str, object]:
-  """Builds and warms up each mode; a failure becomes a status record."""
+                log=print, sync=None) -> Dict[str, object]:
+  """Builds and warms up each mode; a failure becomes a status record.
+
+  Logs `    building <mode>` before each mode, so that a parent process can
+  tell which mode was being built when this process died.
+  """
+  sync = sync or modes_lib.sync
   built = {}
   for name in names:
     start = time.perf_counter()
+    log(f"    building {name}")
     try:
       step = make(name)
-      modes_lib.sync(step.fn())  # traces/compiles
-      modes_lib.sync(step.fn())
+      sync(step.fn())  # traces/compiles
+      sync(step.fn())
       built[name] = step
       log(f"    built {name} in {time.perf_counter() - start:.1f} s")
     except Exception as exc:  # noqa: BLE001 (reported, not hidden)
@@ -72,7 +97,8 @@ def build_group(names, make: Callable[[str], modes_lib.Step],
 
 
 def run_rounds(built: Dict[str, object], rounds: int,
-               round_seconds: float, max_calls: int = 200) -> Dict[str, dict]:
+               round_seconds: float, max_calls: int = 200,
+               sync=None) -> Dict[str, dict]:
   """Times the built steps in `rounds` interleaved rounds.
 
   Returns:
@@ -83,7 +109,7 @@ def run_rounds(built: Dict[str, object], rounds: int,
            if isinstance(v, modes_lib.Step)}
   calls = {}
   for k, step in steps.items():
-    once, _ = _time_calls(step.fn, 1)
+    once, _ = _time_calls(step.fn, 1, sync)
     calls[k] = int(max(1, min(max_calls, round(round_seconds / once))))
   times = {k: [] for k in steps}
   cpu = {k: [] for k in steps}
@@ -92,7 +118,7 @@ def run_rounds(built: Dict[str, object], rounds: int,
     # Rotate the order so no mode always runs right after the same one.
     shift = r % max(1, len(order))
     for k in order[shift:] + order[:shift]:
-      wall_s, cpu_s = _time_calls(steps[k].fn, calls[k])
+      wall_s, cpu_s = _time_calls(steps[k].fn, calls[k], sync)
       times[k].append(wall_s)
       cpu[k].append(cpu_s)
   out = {}

@@ -17,6 +17,14 @@ TensorFlow Privacy reaches Keras as `tf.keras`, so the benchmark process sets
 still Keras 3) and `sys.skip_tf_privacy_import = True` (its package
 `__init__` would otherwise import estimator and v1 modules that do not load
 on current TF).
+
+A second venv, `benchmarks/.venv-jaxp`, holds jax-privacy 2.0 (its Keras
+API runs Keras 3 on the JAX backend, which cannot share a process with
+TensorFlow's Keras backend): `ensure_jax()` creates it on its own (no
+parent packages) with `pip install jax-privacy==2.0.0 jax[cpu]
+keras==<the suite's Keras version> absl-py`, and a `.pth` file that puts
+the repository root on its path (for `benchmarks.models` and
+`benchmarks.jax_anchor`). The suite runs it as a subprocess per model.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 VENV = REPO / "benchmarks" / ".venv-tfp"
 TFP_REQUIREMENT = "tensorflow-privacy==0.9.0"
 EXTRA_REQUIREMENTS = ("matplotlib",)
+JAX_VENV = REPO / "benchmarks" / ".venv-jaxp"
+JAXP_REQUIREMENT = "jax-privacy==2.0.0"
+JAX_REQUIREMENTS = ("jax[cpu]", "absl-py")
 
 
 def python() -> pathlib.Path:
@@ -100,3 +111,61 @@ def setup_process_env() -> None:
   sys.skip_tf_privacy_import = True
   from absl import logging  # noqa: PLC0415
   logging.set_verbosity(logging.WARNING)  # TF Privacy logs every trace
+
+
+def jax_python() -> pathlib.Path:
+  """The jax-privacy venv's interpreter."""
+  return JAX_VENV / "bin" / "python"
+
+
+def _keras_version() -> str:
+  import importlib.metadata as md  # noqa: PLC0415
+  return md.version("keras")
+
+
+def _jax_ready(keras_version: str) -> bool:
+  if not jax_python().exists():
+    return False
+  out = subprocess.run(
+      [str(jax_python()), "-c",
+       "import importlib.metadata as m\n"
+       f"assert m.version('jax-privacy') == '{JAXP_REQUIREMENT.split('==')[1]}'\n"
+       f"assert m.version('keras') == '{keras_version}'\n"
+       "import keras, jax\n"
+       "from jax_privacy import keras_api\n"
+       "import benchmarks.models"],
+      capture_output=True, text=True, cwd="/",
+      env=dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu"))
+  return out.returncode == 0
+
+
+def ensure_jax(log=print) -> pathlib.Path:
+  """Creates (once) and returns the jax-privacy venv's interpreter.
+
+  Keras is pinned to the version of the interpreter running the suite, so
+  that both backends build the same models.
+
+  Raises:
+    subprocess.CalledProcessError: pip could not install a requirement
+      (e.g. no access to the package index); `stderr` has pip's output.
+    RuntimeError: the venv was created but does not import jax_privacy.
+  """
+  keras_version = _keras_version()
+  if _jax_ready(keras_version):
+    return jax_python()
+  log(f"Creating the jax-privacy venv {JAX_VENV} ({JAXP_REQUIREMENT}, "
+      f"jax[cpu], keras=={keras_version}) ...")
+  venv.EnvBuilder(with_pip=True, clear=True).create(str(JAX_VENV))
+  pth = _site_packages(jax_python()) / "_tf_pxg_repo.pth"
+  pth.write_text(str(REPO) + "\n")
+  subprocess.run(
+      [str(jax_python()), "-m", "pip", "install", "-q",
+       "--disable-pip-version-check", JAXP_REQUIREMENT,
+       f"keras=={keras_version}", *JAX_REQUIREMENTS],
+      check=True, capture_output=True, text=True)
+  if not _jax_ready(keras_version):
+    raise RuntimeError(
+        f"The jax-privacy venv {JAX_VENV} was created but does not import "
+        "jax_privacy.keras_api with KERAS_BACKEND=jax; delete it and run "
+        "again.")
+  return jax_python()

@@ -236,3 +236,163 @@ def test_native_sampling_times_the_ops_code_on_one_core():
   # Timings only: their order is not asserted (a shared machine's load can
   # reorder close measurements); they must be real durations.
   assert all(math.isfinite(times[k]) and times[k] > 0 for k in keys)
+
+
+# The real architectures (issue 22), at the tiny size of `Spec.tiny`.
+
+
+@pytest.mark.parametrize("name", models.REAL_MODELS)
+def test_real_models_train_a_dp_step_and_a_plain_step_at_tiny_size(name):
+  """Keras 3's non-private fit step and tf_pxg's DP fit step both run on
+  the real architecture's tiny size: the DP step changes every weight (the
+  noise), the plain step most (behind ConvNeXt's LayerScale, initialised
+  to 1e-6, a step of SGD(0.01) is below float32's resolution)."""
+  for mode in ("keras", "pxg"):
+    step = modes.make(mode, name, 4, size="tiny")
+    variables = step.model.trainable_variables
+    before = [v.numpy().copy() for v in variables]
+    modes.sync(step.fn())
+    after = [v.numpy() for v in variables]
+    assert all(np.isfinite(a).all() for a in after), (name, mode)
+    changed = sum(not np.array_equal(a, b) for a, b in zip(before, after))
+    least = len(variables) if mode == "pxg" else 0.9 * len(variables)
+    assert changed >= least, (name, mode, changed, len(variables))
+
+
+def test_real_models_full_sizes_are_the_issues_architectures():
+  """Weights of the full sizes (built, not trained): ConvNeXtTiny 28M,
+  WRN-16-4 2.7M, ViT-S/4 at d=384 and the BERT-style encoder with its
+  30000 x 256 embedding; the tiny sizes are small."""
+  import keras  # pylint: disable=g-import-not-at-top
+  counts = {name: models.build(keras, name).count_params()
+            for name in ("convnext", "wrn_gn")}
+  assert counts == {"convnext": 27_827_818, "wrn_gn": 2_748_890}
+  for name in models.REAL_MODELS:
+    tiny = models.build(keras, name, size="tiny")
+    assert tiny.count_params() < 20_000, name
+    x, _ = models.batch(name, 2, size="tiny")
+    assert tiny(x).shape == (2, models.SPECS[name].classes)
+
+
+def test_profile_families_split_a_dp_step_from_its_graph():
+  """`profile.graph_families` finds the clip factors, the norms before
+  them, the weighted sums after them and the noise in tf_pxg's DP step of
+  a tiny real model; Keras' step has only forward, backward, optimizer."""
+  from benchmarks import profile  # pylint: disable=g-import-not-at-top
+  dp = profile.profile_families("bert", "pxg", steps=1, batch=3,
+                                size="tiny")
+  fams = dp["families"]
+  assert set(fams) == set(profile.FAMILIES)
+  for fam in ("forward", "backward", "clip norms", "weighted sums", "noise"):
+    assert fams[fam] > 0, (fam, fams)
+  assert dp["op_ms_per_step"] == pytest.approx(sum(fams.values()))
+  plain = profile.profile_families("bert", "keras", steps=1, batch=3,
+                                   size="tiny")["families"]
+  assert plain["clip norms"] == plain["weighted sums"] == plain["noise"] == 0
+  assert plain["forward"] > 0 and plain["backward"] > 0
+  assert plain["optimizer"] > 0
+
+
+def test_profile_attribute_strips_call_prefixes_and_uses_scopes():
+  from benchmarks import profile  # pylint: disable=g-import-not-at-top
+  family = {"gradient_tape_4/MatMul": "backward", "cond_3": "optimizer",
+            "m/dense/MatMul": "forward", "m/dense/BiasAdd": "forward",
+            "StatefulPartitionedCall": "clip norms"}
+  scopes = profile._scope_families(family)  # pylint: disable=protected-access
+  assert profile.attribute("StatefulPartitionedCall/gradient_tape_4/MatMul",
+                           family, scopes) == "backward"
+  assert profile.attribute("cond_3/then/_5/cond_3/sgd/Mul", family,
+                           scopes) == "optimizer"
+  assert profile.attribute("m/dense/ArithmeticOptimizer/AddOps", family,
+                           scopes) == "forward"
+  assert profile.attribute("nowhere", family, scopes) == "other"
+
+
+def test_time_group_names_the_mode_that_killed_its_process():
+  from benchmarks import time_group  # pylint: disable=g-import-not-at-top
+  log = ("    building keras\n    built keras in 1.0 s\n"
+         "    building tfp_dpmodel\nfree(): invalid size\n")
+  assert time_group._building(log) == "tfp_dpmodel"  # pylint: disable=W0212
+  log += "    tfp_dpmodel: error: TypeError: x\n"
+  assert time_group._building(log) is None  # pylint: disable=W0212
+
+
+def test_jax_anchor_records_statuses_instead_of_raising(monkeypatch):
+  """No package index: every jax-privacy mode gets an `unavailable`
+  record; a process that ran out of memory or died gets its status."""
+  from benchmarks import jax_anchor  # pylint: disable=g-import-not-at-top
+  from benchmarks import venv  # pylint: disable=g-import-not-at-top
+
+  def no_index(log=print):
+    raise subprocess.CalledProcessError(
+        1, "pip", stderr="ERROR: No matching distribution found for "
+        "jax-privacy==2.0.0")
+  monkeypatch.setattr(venv, "ensure_jax", no_index)
+  out = jax_anchor.run_time("wrn_gn", 4, 1, 0.01, size="tiny")
+  assert set(out) == set(jax_anchor.JAX_MODES)
+  assert all(r["status"] == "unavailable" and "No matching" in r["error"]
+             for r in out.values())
+  mem = jax_anchor.run_memory("jaxp_dpmodel", "wrn_gn", 4, size="tiny")
+  assert mem["status"] == "unavailable" and mem["mode"] == "jaxp_dpmodel"
+  oom = subprocess.CompletedProcess(
+      [], 1, stdout="", stderr="jax.errors.JaxRuntimeError: "
+      "RESOURCE_EXHAUSTED: Out of memory allocating 238906983808 bytes.")
+  r = jax_anchor._failure(oom, "x")  # pylint: disable=protected-access
+  assert r["status"] == "out of memory" and "238906983808" in r["error"]
+  killed = subprocess.CompletedProcess([], -9, stdout="", stderr="")
+  assert "signal 9" in jax_anchor._failure(killed, "x")["error"]  # pylint: disable=W0212
+
+
+@pytest.mark.skipif(not os.environ.get("TF_PXG_BENCH_JAX"),
+                    reason="set TF_PXG_BENCH_JAX=1 (needs benchmarks/"
+                    ".venv-jaxp or the package index; about a minute)")
+def test_jax_anchor_times_jax_privacy_on_a_tiny_model():
+  from benchmarks import jax_anchor  # pylint: disable=g-import-not-at-top
+  out = jax_anchor.run_time("wrn_gn", 4, 2, 0.05, size="tiny")
+  assert out["keras_jax"]["status"] == "ok", out
+  assert out["jaxp_dpmodel"]["status"] == "ok", out
+  assert out["jaxp_dpmodel"]["ratio"] > 0
+  assert "jax_privacy 2.0.0" in out["jaxp_dpmodel"]["path"]
+
+
+def test_report_renders_the_real_architectures_table(tmp_path):
+  ok = lambda ms, ratio=None, **kw: dict(  # noqa: E731
+      {"status": "ok", "ms": ms, "cpu_ms": ms}, **(
+          {"ratio": ratio, "cpu_ratio": ratio} if ratio else {}), **kw)
+  result = {
+      "date": "2026-01-01T00:00:00+00:00",
+      "machine": {"model_name": "CPU", "cores": 2, "mem_total_gb": 1.0},
+      "settings": {"quick": False, "rounds": 1},
+      "time": {"wrn_gn": {"batch_size": 32, "seq_len": None,
+                          "load_before": [1.0, 1.0, 1.0],
+                          "load_after": [2.0, 1.0, 1.0], "modes": {
+          "keras": ok(200.0), "pxg": ok(300.0, 1.5),
+          "noise": ok(1.0, weights=2_748_890),
+          "tf_keras": ok(100.0),
+          "tfp_dpmodel": ok(3000.0, 30.0, path="vectorized fallback"),
+          "keras_jax": ok(500.0), "jaxp_dpmodel": {
+              "status": "out of memory", "error": "RESOURCE_EXHAUSTED"}}}},
+      "memory": {"wrn_gn": {
+          "pxg": {"status": "ok", "alloc_ratio": 1.1, "rss_growth_ratio":
+                  1.2},
+          "jaxp_dpmodel": {"status": "ok", "rss_growth_ratio": 2.0,
+                           "rss_ratio": 1.5}}},
+      "profile": {"wrn_gn": {
+          "keras": {"status": "ok", "batch_size": 32, "steps": 2,
+                    "op_ms_per_step": 10.0, "families": {
+                        "forward": 4.0, "backward": 6.0}},
+          "pxg": {"status": "ok", "batch_size": 32, "steps": 2,
+                  "op_ms_per_step": 15.0, "families": {
+                      "forward": 4.0, "backward": 3.0, "clip norms": 2.0,
+                      "weighted sums": 5.0, "noise": 1.0}}}},
+  }
+  md = report.markdown(result)
+  assert ("| WRN-16-4 GN (`wrn_gn`, B=32, 2.7M weights) | 1.50× (1.50×) "
+          "(300 ms / 200 ms) | 30.00× (30.00×) fallback (3000 ms / 100 ms) "
+          "| out of memory | 1.10× (RSS growth 1.20×) | – | 2.00× (RSS "
+          "1.50×) | ≤ 1.2× ✗ | [1.0, 1.0, 1.0] → [2.0, 1.0, 1.0] |") in md
+  assert "jaxp_dpmodel: out of memory: RESOURCE_EXHAUSTED" in md
+  assert "| clip norms | – | 2.0 | 13% |" in md
+  assert "| **all ops** | 10.0 | 15.0 | 1.50× Keras |" in md
+  report.write(result, tmp_path, "real")
+  assert (tmp_path / "real.md").exists()
