@@ -25,6 +25,15 @@ LABELS = {
 }
 
 
+def _git_line(git: Optional[dict]) -> str:
+  if not git or not git.get("commit"):
+    return ""
+  dirty = git.get("tf_pxg_uncommitted") or []
+  return (f" Code: commit {git['commit']}"
+          + (f" with uncommitted changes to {', '.join(dirty)}" if dirty
+             else "") + ".")
+
+
 def _fmt(x: Optional[float], digits: int = 2, suffix: str = "×") -> str:
   if x is None or (isinstance(x, float) and math.isnan(x)):
     return "–"
@@ -96,7 +105,10 @@ def markdown(result: dict) -> str:
       f"{result.get('settings', {}).get('rounds')} interleaved rounds, "
       f"{result.get('seconds')} s. Versions: "
       + ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
-      + ".", ""]
+      + (("; jax-privacy's venv: " + ", ".join(
+          f"{k} {v}" for k, v in result["versions_jax"].items()))
+         if result.get("versions_jax") else "")
+      + "." + _git_line(result.get("git")), ""]
   time_res = result.get("time", {})
   if time_res:
     lines += [

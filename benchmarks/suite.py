@@ -138,6 +138,24 @@ def _load() -> list:
     return []
 
 
+def _git_state() -> dict:
+  """The commit and the uncommitted changes to tf_pxg/ that the run
+  measures (other engineers may work in the same tree)."""
+  def git(*args):
+    try:
+      return subprocess.run(["git", *args], capture_output=True, text=True,
+                            cwd=str(venv.REPO), timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+      return ""
+  import hashlib  # noqa: PLC0415
+  diff = git("diff", "HEAD", "--", "tf_pxg")
+  return {"commit": git("rev-parse", "--short", "HEAD").strip() or None,
+          "tf_pxg_uncommitted": git("diff", "HEAD", "--name-only", "--",
+                                    "tf_pxg").split(),
+          "tf_pxg_diff_sha1": hashlib.sha1(diff.encode()).hexdigest()
+                              if diff else None}
+
+
 def _versions() -> dict:
   import importlib.metadata as md  # noqa: PLC0415
   out = {}
@@ -189,19 +207,26 @@ def _settings():
     raise app.UsageError(f"unknown models {unknown}; "
                          f"known: {sorted(models.SPECS)}")
 
+  # The LSTM is both a small model and a real one: with only real models
+  # it gets the real models' modes, else all modes as before.
+  real_only = all(m in models.REAL_MODELS for m in model_list)
+
+  def real(model):
+    return _real(model) or (real_only and model in models.REAL_MODELS)
+
   def model_modes(model):
     if chosen:
       return chosen
     if quick:
       return list(QUICK_MODES)
-    return list(REAL_MODES if _real(model) else modes.ALL_MODES)
+    return list(REAL_MODES if real(model) else modes.ALL_MODES)
 
   def model_memory_modes(model):
     if quick:
       return list(QUICK_MEMORY_MODES)
     if chosen:
       return chosen
-    return list(REAL_MEMORY_MODES if _real(model) else modes.ALL_MODES)
+    return list(REAL_MEMORY_MODES if real(model) else modes.ALL_MODES)
 
   jax_wanted = _JAX.value and (not _MODES.value or any(
       m in jax_anchor.JAX_MODES for m in _MODES.value))
@@ -427,6 +452,7 @@ def main(argv):
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"),
       "machine": machine(), "load_average_start": _load(),
+      "git": _git_state(),
       "versions": _versions(), "settings": settings,
       "dp": {"l2_norm_clip": 1.0, "noise_multiplier": 1.1, "optimizer":
              "SGD(0.01)"}}
@@ -435,6 +461,10 @@ def main(argv):
        f"load {result['load_average_start']}")
   if "time" not in _SKIP.value:
     result["time"] = run_time(settings)
+    for res in result["time"].values():
+      for r in res["modes"].values():
+        if r.get("versions"):
+          result["versions_jax"] = r.pop("versions")
   if "growth" not in _SKIP.value:
     result["growth"] = run_growth(settings)
   if "limits" not in _SKIP.value:
