@@ -1,4 +1,6 @@
-"""The native norm ops: `TfPxgConv2DFilterSqNorm` (tf_pxg.rules.conv),
+"""The native norm ops: `TfPxgConv2DFilterSqNorm` and the depthwise
+`TfPxgDepthwiseConv2DFilterSqNorm` / `TfPxgDepthwiseConv2DFilterWeightedSum`
+(tf_pxg.rules.conv),
 `TfPxgRowSumOfSquares` (tf_pxg.rules.base.row_sum_of_squares) and
 `TfPxgScaleRows` (tf_pxg.rules.base.scale_examples).
 
@@ -22,6 +24,17 @@ B = 1 and 5, in float32 and float64, for VALID/SAME/EXPLICIT padding,
 strides and dilations, with several rows per example and with a `None`
 batch. One `fit` step of an unbuilt Keras convnet runs the op and equals
 the noiseless DP-SGD step of the reference loop. Without the library the patch path runs.
+
+The depthwise ops (a `DepthwiseConv2dNative`, or a `Conv2D` with one input
+channel per group as in Keras' ConvNeXt) are checked against float64 NumPy
+per-example filter gradients: squared norms, and clip-weighted sums in
+which an example with factor 0 and inf/NaN rows adds nothing; channel
+counts of several vector blocks and partial vectors, multipliers > 1,
+strides, dilations, padding, kernels larger than the image, several rows
+per example (also the examples minor). Both Keras forms use them outside
+XLA (norms and weighted sums) and match the reference loop in the three
+modes, and a DP `fit` step of a ConvNeXt-style block equals the reference
+DP-SGD step.
 
 The op must build on every machine of this kind (it has g++); run with
 TF_PXG_NATIVE=0 to test without it.
@@ -296,6 +309,207 @@ def test_without_the_library_the_patch_path_runs(monkeypatch):
   forms = {r.get("sq_norm") for r in records
            if r["form"] == "sq_norm" and r["op_type"] == "Conv2D"}
   assert forms and "native" not in forms, records
+
+
+# Depthwise convolutions ------------------------------------------------------------
+
+
+def _depthwise_per_example(x, dz, ksize, strides, dilations, pads, examples,
+                           minor=False):
+  """[B, kh, kw, C, M] per-example filter gradients of a depthwise conv
+  (output channel c M + m from input channel c), in float64 NumPy: x's
+  strided slice at tap offset (i d_h, j d_w) of the zero-padded input times
+  dz, summed over positions and over the example's rows."""
+  top, left, bottom, right = pads
+  x = np.pad(np.asarray(x, np.float64),
+             [[0, 0], [top, bottom], [left, right], [0, 0]])
+  dz = np.asarray(dz, np.float64)
+  n, oh, ow, co = dz.shape
+  c = x.shape[-1]
+  dz = dz.reshape(n, oh, ow, c, co // c)
+  k = n // examples
+  (kh, kw), (sh, sw), (dh, dw) = ksize, strides, dilations
+  out = np.zeros((examples, kh, kw, c, co // c))
+  for b in range(examples):
+    rows = ([r * examples + b for r in range(k)] if minor else
+            range(b * k, (b + 1) * k))
+    for row in rows:
+      for i in range(kh):
+        for j in range(kw):
+          patch = x[row, i * dh:i * dh + (oh - 1) * sh + 1:sh,
+                    j * dw:j * dw + (ow - 1) * sw + 1:sw]
+          out[b, i, j] += np.einsum("hwc,hwcm->cm", patch, dz[row])
+  return out
+
+
+# (rows, H, W, C, M, ksize, strides, dilations, (top, left, bottom, right),
+#  examples, examples minor)
+DEPTHWISE_CASES = {
+    # ConvNeXt's 7x7 SAME blocks at 32x32 inputs: 8x8x96 (whole vectors,
+    # two channel blocks) and 1x1x768 (every tap but the centre is padding).
+    "convnext_stage0": (4, 8, 8, 96, 1, (7, 7), (1, 1), (1, 1),
+                        (3, 3, 3, 3), 4, False),
+    "convnext_stage3": (3, 1, 1, 768, 1, (7, 7), (1, 1), (1, 1),
+                        (3, 3, 3, 3), 3, False),
+    "multiplier3_strides2": (3, 7, 6, 5, 3, (3, 2), (2, 2), (1, 1),
+                             (1, 0, 1, 1), 3, False),
+    "partial_vector_dilated": (2, 7, 7, 37, 2, (3, 3), (1, 2), (2, 1),
+                               (2, 1, 2, 1), 2, False),
+    "2_rows_each": (6, 5, 5, 20, 1, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 3,
+                    False),
+    "2_rows_each_minor": (6, 5, 5, 3, 2, (2, 2), (1, 1), (1, 1),
+                          (0, 0, 0, 0), 3, True),
+    "kernel_larger_than_image": (2, 2, 3, 70, 1, (5, 7), (1, 1), (1, 1),
+                                 (2, 3, 2, 3), 2, False),
+}
+
+
+def _depthwise_data(name, dtype):
+  (n, h, w, c, m, ksize, strides, dilations, pads, examples,
+   minor) = DEPTHWISE_CASES[name]
+  rng = np.random.default_rng(sorted(DEPTHWISE_CASES).index(name))
+  oh = (h + pads[0] + pads[2] - (ksize[0] - 1) * dilations[0] - 1) // (
+      strides[0]) + 1
+  ow = (w + pads[1] + pads[3] - (ksize[1] - 1) * dilations[1] - 1) // (
+      strides[1]) + 1
+  x = rng.standard_normal((n, h, w, c))
+  dz = rng.standard_normal((n, oh, ow, c * m))
+  attrs = dict(ksize=ksize, strides=strides, dilations=dilations,
+               pads=pads[:2], batch_minor=minor)
+  want = _depthwise_per_example(x, dz, ksize, strides, dilations, pads,
+                                examples, minor)
+  return (tf.constant(x, dtype), tf.constant(dz, dtype), examples, attrs,
+          want, rng)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(DEPTHWISE_CASES))
+def test_depthwise_sq_norm_matches_its_definition(lib, name, dtype):
+  x, dz, examples, attrs, g, _ = _depthwise_data(name, dtype)
+  for index_dtype in (tf.int32, tf.int64):
+    got = lib.tf_pxg_depthwise_conv2d_filter_sq_norm(
+        x, dz, tf.constant(examples, index_dtype), **attrs)
+    assert got.dtype == dtype and got.shape == [examples]
+    np.testing.assert_allclose(
+        got.numpy(), np.sum(g.reshape(examples, -1) ** 2, axis=1),
+        rtol=1e-5 if dtype == F32 else 1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(DEPTHWISE_CASES))
+def test_depthwise_weighted_sum_matches_its_definition(lib, name, dtype):
+  """sum_b c[b] G_b, [kh, kw, C, M]; an example with factor 0 whose rows
+  hold inf and NaN adds exactly nothing."""
+  x, dz, examples, attrs, g, rng = _depthwise_data(name, dtype)
+  c = rng.uniform(0.1, 2.0, examples)
+  c[0] = 0.0
+  want = np.einsum("b,b...->...", c, g)
+  k = x.shape[0] // examples
+  first = ([r * examples for r in range(k)] if attrs["batch_minor"] else
+           list(range(k)))  # example 0's rows
+  bad = np.zeros(x.shape[0], bool)
+  bad[first] = True
+  x = tf.where(bad[:, None, None, None], tf.constant(np.inf, dtype), x)
+  dz = tf.where(bad[:, None, None, None], tf.constant(np.nan, dtype), dz)
+  got = lib.tf_pxg_depthwise_conv2d_filter_weighted_sum(
+      x, dz, tf.constant(c, dtype), **attrs)
+  assert got.dtype == dtype and got.shape == want.shape
+  scale = np.max(np.abs(want))
+  np.testing.assert_allclose(got.numpy(), want,
+                             rtol=0, atol=(1e-5 if dtype == F32 else 1e-12) *
+                             scale)
+
+
+def test_depthwise_ops_reject_inconsistent_shapes(lib):
+  attrs = dict(ksize=[2, 2], strides=[1, 1], dilations=[1, 1], pads=[0, 0])
+  x, dz = tf.zeros([4, 4, 4, 3]), tf.zeros([4, 3, 3, 6])
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="4 rows are not a whole number per example"):
+    lib.tf_pxg_depthwise_conv2d_filter_sq_norm(x, dz, 3, **attrs)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="4 rows are not a whole number per example"):
+    lib.tf_pxg_depthwise_conv2d_filter_weighted_sum(x, dz, tf.ones([3]),
+                                                    **attrs)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="not a multiple of x's 3"):
+    lib.tf_pxg_depthwise_conv2d_filter_sq_norm(x, dz[..., :5], 2, **attrs)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="dz 3"):
+    lib.tf_pxg_depthwise_conv2d_filter_sq_norm(x, dz[:3], 4, **attrs)
+
+
+def test_depthwise_ops_on_an_empty_batch(lib):
+  attrs = dict(ksize=[2, 2], strides=[1, 1], dilations=[1, 1], pads=[0, 0])
+  x, dz = tf.zeros([0, 4, 4, 3]), tf.zeros([0, 3, 3, 6])
+  assert lib.tf_pxg_depthwise_conv2d_filter_sq_norm(
+      x, dz, 0, **attrs).shape == [0]
+  g = lib.tf_pxg_depthwise_conv2d_filter_weighted_sum(x, dz, tf.zeros([0]),
+                                                      **attrs)
+  np.testing.assert_array_equal(g.numpy(), np.zeros([2, 2, 3, 2]))
+
+
+def _keras_depthwise(kind):
+  """A depthwise layer as Keras writes it: `DepthwiseConv2D` (the
+  `DepthwiseConv2dNative` op) or `Conv2D(groups=C)` (a grouped `Conv2D`,
+  as in Keras' ConvNeXt)."""
+  if kind == "DepthwiseConv2D":
+    return tf.keras.layers.DepthwiseConv2D(3, depth_multiplier=2,
+                                           padding="same", use_bias=False)
+  return tf.keras.layers.Conv2D(8, 3, groups=4, padding="same",
+                                use_bias=False)
+
+
+@pytest.mark.parametrize("mode", pxg_testing.MODES)
+@pytest.mark.parametrize("kind", ["DepthwiseConv2D", "Conv2D_groups"])
+def test_depthwise_rules_use_the_ops(lib, kind, mode):
+  """Both depthwise forms: norms and clipped sums from the native ops
+  outside XLA (the patch path and TF's filter gradient under XLA), equal
+  to the reference loop."""
+  del lib
+  tf.keras.utils.set_random_seed(0)
+  layer = _keras_depthwise(kind)
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.standard_normal((5, 6, 6, 4)), F32)
+  layer(x)
+  op = "DepthwiseConv2dNative" if kind == "DepthwiseConv2D" else "Conv2D"
+  labels = tf.constant(rng.standard_normal((5, 6, 6, 8)), F32)
+  with pxg_testing.trace_rules() as records:
+    pxg_testing.check_per_example_gradients(
+        _loss, layer, layer.trainable_variables, x, labels, mode=mode)
+  forms = {(r["form"], r.get(r["form"])) for r in records
+           if r["op_type"] == op and r["form"] != "per_example"}
+  if mode == "jit":
+    assert ("sq_norm", "native") not in forms, records
+    assert ("weighted_sum", "native") not in forms, records
+  else:
+    assert forms == {("sq_norm", "native"), ("weighted_sum", "native")}, (
+        records)
+
+
+def test_keras_fit_step_with_the_depthwise_ops(lib):
+  """A ConvNeXt-style block (Conv2D stem, 7x7 depthwise as groups,
+  LayerNorm, Dense over the pixels, LayerScale): one DP `fit` step runs the
+  native depthwise ops and equals the noiseless DP-SGD step of the
+  reference loop."""
+  del lib
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, 8, 8, 3)).astype("float32")
+  y = rng.integers(0, 3, 8).astype("int32")
+
+  def make_layers():
+    return [tf.keras.layers.Conv2D(16, 2, strides=2),
+            tf.keras.layers.Conv2D(16, 7, groups=16, padding="same"),
+            tf.keras.layers.LayerNormalization(),
+            tf.keras.layers.Dense(32, activation="gelu"),
+            tf.keras.layers.Dense(16),
+            tf.keras.layers.GlobalAveragePooling2D(),
+            tf.keras.layers.Dense(3)]
+
+  with pxg_testing.trace_rules() as records:
+    check_one_dp_fit_step(make_layers, x, y, build_shape=x.shape)
+  assert {r.get(r["form"]) for r in records if r["op_type"] == "Conv2D" and
+          r["form"] != "per_example"} == {"native", None}, records
+  assert any(r["op_type"] == "Conv2D" and r.get("weighted_sum") == "native"
+             for r in records), records
 
 
 # Row sums of squares -------------------------------------------------------------

@@ -191,9 +191,12 @@ def two_example_chunks(monkeypatch):
     return real(fn, tensors, batch_size, chunk, signature)
 
   monkeypatch.setattr(base, "map_example_chunks", spy)
-  # The patch path under test; the native op that replaces it for 2-D
-  # convolutions on CPU is tested in test_conv_native.py.
-  monkeypatch.setattr(conv.ConvRule, "native_sq_norm", lambda self, ctx: None)
+  # The patch path under test; the native ops that replace it for 2-D and
+  # depthwise convolutions on CPU are tested in test_native_norms.py.
+  for rule in (conv.ConvRule, conv.DepthwiseConvRule):
+    monkeypatch.setattr(rule, "native_sq_norm", lambda self, ctx: None)
+    monkeypatch.setattr(rule, "native_weighted_sum",
+                        lambda self, ctx, c: None)
 
   def set_budget(case, dtype):
     monkeypatch.setattr(conv, "NORM_CHUNK_BYTES",

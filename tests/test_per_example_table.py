@@ -74,6 +74,9 @@ class Case:
       run, as "RuleClass" or "RuleClass/form" with form the squared-norm
       form ("ghost" or "materialised"); "_VectorizedFallback" for the
       fallback. Op types not listed must not reach a rule.
+    invariant_dtypes: the dtypes `check_gradient_invariants` runs in (its
+      plain `tf.GradientTape` differentiates the ops tf_pxg's tape
+      recorded, nested functions inlined).
   """
   name: str
   build: Callable
@@ -82,6 +85,7 @@ class Case:
   tolerance: Optional[Tuple[float, float]] = None
   without_rule: Optional[str] = None
   rules: Dict[str, str] = dataclasses.field(default_factory=dict)
+  invariant_dtypes: Tuple[tf.DType, ...] = (F32, F64)
 
 
 @contextlib.contextmanager
@@ -251,6 +255,22 @@ LAYER_CASES = [
     layer_case("DepthwiseConv2D", lambda d: L.DepthwiseConv2D(
         3, depth_multiplier=2, padding="same", dtype=d), (5, 5, 2),
                rules=expect("DepthwiseConv2dNative", sq=M, **BIAS)),
+    # Depthwise as a grouped Conv2D (one input channel per group, as Keras'
+    # ConvNeXt writes it): native norms and weighted sums outside XLA.
+    # Keras runs a grouped Conv2D in an XLA function (TF has no float64
+    # grouped Conv2D kernels on CPU); tf_pxg's tape inlines it, so the plain
+    # tape of the invariants check, differentiating the inlined op, runs in
+    # float32 only. The reference loop and tf_pxg run float64 too.
+    layer_case("Conv2D_groups_one_channel_each", lambda d: L.Conv2D(
+        6, 3, groups=3, padding="same", dtype=d), (5, 5, 3),
+               rules=expect("Conv2D", sq=M, **BIAS),
+               invariant_dtypes=(F32,)),
+    # ConvNeXt's late stages: a 7x7 kernel over a 2x2 image (most taps fall
+    # in the padding), 70 channels (whole vectors and a partial one).
+    layer_case("Conv2D_groups_7x7_on_2x2", lambda d: L.Conv2D(
+        70, 7, groups=70, padding="same", dtype=d), (2, 2, 70),
+               rules=expect("Conv2D", sq=M, **BIAS),
+               invariant_dtypes=(F32,)),
     layer_case("SeparableConv2D", lambda d: L.SeparableConv2D(
         3, 3, depth_multiplier=2, dtype=d), (5, 5, 2),
                rules=expect("DepthwiseConv2dNative", "Conv2D", sq=M, **BIAS)),
@@ -316,6 +336,14 @@ def _bmm(x, y, adj_x=False, adj_y=False, v3=False):
     return tf.raw_ops.BatchMatMulV3(x=x, y=y, Tout=x.dtype, adj_x=adj_x,
                                     adj_y=adj_y)
   return tf.raw_ops.BatchMatMulV2(x=x, y=y, adj_x=adj_x, adj_y=adj_y)
+
+
+def _depthwise_dilated_by_space_to_batch(x, w):
+  blocks, zeros = [2, 2], [[0, 0], [0, 0]]
+  y = tf.raw_ops.SpaceToBatchND(input=x, block_shape=blocks, paddings=zeros)
+  y = tf.raw_ops.DepthwiseConv2dNative(input=y, filter=w, strides=[1] * 4,
+                                       padding="VALID", data_format="NHWC")
+  return tf.raw_ops.BatchToSpaceND(input=y, block_shape=blocks, crops=zeros)
 
 
 for op, v3 in (("BatchMatMulV2", False), ("BatchMatMulV3", True)):
@@ -420,6 +448,22 @@ RAW_CASES += [
              lambda x, w: tf.nn.conv2d_transpose(
                  x, w, tf.stack([tf.shape(x)[0], 4, 5, 2]), strides=1,
                  padding="VALID"), (3, 3, 2), [(2, 3, 2, 2)], sq=M),
+    raw_case("DepthwiseConv2dNative_SAME_strides2_70_channels",
+             ["DepthwiseConv2dNative"],
+             lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
+                 input=x, filter=w, strides=[1, 2, 2, 1], padding="SAME"),
+             (5, 4, 70), [(3, 2, 70, 1)], sq=M),
+    # A dilated depthwise conv as TF writes it: SpaceToBatchND, the op on
+    # rows [k, B] (the examples minor), BatchToSpaceND.
+    raw_case("DepthwiseConv2dNative_space_to_batch_examples_minor",
+             ["DepthwiseConv2dNative"], _depthwise_dilated_by_space_to_batch,
+             (6, 6, 3), [(2, 2, 3, 2)], sq=M),
+    # TF has no float64 grouped Conv2D kernel on CPU (the reference loop
+    # cannot run it); Keras runs its grouped Conv2D under XLA, see the
+    # Conv2D_groups_* layer cases for float64.
+    raw_case("Conv2D_one_input_channel_per_group_strides2", ["Conv2D"],
+             lambda x, w: tf.nn.conv2d(x, w, strides=2, padding="SAME"),
+             (5, 5, 4), [(3, 3, 1, 8)], sq=M, dtypes=(F32,)),
     # Ghost-norm sizes: P positions, K * C_in and C_out large enough.
     raw_case("Conv2D_VALID_ghost", ["Conv2D"],
              lambda x, w: tf.nn.conv2d(x, w, strides=1, padding="VALID"),
@@ -569,8 +613,10 @@ def _report_worst_error():
 
 
 # Rules whose squared norms a native op computes on CPU outside XLA for
-# float32/float64 (the declared form is the patch path's, which XLA runs).
-NATIVE_SQ_NORM = {"Conv2D"}
+# float32/float64 (the declared form is the patch path's, which XLA runs):
+# 2-D convolutions with one group or one input channel per group
+# (`TfPxgConv2DFilterSqNorm`, `TfPxgDepthwiseConv2DFilterSqNorm`).
+NATIVE_SQ_NORM = {"Conv2D", "DepthwiseConv2dNative"}
 
 
 def _native_ops() -> bool:
@@ -641,7 +687,8 @@ def test_per_example_table(name, dtype, batch_size, mode):
         + "\n  ".join(problems))
     # Implied by the reference check in every mode; run once per case and
     # dtype to keep the table lean.
-    if batch_size > 1 and mode == "function":
+    if (batch_size > 1 and mode == "function" and
+        dtype in case.invariant_dtypes):
       pxg_testing.check_gradient_invariants(
           _loss, setup.model, setup.variables, setup.inputs, labels,
           mode=mode, **kwargs)

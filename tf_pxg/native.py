@@ -14,6 +14,11 @@ The library (`kernels/*.cc`) holds:
   norms of a 2-D convolution's filter gradient, accumulated in registers
   from each example's input and output gradient, with no patch tensor
   (`tf_pxg.rules.conv`).
+* `TfPxgDepthwiseConv2DFilterSqNorm`, `TfPxgDepthwiseConv2DFilterWeightedSum`
+  (`kernels/depthwise_norms.cc`): a depthwise convolution's per-example
+  squared norms and clip-weighted filter gradient sum (`DepthwiseConv2dNative`
+  and `Conv2D` with one input channel per group), from channel vectors of
+  the input and output gradient, with no patch tensor.
 * `TfPxgRowSumOfSquares`, `TfPxgScaleRows` (`kernels/rows.cc`): each
   row's sum of squares in one vectorised pass
   (`tf_pxg.rules.base.row_sum_of_squares`, for ghost norms of one-row
@@ -104,6 +109,8 @@ def enabled() -> bool:
 def library():
   """The loaded op library (its ops as `tf_pxg_add_normal_noise`,
   `tf_pxg_normal_noise_scatter_add`, `tf_pxg_conv2d_filter_sq_norm`,
+  `tf_pxg_depthwise_conv2d_filter_sq_norm`,
+  `tf_pxg_depthwise_conv2d_filter_weighted_sum`,
   `tf_pxg_row_sum_of_squares`, `tf_pxg_scale_rows`), or
   None if it is disabled or could not be built (a warning says why, once
   per process)."""

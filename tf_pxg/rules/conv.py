@@ -16,7 +16,15 @@ or NCHW, float32/float64) come from the native op `TfPxgConv2DFilterSqNorm`
 (`tf_pxg/kernels/conv_norms.cc`, `ConvRule.native_sq_norm`): it accumulates each
 example's filter gradient in registers from the input and dz, without the
 patch tensor, the chunk loop or the Gram matrices (less op time than the
-patch path; docs/benchmarks.md).
+patch path; docs/benchmarks.md). Depthwise convolutions — a
+`DepthwiseConv2dNative`, or a `Conv2D` with one input channel per group
+(Keras' `Conv2D(groups=C)`, as in ConvNeXt) — take
+`TfPxgDepthwiseConv2DFilterSqNorm` for the norms and
+`TfPxgDepthwiseConv2DFilterWeightedSum` for the clip-weighted sum
+(`tf_pxg/kernels/depthwise_norms.cc`): channel vectors of x and dz
+multiplied and summed over each tap's valid positions, the scaling by
+`c[b]` fused into the sum (an example with `c[b] = 0` is skipped). Other
+grouped convolutions take the patch path.
 
 Patches come from one-hot (depthwise) convolutions where possible, see
 `_patches`. A transposed convolution (`Conv2DBackpropInput`) is the same with the roles
@@ -192,6 +200,12 @@ class _PatchContraction(base.Rule):
     del ctx
     return None
 
+  def native_weighted_sum(self, ctx, c):
+    """The weighted sum from a native op, or None (TF's filter gradient
+    with dz scaled per example runs)."""
+    del ctx, c
+    return None
+
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept;
     else TF's filter gradient with dz scaled per example; for dilations > 1
@@ -202,6 +216,10 @@ class _PatchContraction(base.Rule):
       g, to_param = kept
       w = base.weighted_sum_of(g, c, ctx.param_dtype)
       return tf.reshape(to_param(w[None]), ctx.param_shape)
+    if self.supported(ctx):
+      w = self.native_weighted_sum(ctx, c)
+      if w is not None:
+        return w
     rates = _spatial(ctx, "dilations", ctx.dz.shape.rank)
     if all(r == 1 for r in rates) or not self.supported(ctx):
       return super().weighted_sum(ctx, c)
@@ -343,19 +361,75 @@ class ConvRule(_PatchContraction):
         not native.serves(x, (tf.float32, tf.float64))):
       return None
     x = _to_channels_last(ctx, x)
-    kernel = [int(d) for d in filt.shape[:2]]
-    if int(x.shape[-1]) != int(filt.shape[2]):  # groups
+    channels = x.shape[-1]
+    if channels is None:
       return None
-    strides = _spatial(ctx, "strides", 4)
-    dilations = _spatial(ctx, "dilations", 4)
-    pads = _leading_pads(ctx, x.shape[1:3], kernel, strides, dilations)
-    if pads is None:
+    if int(filt.shape[2]) == 1 and int(channels) > 1:  # one channel a group
+      return _native_depthwise_sq_norm(ctx, x, dz)
+    if int(channels) != int(filt.shape[2]):  # groups
       return None
-    base.trace_note(sq_norm="native")
-    return native.library().tf_pxg_conv2d_filter_sq_norm(
-        x, tf.cast(_to_channels_last(ctx, dz), x.dtype), ctx.batch_size,
-        ksize=kernel, strides=strides, dilations=dilations, pads=pads,
-        batch_minor=ctx.batch_minor)
+    return _native_sq_norm(ctx, "tf_pxg_conv2d_filter_sq_norm", x, dz)
+
+  def native_weighted_sum(self, ctx, c):
+    """`TfPxgDepthwiseConv2DFilterWeightedSum` for a 2-D convolution with
+    one input channel per group (a depthwise convolution written as
+    `Conv2D(groups=C)`, as Keras' ConvNeXt does), where `native.serves`;
+    else None."""
+    x, filt = ctx.inputs[0], ctx.inputs[1]
+    if (filt.shape.rank != 4 or x.shape.rank != 4 or
+        not native.serves(x, (tf.float32, tf.float64))):
+      return None
+    x = _to_channels_last(ctx, x)
+    if (x.shape[-1] is None or int(filt.shape[2]) != 1 or
+        int(x.shape[-1]) == 1):
+      return None
+    return _native_depthwise_weighted_sum(ctx, x, c)
+
+
+def _native_sq_norm(ctx, op, x, dz):
+  """Native op `op` (`tf_pxg_conv2d_filter_sq_norm` or
+  `tf_pxg_depthwise_conv2d_filter_sq_norm`) of channels-last `x` and the
+  op's `dz`: `[B]` squared norms in `x`'s dtype, or None if SAME padding
+  depends on a size that is not static."""
+  kernel = [int(d) for d in ctx.inputs[1].shape[:2]]
+  strides = _spatial(ctx, "strides", 4)
+  dilations = _spatial(ctx, "dilations", 4)
+  pads = _leading_pads(ctx, x.shape[1:3], kernel, strides, dilations)
+  if pads is None:
+    return None
+  base.trace_note(sq_norm="native")
+  return getattr(native.library(), op)(
+      x, tf.cast(_to_channels_last(ctx, dz), x.dtype), ctx.batch_size,
+      ksize=kernel, strides=strides, dilations=dilations, pads=pads,
+      batch_minor=ctx.batch_minor)
+
+
+def _native_depthwise_weighted_sum(ctx, x, c):
+  """`TfPxgDepthwiseConv2DFilterWeightedSum` of channels-last `x`, the op's
+  dz and the clip factors `c`: `sum_b c[b] g_b` in the parameter's shape and
+  dtype, an example with `c[b] == 0` skipped (exactly 0 even if its rows are
+  not finite); None if SAME padding depends on a size that is not static."""
+  kernel = [int(d) for d in ctx.inputs[1].shape[:2]]
+  strides = _spatial(ctx, "strides", 4)
+  dilations = _spatial(ctx, "dilations", 4)
+  pads = _leading_pads(ctx, x.shape[1:3], kernel, strides, dilations)
+  if pads is None:
+    return None
+  base.trace_note(weighted_sum="native")
+  w = native.library().tf_pxg_depthwise_conv2d_filter_weighted_sum(
+      x, tf.cast(_to_channels_last(ctx, ctx.dz), x.dtype),
+      tf.cast(c, x.dtype), ksize=kernel, strides=strides,
+      dilations=dilations, pads=pads, batch_minor=ctx.batch_minor)
+  return tf.cast(tf.reshape(w, ctx.param_shape), ctx.param_dtype)
+
+
+def _native_depthwise_sq_norm(ctx, x, dz):
+  """`TfPxgDepthwiseConv2DFilterSqNorm` (`kernels/depthwise_norms.cc`) for a
+  convolution that maps each input channel c of channels-last `x` to its own
+  output channels c M .. c M + M - 1: a `DepthwiseConv2dNative`, or a
+  `Conv2D` with one input channel per group."""
+  return _native_sq_norm(ctx, "tf_pxg_depthwise_conv2d_filter_sq_norm", x,
+                         dz)
 
 
 @register("DepthwiseConv2dNative")
@@ -373,6 +447,24 @@ class DepthwiseConvRule(_PatchContraction):
     dz = tf.reshape(_to_channels_last(ctx, other), tf.stack([n, -1, c, m]))
     return (contraction.Spec(sub, "kcm", "npcm", "n", 0), patches, dz,
             _identity)
+
+  def native_sq_norm(self, ctx):
+    """`TfPxgDepthwiseConv2DFilterSqNorm` of the input and dz, where
+    `native.serves` (float32/float64 on CPU outside XLA) and SAME padding's
+    sizes are static; else None."""
+    x, filt = ctx.inputs[0], ctx.inputs[1]
+    if (filt.shape.rank != 4 or x.shape.rank != 4 or
+        not native.serves(x, (tf.float32, tf.float64))):
+      return None
+    return _native_depthwise_sq_norm(ctx, _to_channels_last(ctx, x), ctx.dz)
+
+  def native_weighted_sum(self, ctx, c):
+    """`TfPxgDepthwiseConv2DFilterWeightedSum`, where `native.serves`."""
+    x, filt = ctx.inputs[0], ctx.inputs[1]
+    if (filt.shape.rank != 4 or x.shape.rank != 4 or
+        not native.serves(x, (tf.float32, tf.float64))):
+      return None
+    return _native_depthwise_weighted_sum(ctx, _to_channels_last(ctx, x), c)
 
 
 @register("Conv2DBackpropInput")
