@@ -11,6 +11,13 @@ batch 32), timed in interleaved rounds in one process (the ratio is the
 median of the per-round ratios), and the noise buffers' bytes against the
 parameters' bytes.
 
+`synthetic`: where BandMF should win, many steps at a fixed ε: DP linear
+regression (d = 100 with feature scales 1 to 0.03, N = 10000, B = 50,
+SGD 0.02, ε = 2; label noise 0.01)
+for 5 and 50 epochs, test
+MSE for DP-SGD and BandMF (b chosen by `choose_num_bands`, and b = 16), 3
+runs each, with the predicted prefix-sum errors of the candidates.
+
 `accuracy`: `examples/dp_digits.py` at ε ∈ {1, 2, 8}, `--runs` runs each
 (different weight seeds; sampling and noise from OS entropy), for DP-SGD
 (flat C = 1, the tuned default), BandMF with the b that
@@ -33,7 +40,9 @@ import time
 from absl import app
 from absl import flags
 
-_PART = flags.DEFINE_enum("part", "cost", ["cost", "accuracy"], "What to run.")
+_PART = flags.DEFINE_enum(
+    "part", "cost", ["cost", "accuracy", "synthetic", "prefix_error"],
+    "What to run.")
 _RUNS = flags.DEFINE_integer("runs", 5, "Runs per accuracy configuration.")
 _EPSILONS = flags.DEFINE_list("epsilons", ["1", "2", "8"], "Target ε's.")
 _CONFIGS = flags.DEFINE_list(
@@ -148,12 +157,119 @@ def _accuracy():
   return summary
 
 
+def _synthetic():
+  import keras  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from tf_pxg import accounting  # noqa: PLC0415
+  from tf_pxg import mf  # noqa: PLC0415
+  import tf_pxg.keras as dpk  # noqa: PLC0415
+
+  n, d, batch, eps, delta = 10_000, 100, 50, 2.0, 1e-5
+  rng = np.random.default_rng(0)
+  w_true = rng.standard_normal((d, 1)) / np.sqrt(d)
+  # Feature scales from 1 to 0.03: curvatures 1 to 1e-3, so with SGD 0.02
+  # the iterate averages the noise over up to 5e4 steps (the prefix-sum
+  # workload BandMF is built for), not just the last few.
+  scales = np.logspace(0, -1.5, d)
+  x = (rng.standard_normal((n + 5000, d)) * scales).astype("float32")
+  y = (x @ w_true + 0.1 * rng.standard_normal((n + 5000, 1))).astype(
+      "float32")
+  out = {}
+  for epochs in (5, 50):
+    choice = mf.choose_num_bands(n, batch, epochs, eps, delta)
+    rows = {}
+    for bands in sorted({1, choice.num_bands, 16}):
+      sigma = accounting.noise_multiplier_for_epsilon(
+          eps, n, batch, epochs=epochs, delta=delta, num_bands=bands)
+      mses = []
+      for seed in range(3):
+        keras.utils.set_random_seed(seed)
+        model = dpk.DPSequential(
+            [keras.Input((d,)), keras.layers.Dense(1)], l2_norm_clip=1.0,
+            noise_multiplier=sigma,
+            noise_mechanism=(choice.strategy if bands == choice.num_bands
+                             else mf.BandedToeplitz(bands))
+            if bands > 1 else None)
+        model.compile(optimizer=keras.optimizers.SGD(0.02), loss="mse",
+                      steps_per_execution=50)
+        model.fit(x[:n], y[:n], batch_size=batch, epochs=epochs, verbose=0)
+        mses.append(float(model.evaluate(x[n:], y[n:], verbose=0)))
+      rows[bands] = {"sigma": sigma, "test_mse": mses,
+                     "mean": statistics.mean(mses)}
+      print(f"epochs={epochs} b={bands:2d} sigma={sigma:.3f} test MSE "
+            f"{statistics.mean(mses):.4f} ± {statistics.stdev(mses):.4f}",
+            flush=True)
+    out[f"epochs_{epochs}"] = {
+        "chosen_b": choice.num_bands, "runs": rows,
+        "predicted_error": {str(c["num_bands"]): c["expected_error"]
+                            for c in choice.candidates}}
+  return out
+
+
+def _prefix_error():
+  """The workload error through the real train step: a zero-gradient model
+  (every update is noise only) trained T steps at the same ε with DP-SGD
+  and with BandMF; the mean over steps of the squared prefix sums of the
+  per-step noise, per coordinate, in units of (C / B)^2, against
+  `choose_num_bands`' prediction sigma^2 * mean_error."""
+  import keras  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from tf_pxg import accounting  # noqa: PLC0415
+  from tf_pxg import mf  # noqa: PLC0415
+  import tf_pxg.keras as dpk  # noqa: PLC0415
+
+  n, batch, eps, delta, d = 10_000, 50, 2.0, 1e-5, 2000
+  out = {}
+  for epochs in (5, 50):
+    steps = epochs * n // batch
+    choice = mf.choose_num_bands(n, batch, epochs, eps, delta)
+    predicted = {c["num_bands"]: c["expected_error"]
+                 for c in choice.candidates}
+    for bands in sorted({1, choice.num_bands}):
+      sigma = accounting.noise_multiplier_for_epsilon(
+          eps, n, batch, epochs=epochs, delta=delta, num_bands=bands)
+      inp = keras.Input((1,))
+      model = dpk.DPModel(
+          inp, keras.layers.Dense(d, use_bias=False,
+                                  kernel_initializer="zeros")(inp),
+          l2_norm_clip=1.0, noise_multiplier=sigma,
+          noise_mechanism=(choice.strategy if bands == choice.num_bands
+                           else mf.BandedToeplitz(bands))
+          if bands > 1 else None)
+      model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse",
+                    steps_per_execution=50)
+      xs = np.zeros((steps * batch, 1), "float32")
+      ys = np.zeros((steps * batch, d), "float32")
+      errors = []
+      # Plain batches: each update is exactly -x_t / B (all gradients 0).
+      w = model.trainable_variables[0]
+      for _ in range(steps):
+        model.train_on_batch(xs[:batch], ys[:batch])
+        errors.append(float(np.mean(np.square(w.numpy()))) * batch ** 2)
+      measured = float(np.mean(errors))
+      out[f"epochs_{epochs}_b{bands}"] = {
+          "steps": steps, "sigma": sigma, "measured": measured,
+          "predicted": predicted[bands]}
+      print(f"epochs={epochs} T={steps} b={bands:2d} sigma={sigma:.3f} "
+            f"prefix-sum error {measured:.1f} (predicted "
+            f"{predicted[bands]:.1f})", flush=True)
+  return out
+
+
 def main(argv):
   del argv
   _RESULTS.mkdir(parents=True, exist_ok=True)
   path = _RESULTS / "dp_mechanisms.json"
+  part = {"cost": _cost, "synthetic": _synthetic,
+          "prefix_error": _prefix_error,
+          "accuracy": _accuracy}[_PART.value]()
+  # Read when writing: parts may run at the same time.
   results = json.loads(path.read_text()) if path.exists() else {}
-  results[_PART.value] = _cost() if _PART.value == "cost" else _accuracy()
+  if _PART.value == "accuracy":  # configurations run separately accumulate
+    part = {**results.get("accuracy", {}), **part}
+  results[_PART.value] = part
   results[_PART.value + "_finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
   path.write_text(json.dumps(results, indent=1))
 

@@ -134,12 +134,14 @@ def main(argv):
     noise = None
   else:
     bands, mechanism = _NUM_BANDS.value, None
-    if bands == 0:
-      bands = mf.choose_num_bands(n, batch, _EPOCHS.value,
-                                  _TARGET_EPSILON.value,
-                                  _DELTA.value).num_bands
-    if bands > 1:
+    if bands == 0:  # b and its optimised coefficients for this run
+      choice = mf.choose_num_bands(n, batch, _EPOCHS.value,
+                                   _TARGET_EPSILON.value, _DELTA.value)
+      bands, mechanism = choice.num_bands, choice.strategy
+    elif bands > 1:  # the closed-form banded square root
       mechanism = mf.BandedToeplitz(bands)
+    if bands == 1:
+      mechanism = None
     noise = _NOISE_MULTIPLIER.value
     if noise is None:
       noise = accounting.noise_multiplier_for_epsilon(
