@@ -124,10 +124,11 @@ def _fit_model(mechanism, jit=False, spe=1, seed=5):
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True),
                 jit_compile=jit, steps_per_execution=spe)
-  if model.optimizer.dp_state.group_seed is not None:
+  state = getattr(model.optimizer, "dp_state", None)  # None: plain SGD
+  if state is not None and state.group_seed is not None:
     # The run's secret group assignment (OS entropy by default), fixed so
     # that two runs sample the same batches.
-    model.optimizer.dp_state.group_seed.assign(1234)
+    state.group_seed.assign(1234)
   return model
 
 
