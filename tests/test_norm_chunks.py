@@ -193,10 +193,12 @@ def two_example_chunks(monkeypatch):
   monkeypatch.setattr(base, "map_example_chunks", spy)
   # The patch path under test; the native ops that replace it for 2-D and
   # depthwise convolutions on CPU are tested in test_native_norms.py.
+  # (Under XLA depthwise convolutions go tap by tap: off here too.)
   for rule in (conv.ConvRule, conv.DepthwiseConvRule):
     monkeypatch.setattr(rule, "native_sq_norm", lambda self, ctx: None)
     monkeypatch.setattr(rule, "native_weighted_sum",
                         lambda self, ctx, c: None)
+    monkeypatch.setattr(rule, "taps", lambda self, ctx: None)
 
   def set_budget(case, dtype):
     monkeypatch.setattr(conv, "NORM_CHUNK_BYTES",

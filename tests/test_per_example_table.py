@@ -224,7 +224,9 @@ def _randomize_lora(layer, rng):
   b.assign(rng.standard_normal(b.shape).astype(b.dtype))
 
 
-M, G = "materialised", "ghost"
+# "taps": a depthwise convolution's norms under XLA, tap by tap
+# (`tf_pxg.rules.conv._DepthwiseTaps`; native outside XLA).
+M, G, T = "materialised", "ghost", "taps"
 BIAS = {"BiasAdd": "BiasAddRule/materialised"}
 
 LAYER_CASES = [
@@ -254,7 +256,7 @@ LAYER_CASES = [
                rules=expect("Conv3D", sq=M, **BIAS)),
     layer_case("DepthwiseConv2D", lambda d: L.DepthwiseConv2D(
         3, depth_multiplier=2, padding="same", dtype=d), (5, 5, 2),
-               rules=expect("DepthwiseConv2dNative", sq=M, **BIAS)),
+               rules=expect("DepthwiseConv2dNative", sq=T, **BIAS)),
     # Depthwise as a grouped Conv2D (one input channel per group, as Keras'
     # ConvNeXt writes it): native norms and weighted sums outside XLA.
     # Keras runs a grouped Conv2D in an XLA function (TF has no float64
@@ -263,17 +265,18 @@ LAYER_CASES = [
     # float32 only. The reference loop and tf_pxg run float64 too.
     layer_case("Conv2D_groups_one_channel_each", lambda d: L.Conv2D(
         6, 3, groups=3, padding="same", dtype=d), (5, 5, 3),
-               rules=expect("Conv2D", sq=M, **BIAS),
+               rules=expect("Conv2D", sq=T, **BIAS),
                invariant_dtypes=(F32,)),
     # ConvNeXt's late stages: a 7x7 kernel over a 2x2 image (most taps fall
     # in the padding), 70 channels (whole vectors and a partial one).
     layer_case("Conv2D_groups_7x7_on_2x2", lambda d: L.Conv2D(
         70, 7, groups=70, padding="same", dtype=d), (2, 2, 70),
-               rules=expect("Conv2D", sq=M, **BIAS),
+               rules=expect("Conv2D", sq=T, **BIAS),
                invariant_dtypes=(F32,)),
     layer_case("SeparableConv2D", lambda d: L.SeparableConv2D(
         3, 3, depth_multiplier=2, dtype=d), (5, 5, 2),
-               rules=expect("DepthwiseConv2dNative", "Conv2D", sq=M, **BIAS)),
+               rules={**expect("DepthwiseConv2dNative", sq=T),
+                      **expect("Conv2D", sq=M, **BIAS)}),
     layer_case("Conv2DTranspose", lambda d: L.Conv2DTranspose(
         3, 3, strides=2, padding="same", dtype=d), (3, 3, 2),
                rules=expect("Conv2DBackpropInput", sq=M, **BIAS)),
@@ -435,11 +438,11 @@ RAW_CASES += [
     raw_case("DepthwiseConv2dNative_SAME", ["DepthwiseConv2dNative"],
              lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
                  input=x, filter=w, strides=[1, 1, 1, 1], padding="SAME"),
-             (4, 4, 2), [(3, 3, 2, 2)], sq=M),
+             (4, 4, 2), [(3, 3, 2, 2)], sq=T),
     raw_case("DepthwiseConv2dNative_VALID_strides2", ["DepthwiseConv2dNative"],
              lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
                  input=x, filter=w, strides=[1, 2, 2, 1], padding="VALID"),
-             (5, 5, 2), [(2, 2, 2, 1)], sq=M),
+             (5, 5, 2), [(2, 2, 2, 1)], sq=T),
     raw_case("Conv2DBackpropInput_SAME_strides2", ["Conv2DBackpropInput"],
              lambda x, w: tf.nn.conv2d_transpose(
                  x, w, tf.stack([tf.shape(x)[0], 6, 6, 3]), strides=2,
@@ -452,18 +455,18 @@ RAW_CASES += [
              ["DepthwiseConv2dNative"],
              lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
                  input=x, filter=w, strides=[1, 2, 2, 1], padding="SAME"),
-             (5, 4, 70), [(3, 2, 70, 1)], sq=M),
+             (5, 4, 70), [(3, 2, 70, 1)], sq=T),
     # A dilated depthwise conv as TF writes it: SpaceToBatchND, the op on
     # rows [k, B] (the examples minor), BatchToSpaceND.
     raw_case("DepthwiseConv2dNative_space_to_batch_examples_minor",
              ["DepthwiseConv2dNative"], _depthwise_dilated_by_space_to_batch,
-             (6, 6, 3), [(2, 2, 3, 2)], sq=M),
+             (6, 6, 3), [(2, 2, 3, 2)], sq=T),
     # TF has no float64 grouped Conv2D kernel on CPU (the reference loop
     # cannot run it); Keras runs its grouped Conv2D under XLA, see the
     # Conv2D_groups_* layer cases for float64.
     raw_case("Conv2D_one_input_channel_per_group_strides2", ["Conv2D"],
              lambda x, w: tf.nn.conv2d(x, w, strides=2, padding="SAME"),
-             (5, 5, 4), [(3, 3, 1, 8)], sq=M, dtypes=(F32,)),
+             (5, 5, 4), [(3, 3, 1, 8)], sq=T, dtypes=(F32,)),
     # Ghost-norm sizes: P positions, K * C_in and C_out large enough.
     raw_case("Conv2D_VALID_ghost", ["Conv2D"],
              lambda x, w: tf.nn.conv2d(x, w, strides=1, padding="VALID"),
@@ -472,10 +475,12 @@ RAW_CASES += [
              lambda x, w: tf.nn.conv3d(x, w, strides=[1] * 5,
                                        padding="VALID"), (3, 2, 2, 4),
              [(2, 2, 2, 4, 16)], sq=G),
+    # (Depthwise convolutions take the taps under XLA whatever the sizes;
+    # test_norm_chunks checks this case's ghost form on the patch path.)
     raw_case("DepthwiseConv2dNative_VALID_ghost", ["DepthwiseConv2dNative"],
              lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
                  input=x, filter=w, strides=[1, 1, 1, 1], padding="VALID"),
-             (4, 4, 2), [(3, 3, 2, 16)], sq=G),
+             (4, 4, 2), [(3, 3, 2, 16)], sq=T),
     raw_case("Conv2DBackpropInput_SAME_strides2_ghost", ["Conv2DBackpropInput"],
              lambda x, w: tf.nn.conv2d_transpose(
                  x, w, tf.stack([tf.shape(x)[0], 4, 4, 8]), strides=2,

@@ -151,6 +151,10 @@ class _PatchContraction(base.Rule):
   def per_example(self, ctx):
     if not self.supported(ctx):
       return super().per_example(ctx)
+    taps = self.taps(ctx)
+    if taps is not None:
+      g = taps.per_example()
+      return tf.reshape(g, tf.concat([tf.shape(g)[:1], ctx.param_shape], 0))
     spec, data, dz, to_param = self.operands(ctx,
                                              *self.example_operands(ctx))
     g = contraction.per_example(spec, data, dz, ctx.batch_size,
@@ -168,6 +172,12 @@ class _PatchContraction(base.Rule):
     sq = self.native_sq_norm(ctx)
     if sq is not None:
       return sq
+    taps = self.taps(ctx)
+    if taps is not None:
+      base.trace_note(sq_norm="taps")
+      g = taps.per_example()
+      base.keep_per_example(ctx, g, (g, _identity))
+      return base.batch_sq_norm(g)
     patched, other = self.example_operands(ctx)
     dtype = contraction.norm_dtype(patched.dtype)
     chunk = _norm_chunk(ctx, patched, other)
@@ -206,6 +216,12 @@ class _PatchContraction(base.Rule):
     del ctx, c
     return None
 
+  def taps(self, ctx):
+    """A `_DepthwiseTaps` when the filter gradient is computed tap by tap
+    (depthwise convolutions under XLA), else None (the patch path)."""
+    del ctx
+    return None
+
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept;
     else TF's filter gradient with dz scaled per example; for dilations > 1
@@ -220,6 +236,11 @@ class _PatchContraction(base.Rule):
       w = self.native_weighted_sum(ctx, c)
       if w is not None:
         return w
+      taps = self.taps(ctx)
+      if taps is not None:
+        base.trace_note(weighted_sum="taps")
+        return tf.cast(tf.reshape(taps.weighted_sum(c), ctx.param_shape),
+                       ctx.param_dtype)
     rates = _spatial(ctx, "dilations", ctx.dz.shape.rank)
     if all(r == 1 for r in rates) or not self.supported(ctx):
       return super().weighted_sum(ctx, c)
@@ -370,6 +391,16 @@ class ConvRule(_PatchContraction):
       return None
     return _native_sq_norm(ctx, "tf_pxg_conv2d_filter_sq_norm", x, dz)
 
+  def taps(self, ctx):
+    """Tap by tap under XLA for one input channel per group."""
+    x, filt = ctx.inputs[0], ctx.inputs[1]
+    if filt.shape.rank != 4 or x.shape.rank != 4:
+      return None
+    channels = _to_channels_last(ctx, x).shape[-1]
+    if channels is None or int(filt.shape[2]) != 1 or int(channels) == 1:
+      return None
+    return _depthwise_taps(ctx)
+
   def native_weighted_sum(self, ctx, c):
     """`TfPxgDepthwiseConv2DFilterWeightedSum` for a 2-D convolution with
     one input channel per group (a depthwise convolution written as
@@ -384,6 +415,118 @@ class ConvRule(_PatchContraction):
         int(x.shape[-1]) == 1):
       return None
     return _native_depthwise_weighted_sum(ctx, x, c)
+
+
+def _valid_range(size, out, stride, offset):
+  """The output positions [lo, hi) at which a tap at input offset `offset`
+  (tap index times dilation minus the leading pad) reads inside the
+  input: 0 <= o * stride + offset < size."""
+  lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
+  last = size - 1 - offset  # o * stride <= last
+  hi = last // stride + 1 if last >= 0 else 0
+  lo = min(lo, out)
+  return lo, max(lo, min(hi, out))
+
+
+class _DepthwiseTaps:
+  """A depthwise convolution's filter gradient tap by tap, for XLA.
+
+  For a convolution mapping input channel c to outputs c M .. c M + M - 1
+  (`DepthwiseConv2dNative`, or `Conv2D` with one input channel per group),
+  tap (i, j) of example b's filter gradient is the product of the input's
+  channel vectors at the tap's offset and dz's, summed over the output
+  positions where the tap reads inside the image (a rectangle; outside it
+  the padding contributes 0) and over the example's rows. Each tap is a
+  strided slice of x, a slice of dz, a product and a reduction, which XLA
+  fuses: no patch tensor (the one-hot convolution that makes patches, and
+  XLA's grouped convolutions, are slow on CPU), and taps that read only
+  padding (most of a 7x7 kernel on a 2x2 or 1x1 image) are zeros.
+  """
+
+  def __init__(self, ctx, x, dz, kernel, strides, dilations, pads):
+    self.ctx = ctx
+    dtype = contraction.norm_dtype(x.dtype)
+    self.x, self.dz = tf.cast(x, dtype), tf.cast(dz, dtype)
+    self.kernel, self.strides = kernel, strides
+    self.dilations, self.pads = dilations, pads
+    self.c = int(x.shape[-1])
+    self.m = int(dz.shape[-1]) // self.c
+
+  def _slices(self, x, dz):
+    """Per tap, row-major: None if it reads only padding, else the slices
+    of `x` ([N, a, b, C]) and `dz` ([N, a, b, C, M]) over its valid
+    output rectangle."""
+    (kh, kw), (sh, sw) = self.kernel, self.strides
+    (dh, dw), (top, left) = self.dilations, self.pads
+    h, w = int(x.shape[1]), int(x.shape[2])
+    oh, ow = int(dz.shape[1]), int(dz.shape[2])
+    dz = tf.reshape(dz, tf.concat([tf.shape(dz)[:1], [oh, ow, self.c,
+                                                       self.m]], 0))
+    for i in range(kh):
+      y_lo, y_hi = _valid_range(h, oh, sh, i * dh - top)
+      for j in range(kw):
+        x_lo, x_hi = _valid_range(w, ow, sw, j * dw - left)
+        if y_lo >= y_hi or x_lo >= x_hi:
+          yield None
+          continue
+        y0, x0 = y_lo * sh + i * dh - top, x_lo * sw + j * dw - left
+        yield (x[:, y0:y0 + (y_hi - y_lo - 1) * sh + 1:sh,
+                 x0:x0 + (x_hi - x_lo - 1) * sw + 1:sw, :],
+               dz[:, y_lo:y_hi, x_lo:x_hi])
+
+  def per_example(self):
+    """`[B, kh, kw, C, M]` per-example filter gradients."""
+    ctx = self.ctx
+    b = ctx.batch_size
+    taps = []
+    for pair in self._slices(self.x, self.dz):
+      if pair is None:
+        taps.append(tf.zeros(tf.stack([b, self.c, self.m]), self.x.dtype))
+        continue
+      xs, ds = pair
+      prod = ctx.split_batch(xs[..., None] * ds)  # [B, k, a, b, C, M]
+      taps.append(tf.reduce_sum(prod, axis=[1, 2, 3]))
+    g = tf.stack(taps, axis=1)
+    return tf.reshape(g, tf.concat(
+        [tf.shape(g)[:1], [*self.kernel, self.c, self.m]], 0))
+
+  def weighted_sum(self, c):
+    """`[kh, kw, C, M]`: `sum_b c[b] g_b`, dz scaled per example and a
+    zero-factor example's rows of x selected to 0 (`scale_examples`,
+    `drop_examples`: exact zeros for inf/NaN rows)."""
+    ctx = self.ctx
+    dz = ctx.scale_examples(self.dz, c)
+    x = ctx.drop_examples(self.x, c)
+    taps = []
+    for pair in self._slices(x, dz):
+      if pair is None:
+        taps.append(tf.zeros([self.c, self.m], x.dtype))
+        continue
+      xs, ds = pair
+      taps.append(tf.reduce_sum(xs[..., None] * ds, axis=[0, 1, 2]))
+    return tf.reshape(tf.stack(taps), [*self.kernel, self.c, self.m])
+
+
+def _depthwise_taps(ctx):
+  """A `_DepthwiseTaps` for this depthwise convolution under XLA, or None
+  outside XLA (native ops or the patch path) or when a spatial size, the
+  channels or SAME padding's offsets are not static."""
+  if not xla.in_xla_context():
+    return None
+  x = _to_channels_last(ctx, ctx.inputs[0])
+  dz = _to_channels_last(ctx, ctx.dz)
+  filt = ctx.inputs[1]
+  if (x.shape.rank != 4 or dz.shape.rank != 4 or filt.shape.rank != 4 or
+      None in x.shape[1:] or None in dz.shape[1:] or
+      not x.dtype.is_floating):
+    return None
+  kernel = [int(d) for d in filt.shape[:2]]
+  strides = _spatial(ctx, "strides", 4)
+  dilations = _spatial(ctx, "dilations", 4)
+  pads = _leading_pads(ctx, x.shape[1:3], kernel, strides, dilations)
+  if pads is None:
+    return None
+  return _DepthwiseTaps(ctx, x, dz, kernel, strides, dilations, pads)
 
 
 def _native_sq_norm(ctx, op, x, dz):
@@ -457,6 +600,10 @@ class DepthwiseConvRule(_PatchContraction):
         not native.serves(x, (tf.float32, tf.float64))):
       return None
     return _native_depthwise_sq_norm(ctx, _to_channels_last(ctx, x), ctx.dz)
+
+  def taps(self, ctx):
+    """Tap by tap under XLA (`_DepthwiseTaps`)."""
+    return _depthwise_taps(ctx)
 
   def native_weighted_sum(self, ctx, c):
     """`TfPxgDepthwiseConv2DFilterWeightedSum`, where `native.serves`."""
