@@ -136,7 +136,7 @@ def time_modes(name: str, batch_size: int, rounds: int, round_seconds: float,
       list(modes), lambda m: make(m, name, batch_size, size), log=log,
       sync=_sync)
   results = timing.run_rounds(built, rounds, round_seconds, sync=_sync)
-  timing.add_ratios(results, BASELINE)
+  timing.add_ratios(results, BASELINE, {})
   for r in results.values():
     if r.get("status") == "error" and _OOM.search(r.get("error", "")):
       r["status"] = "out of memory"

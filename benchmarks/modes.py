@@ -11,6 +11,7 @@ Modes and the non-private mode each is compared with (`BASELINE`):
 | mode | what | baseline |
 |---|---|---|
 | keras / keras_xla | Keras 3 `fit` step, without / with XLA | |
+| keras_tfconv | Keras 3 `fit` step, grouped convs on TF's kernels | |
 | pxg / pxg_xla | tf_pxg `make_private` DP model | keras / keras_xla |
 | pxg_naive | tf_pxg: per-example gradients materialised, clipped | keras |
 | noise | drawing one DP step's noise alone (tf_pxg) | keras |
@@ -19,6 +20,16 @@ Modes and the non-private mode each is compared with (`BASELINE`):
 | tfp_optimizer | TF Privacy DPKerasSGDOptimizer | tf_keras |
 
 TensorFlow Privacy modes need the benchmark venv (`benchmarks.venv`).
+
+`keras_tfconv` is a second baseline for models with grouped convolutions
+(ConvNeXt's 7x7 depthwise convs are `Conv2D(groups=C)`): on CPU, Keras'
+TF backend compiles every grouped convolution with XLA (`_conv_xla` in
+`keras/src/backend/tensorflow/nn.py`: "grouped convolutions are broken on
+CPU without XLA"), forward and backward, which made Keras' own ConvNeXtTiny
+step take 1760 ms against 413 ms with TF's grouped `Conv2D` kernels
+(oneDNN; same loss, gradients equal to 1e-6). tf_pxg's DP step inlines
+Keras' nested `tf.function`s while its tape records, so it runs TF's
+kernels; `ALT_BASELINE` gives its ratio to this mode too.
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ BASELINE = {
     "tfp_dpmodel_xla": "tf_keras_xla",
     "tfp_optimizer": "tf_keras",
 }
+# A DP mode's ratios to further baselines (`timing.add_ratios`).
+ALT_BASELINE = {"pxg": ("keras_tfconv",)}
 ALL_MODES = ("keras", "keras_xla", "pxg", "pxg_xla", "pxg_naive", "noise",
              "tf_keras", "tf_keras_xla", "tfp_dpmodel", "tfp_dpmodel_xla",
              "tfp_optimizer")
@@ -90,6 +103,47 @@ def _keras(name, x, y, seq_len, jit, size):
   import keras  # noqa: PLC0415
   model = models.build(keras, name, seq_len, size)
   return Step(_fit_step(model, x, y, keras, jit), model=model)
+
+
+def tf_grouped_conv():
+  """A context in which Keras 3's TF backend runs grouped convolutions with
+  TF's own kernels (`tf.nn.convolution`) instead of its XLA-compiled
+  function; only for the tracing of the step built inside it."""
+  import contextlib  # noqa: PLC0415
+  import tensorflow as tf  # noqa: PLC0415
+  from keras.src.backend.tensorflow import nn as tf_nn  # noqa: PLC0415
+
+  @contextlib.contextmanager
+  def patched():
+    original = tf_nn.conv
+
+    def conv(inputs, kernel, strides=1, padding="valid", data_format=None,
+             dilation_rate=1):
+      channels_last = data_format in (None, "channels_last")
+      if not channels_last or inputs.shape[-1] == kernel.shape[-2]:
+        return original(inputs, kernel, strides, padding, data_format,
+                        dilation_rate)
+      return tf.nn.convolution(inputs, kernel, strides, padding.upper(),
+                               dilations=dilation_rate)
+
+    tf_nn.conv = conv
+    try:
+      yield
+    finally:
+      tf_nn.conv = original
+
+  return patched()
+
+
+def _keras_tfconv(name, x, y, seq_len, jit, size):
+  """Keras 3's step, grouped convolutions on TF's kernels (module doc)."""
+  import keras  # noqa: PLC0415
+  model = models.build(keras, name, seq_len, size)
+  with tf_grouped_conv():
+    fn = _fit_step(model, x, y, keras, jit)
+    first = fn()  # traces the step while the patch is in place
+  return Step(fn, {"path": "grouped convolutions on TF's Conv2D kernels",
+                   "first_loss": float(first["loss"])}, model=model)
 
 
 def _pxg(name, x, y, seq_len, jit, size):
@@ -226,6 +280,7 @@ def _tfp_optimizer(name, x, y, seq_len, jit, size):
 _BUILDERS = {
     "keras": (_keras, False),
     "keras_xla": (_keras, True),
+    "keras_tfconv": (_keras_tfconv, False),
     "pxg": (_pxg, False),
     "pxg_xla": (_pxg, True),
     "pxg_naive": (_pxg_naive, False),

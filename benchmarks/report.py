@@ -312,17 +312,27 @@ def _real_lines(result: dict) -> List[str]:
     ms = lambda r: (f"{r['ms']:.0f} ms" if r.get("ms", 0) >= 10 else  # noqa: E731
                     _fmt(r.get("ms"), 1, " ms") if r.get("ms") else
                     _status_or(r, "–"))
+    alt = (pxg.get("ratio_to") or {}).get("keras_tfconv")
+    alt_text = ""
+    if alt:
+      alt_text = (f"; {_fmt(alt['ratio'])} ({_fmt(alt['cpu_ratio'])}) of "
+                  "Keras' step with TF's grouped-conv kernels, "
+                  f"{ms(_mode(res, 'keras_tfconv'))}")
+    alt_mem = (mem.get("pxg", {}).get("alloc_ratio_to") or {}).get(
+        "keras_tfconv")
+    alt_mem_text = (f"; {_fmt(alt_mem)} of Keras' with TF's grouped convs"
+                    if alt_mem else "")
     rows.append(
         f"| {REAL_NAMES.get(model, model)} (`{model}`, B={size}"
         f"{_weights(weights)}) | "
-        f"{_status_or(pxg, _cell(pxg) + ' (' + ms(pxg) + ' / ' + ms(keras) + ')')} | "
+        f"{_status_or(pxg, _cell(pxg) + ' (' + ms(pxg) + ' / ' + ms(keras) + ')' + alt_text)} | "
         f"{_status_or(tfp, _cell(tfp) + tfp_path + ' (' + ms(tfp) + ' / ' + ms(tfk) + ')')} | "
         f"{_status_or(jaxp, _cell(jaxp) + ' (' + ms(jaxp) + ' / ' + ms(kjax) + ')')} | "
-        f"{_mem_cell(mem.get('pxg', {}))} | "
+        f"{_mem_cell(mem.get('pxg', {}))}{alt_mem_text} | "
         f"{_mem_cell(mem.get('tfp_dpmodel', {}))} | "
         f"{_mem_cell(mem.get('jaxp_dpmodel', {}), 'rss_growth_ratio')} | "
         f"{'≤ %s×' % target if target else '–'} "
-        f"{_met_mark(pxg.get('ratio'), target)} | "
+        f"{_met_mark(alt['ratio'] if alt else pxg.get('ratio'), target)} | "
         f"{res.get('load_before')} → {res.get('load_after')} |")
   errors = [f"`{model}` {k}: {r.get('status')}: {r.get('error')}"
             for model in models
@@ -343,10 +353,14 @@ def _real_lines(result: dict) -> List[str]:
       "the first step, over the baseline's), and for JAX, whose CPU client "
       "keeps no allocator statistics, the RSS growth ratio (peak RSS "
       "ratio). Load: the 1/5/15-minute load averages before and after the "
-      "model's timing (2 cores).", "",
+      "model's timing (2 cores). ConvNeXt's 7×7 depthwise convolutions "
+      "are grouped `Conv2D`s, which Keras' TF backend compiles with XLA on "
+      "CPU (`keras_tfconv` runs them on TF's kernels, as tf_pxg's DP step "
+      "does; `benchmarks/modes.py`).", "",
       "| model | tf_pxg | TF Privacy 0.9 DPModel (tf_keras) | jax-privacy "
       "2.0 Keras API (Keras 3, JAX) | memory tf_pxg | memory TF Privacy | "
-      "memory jax-privacy | target (tf_pxg wall) | load |",
+      "memory jax-privacy | target (tf_pxg wall; ConvNeXt: against Keras "
+      "with TF's grouped convs) | load |",
       "|---|---|---|---|---|---|---|---|---|"] + rows + [""]
   if errors:
     lines += ["Not measured: " + "; ".join(errors) + ".", ""]

@@ -96,6 +96,9 @@ QUICK_MEMORY_MODES = ("keras", "pxg")
 # B x 28M floats for ConvNeXt).
 REAL_MODES = ("keras", "pxg", "noise", "tf_keras", "tfp_dpmodel")
 REAL_MEMORY_MODES = ("keras", "pxg", "tf_keras", "tfp_dpmodel")
+# Models with grouped convolutions: also Keras' step with TF's grouped conv
+# kernels (`modes.tf_grouped_conv`), the like-for-like baseline of tf_pxg.
+EXTRA_MODES = {"convnext": ("keras_tfconv",)}
 QUICK_GROWTH_SIZES = (32, 512)
 GROWTH = {"mlp": ("batch", (32, 128, 512)), "cnn": ("batch", (32, 128, 512)),
           "transformer": ("seq_len", (32, 128, 512))}
@@ -219,14 +222,16 @@ def _settings():
       return chosen
     if quick:
       return list(QUICK_MODES)
-    return list(REAL_MODES if real(model) else modes.ALL_MODES)
+    return list(REAL_MODES if real(model) else modes.ALL_MODES) + list(
+        EXTRA_MODES.get(model, ()))
 
   def model_memory_modes(model):
     if quick:
       return list(QUICK_MEMORY_MODES)
     if chosen:
       return chosen
-    return list(REAL_MEMORY_MODES if real(model) else modes.ALL_MODES)
+    return list(REAL_MEMORY_MODES if real(model) else modes.ALL_MODES) + list(
+        EXTRA_MODES.get(model, ()))
 
   jax_wanted = _JAX.value and (not _MODES.value or any(
       m in jax_anchor.JAX_MODES for m in _MODES.value))
@@ -353,6 +358,12 @@ def _memory_ratios(mem: dict) -> None:
   from benchmarks import modes  # noqa: PLC0415
   baseline = dict(modes.BASELINE, **jax_anchor.BASELINE)
   for k, r in mem.items():
+    for alt in modes.ALT_BASELINE.get(k, ()):
+      base = mem.get(alt, {})
+      if (r.get("status") == "ok" and base.get("status") == "ok" and
+          r.get("alloc_peak_mb") and base.get("alloc_peak_mb")):
+        r.setdefault("alloc_ratio_to", {})[alt] = (
+            r["alloc_peak_mb"] / base["alloc_peak_mb"])
     base = mem.get(baseline.get(k, ""))
     if not base or r.get("status") != "ok" or base.get("status") != "ok":
       continue

@@ -134,10 +134,29 @@ def run_rounds(built: Dict[str, object], rounds: int,
   return out
 
 
+def _round_ratios(r: dict, base: dict) -> dict:
+  per_round = np.array(r["round_ms"]) / np.array(base["round_ms"])
+  cpu_round = np.array(r["round_cpu_ms"]) / np.array(base["round_cpu_ms"])
+  return {"ratio": float(np.median(per_round)),
+          "ratio_min_max": [float(per_round.min()), float(per_round.max())],
+          "cpu_ratio": float(np.median(cpu_round))}
+
+
 def add_ratios(results: Dict[str, dict],
-               baseline: Optional[Dict[str, str]] = None) -> None:
-  """Adds each mode's `ratio` to its baseline: median of per-round ratios."""
+               baseline: Optional[Dict[str, str]] = None,
+               alt_baseline: Optional[Dict[str, tuple]] = None) -> None:
+  """Adds each mode's `ratio` to its baseline: median of per-round ratios;
+  and `ratio_to[alt]` for each further baseline of `alt_baseline` (default
+  `modes.ALT_BASELINE`) that ran."""
   baseline = baseline or modes_lib.BASELINE
+  alt_baseline = (modes_lib.ALT_BASELINE if alt_baseline is None
+                  else alt_baseline)
+  for k, r in results.items():
+    for alt in alt_baseline.get(k, ()):
+      base = results.get(alt)
+      if (r.get("status") == "ok" and base and
+          base.get("status") == "ok"):
+        r.setdefault("ratio_to", {})[alt] = _round_ratios(r, base)
   for k, r in results.items():
     base = results.get(baseline.get(k, ""))
     if r.get("status") != "ok" or not base or base.get("status") != "ok":

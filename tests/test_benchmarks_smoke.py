@@ -259,6 +259,27 @@ def test_real_models_train_a_dp_step_and_a_plain_step_at_tiny_size(name):
     assert changed >= least, (name, mode, changed, len(variables))
 
 
+def test_keras_tfconv_runs_grouped_convs_on_tfs_kernels_with_equal_loss():
+  """The second ConvNeXt baseline: Keras' step with grouped convolutions on
+  TF's Conv2D kernels instead of Keras' XLA-compiled function takes the
+  same first step (same weights and batch: same loss), and a DP mode gets
+  its ratio to it."""
+  keras_loss = float(modes.make("keras", "convnext", 4, size="tiny").fn()[
+      "loss"])
+  tfconv = modes.make("keras_tfconv", "convnext", 4, size="tiny")
+  assert tfconv.info["first_loss"] == pytest.approx(keras_loss, rel=1e-5)
+  modes.sync(tfconv.fn())
+  results = {"pxg": {"status": "ok", "round_ms": [2.0, 4.0],
+                     "round_cpu_ms": [2.0, 4.0]},
+             "keras": {"status": "ok", "round_ms": [1.0, 1.0],
+                       "round_cpu_ms": [1.0, 1.0]},
+             "keras_tfconv": {"status": "ok", "round_ms": [2.0, 2.0],
+                              "round_cpu_ms": [2.0, 2.0]}}
+  timing.add_ratios(results)
+  assert results["pxg"]["ratio"] == 3.0
+  assert results["pxg"]["ratio_to"]["keras_tfconv"]["ratio"] == 1.5
+
+
 def test_real_models_full_sizes_are_the_issues_architectures():
   """Weights of the full sizes (built, not trained): ConvNeXtTiny 28M,
   WRN-16-4 2.7M, ViT-S/4 at d=384 and the BERT-style encoder with its
