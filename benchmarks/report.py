@@ -301,6 +301,7 @@ def _real_lines(result: dict) -> List[str]:
     keras, pxg = _mode(res, "keras"), _mode(res, "pxg")
     tfk, tfp = _mode(res, "tf_keras"), _mode(res, "tfp_dpmodel")
     kjax, jaxp = _mode(res, "keras_jax"), _mode(res, "jaxp_dpmodel")
+    mb1 = _mode(res, "jaxp_dpmodel_mb1")
     weights = _mode(res, "noise").get("weights")
     mem = memory.get(model, {})
     target = REAL_TARGETS.get(model)
@@ -327,10 +328,12 @@ def _real_lines(result: dict) -> List[str]:
         f"{_weights(weights)}) | "
         f"{_status_or(pxg, _cell(pxg) + ' (' + ms(pxg) + ' / ' + ms(keras) + ')' + alt_text)} | "
         f"{_status_or(tfp, _cell(tfp) + tfp_path + ' (' + ms(tfp) + ' / ' + ms(tfk) + ')')} | "
-        f"{_status_or(jaxp, _cell(jaxp) + ' (' + ms(jaxp) + ' / ' + ms(kjax) + ')')} | "
+        f"{_status_or(jaxp, _cell(jaxp) + ' (' + ms(jaxp) + ' / ' + ms(kjax) + ')')}"
+        f"{'; microbatch_size=1: ' + _status_or(mb1, _cell(mb1) + ' (' + ms(mb1) + ')') if mb1 else ''} | "
         f"{_mem_cell(mem.get('pxg', {}))}{alt_mem_text} | "
         f"{_mem_cell(mem.get('tfp_dpmodel', {}))} | "
-        f"{_mem_cell(mem.get('jaxp_dpmodel', {}), 'rss_growth_ratio')} | "
+        f"{_mem_cell(mem.get('jaxp_dpmodel', {}), 'rss_growth_ratio')}"
+        f"{'; microbatch_size=1: ' + _mem_cell(mem['jaxp_dpmodel_mb1'], 'rss_growth_ratio') if mem.get('jaxp_dpmodel_mb1') else ''} | "
         f"{'≤ %s×' % target if target else '–'} "
         f"{_met_mark(alt['ratio'] if alt else pxg.get('ratio'), target)} | "
         f"{res.get('load_before')} → {res.get('load_after')} |")

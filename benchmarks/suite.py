@@ -292,6 +292,8 @@ def run_time(settings) -> dict:
           size=settings["size"], memory_limit_gb=_JAX_MEMORY_LIMIT.value,
           log=_log))
       record["jax_seconds"] = round(time.perf_counter() - jax_start, 1)
+      if res.get(jax_anchor.FALLBACK_MODE, {}).get("status") == "ok":
+        settings.setdefault("jax_fallback_models", []).append(model)
     record["load_after"] = _load()
     record["seconds"] = round(time.perf_counter() - start, 1)
     out[model] = record
@@ -388,6 +390,8 @@ def run_memory(settings) -> dict:
     names = [m for m in settings["memory_modes"][model] if m != "noise"]
     if model in settings["jax_models"]:
       names += list(jax_anchor.JAX_MODES)
+      if model in settings.get("jax_fallback_models", ()):
+        names.append(jax_anchor.FALLBACK_MODE)
     jobs += [(model, mode) for mode in names]
 
   def one(job):
