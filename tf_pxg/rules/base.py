@@ -480,15 +480,25 @@ class Rule:
     return vectorized_per_example(ctx)
 
   def sq_norm(self, ctx: Context):
-    """`[B]` float32: squared L2 norm of each example's gradient."""
+    """`[B]` float32: squared L2 norm of each example's gradient, from
+    `per_example`; the per-example gradient is kept for `weighted_sum` if
+    `cheap_to_keep` (biases, scales: `[B, |p|]` against the `[B, ...]`
+    output gradient)."""
     trace_note(sq_norm="materialised")
-    return batch_sq_norm(self.per_example(ctx))
+    g = self.per_example(ctx)
+    keep_per_example(ctx, g, _Materialised(g))
+    return batch_sq_norm(g)
 
   def weighted_sum(self, ctx: Context, c):
-    """`param.shape`: sum_b c[b] g_b, via TF's gradient with scaled dz
-    (and, per `drop_inputs`/`drop_outputs`, the rows of examples with
-    `c[b] == 0` zeroed in what the gradient function reads, so that such
-    an example adds exactly 0 even when non-finite)."""
+    """`param.shape`: sum_b c[b] g_b. From the per-example gradient
+    `sq_norm` kept, if any (one pass over `[B, |p|]` instead of scaling the
+    output gradient and running TF's gradient over it); else via TF's
+    gradient with scaled dz (and, per `drop_inputs`/`drop_outputs`, the
+    rows of examples with `c[b] == 0` zeroed in what the gradient function
+    reads, so that such an example adds exactly 0 even when non-finite)."""
+    kept = take_per_example(ctx)
+    if isinstance(kept, _Materialised):
+      return weighted_sum_of(kept.g, c, ctx.param_dtype)
     grads = [None if g is None or not g.shape.rank else
              ctx.scale_examples(g, c) for g in ctx.output_grads]
     inputs, outputs = ctx.dropped_io(c, self.drop_inputs, self.drop_outputs)
@@ -496,6 +506,13 @@ class Rule:
 
   def check(self, ctx: Context) -> None:
     """Raises ValueError if this op instance has no per-example gradient."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Materialised:
+  """What the default `Rule.sq_norm` keeps: the per-example gradient
+  `[B, *param.shape]` (a rule with its own `sq_norm` keeps its own kind)."""
+  g: Any
 
 
 class _FunctionRule(Rule):

@@ -231,7 +231,8 @@ class _Operands:
                    tf.float32)
 
 
-def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
+def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False,
+                            keeps=False):
   """(`[B]` float32 squared norms, the per-example gradient or None).
 
   The per-example gradient `[B, *param_sub sizes]` is returned when it was
@@ -240,11 +241,15 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False):
   known only at run time (the rows per example of a dynamic batch), both
   forms are built, `tf.cond` runs the cheaper, and the gradient is not
   returned (a tensor of unknown size is never kept for the weighted sum).
+
+  `keeps`: the caller keeps a materialised gradient for its weighted sum
+  (`base.keep_per_example`), so the form is chosen for the norm and the
+  weighted sum together (`_prefer_ghost`).
   """
   ops = _Operands(s, data, dz, batch_size, minor)
   ghost = lambda: ops.ghost_terms(ops)
   rows = ops.rows()
-  form = _form(ops, rows)
+  form = _form(ops, rows, keeps)
   base.trace_note(sq_norm=form)
   if form == "chosen at run time":
     return tf.cond(ops.prefers_ghost(rows), ghost,
@@ -287,31 +292,48 @@ def chunked_sq_norm(parts: Sequence[_Operands]):
   return ghost() if form == "ghost" else materialised()
 
 
-def _form(ops: _Operands, rows) -> str:
+def _form(ops: _Operands, rows, keeps: bool = False) -> str:
   """"ghost", "materialised" or "chosen at run time" for `rows` summed rows
-  per example of `ops`' shape."""
+  per example of `ops`' shape (`keeps`: see `_prefer_ghost`)."""
   if ops.lonely or None in (ops.prod(ops.pd), ops.prod(ops.po)):
     return "materialised"
   if not isinstance(rows, int):
     return "chosen at run time"
-  return "ghost" if ops.prefers_ghost(rows) else "materialised"
+  npd, npo = ops.prod(ops.pd), ops.prod(ops.po)
+  return "ghost" if _prefer_ghost(rows, npd, npo, keeps) else "materialised"
 
 
-def _prefer_ghost(rows: int, npd: int, npo: int) -> bool:
+def _prefer_ghost(rows: int, npd: int, npo: int, keeps: bool = False) -> bool:
   """Whether the ghost norm beats materialising, per example.
 
   FLOPs: the two `rows x rows` Grams cost `rows^2 (npd + npo)`, the
   `[npd, npo]` gradient `rows npd npo`. Memory: the Grams hold `2 rows^2`
-  numbers, the gradient `npd npo` (kept until the clipped sum). Ghost wins
-  when it needs fewer FLOPs, or at most 25 % more while holding at most
-  half the memory: a weight shared over T = 64 LSTM steps with `npd = 64`
-  inputs and `npo = 512` gate units costs 12.5 % more FLOPs as Grams, but
-  its materialised gradient `[B, 64, 512]` is 8 MB at B = 64 against 2 MB.
+  numbers, the gradient `npd npo` (kept until the clipped sum).
+
+  With `keeps` (a materialised gradient is kept and the weighted sum taken
+  from it, `base.keep_per_example`): the gradient's matmul replaces the
+  weighted sum's (TF's weight gradient, `rows npd npo` per example), which
+  the ghost form still runs after its Grams. Materialising then costs
+  passes over `[B, npd, npo]` beyond the plain step, the ghost form its
+  Grams, and the Grams are at least the matmul's FLOPs whenever the
+  gradient is small enough to keep (`npd npo <= rows (npd + npo)`, the
+  data and dz's size: `base.cheap_to_keep`): ghost only when it needs
+  strictly fewer FLOPs (at the tie, e.g. a text encoder's attention
+  projection over 128 rows of 256 -> 256, materialising is also the faster
+  on CPU).
+
+  Without: ghost when it needs fewer FLOPs, or at most 25 % more while
+  holding at most half the memory: a weight shared over T = 64 LSTM steps
+  with `npd = 64` inputs and `npo = 512` gate units costs 12.5 % more
+  FLOPs as Grams, but its materialised gradient `[B, 64, 512]` is 8 MB at
+  B = 64 against 2 MB.
   """
   ghost, materialised = rows * (npd + npo), npd * npo
   if tf.is_tensor(rows):  # Rows per example known at run time.
     return tf.logical_or(ghost < materialised, tf.logical_and(
         4 * ghost <= 5 * materialised, 4 * rows * rows <= materialised))
+  if keeps:
+    return ghost < materialised
   return ghost < materialised or (
       4 * ghost <= 5 * materialised and 4 * rows * rows <= materialised)
 
@@ -359,7 +381,8 @@ class _Contraction(base.Rule):
   def sq_norm(self, ctx):
     s = self.spec(ctx)
     norms, g = sq_norm_and_per_example(s, ctx.inputs[s.data_index], ctx.dz,
-                                       ctx.batch_size, ctx.batch_minor)
+                                       ctx.batch_size, ctx.batch_minor,
+                                       keeps=ctx.kept is not None)
     if g is not None:
       base.keep_per_example(ctx, g)
     return norms

@@ -188,8 +188,8 @@ class _PatchContraction(base.Rule):
 
     def norms(parts, n):
       spec, data, dz, layout["to_param"] = self.operands(ctx, *parts)
-      sq, g = contraction.sq_norm_and_per_example(spec, data, dz, n,
-                                                  ctx.batch_minor)
+      sq, g = contraction.sq_norm_and_per_example(
+          spec, data, dz, n, ctx.batch_minor, keeps=ctx.kept is not None)
       layout["keep"] = g is not None and base.cheap_to_keep(
           ctx, [batch, *g.shape[1:]])
       if not layout["keep"]:  # A fixed output structure for the chunk loop.
@@ -227,22 +227,23 @@ class _PatchContraction(base.Rule):
     else TF's filter gradient with dz scaled per example; for dilations > 1
     the patch contraction instead, as some CPU builds have no dilated
     `Conv*BackpropFilter/Input` kernel (float64, or without oneDNN)."""
+    if not self.supported(ctx):  # the defaults' sq_norm and weighted sum
+      return super().weighted_sum(ctx, c)
     kept = base.take_per_example(ctx)
     if kept is not None:
       g, to_param = kept
       w = base.weighted_sum_of(g, c, ctx.param_dtype)
       return tf.reshape(to_param(w[None]), ctx.param_shape)
-    if self.supported(ctx):
-      w = self.native_weighted_sum(ctx, c)
-      if w is not None:
-        return w
-      taps = self.taps(ctx)
-      if taps is not None:
-        base.trace_note(weighted_sum="taps")
-        return tf.cast(tf.reshape(taps.weighted_sum(c), ctx.param_shape),
-                       ctx.param_dtype)
+    w = self.native_weighted_sum(ctx, c)
+    if w is not None:
+      return w
+    taps = self.taps(ctx)
+    if taps is not None:
+      base.trace_note(weighted_sum="taps")
+      return tf.cast(tf.reshape(taps.weighted_sum(c), ctx.param_shape),
+                     ctx.param_dtype)
     rates = _spatial(ctx, "dilations", ctx.dz.shape.rank)
-    if all(r == 1 for r in rates) or not self.supported(ctx):
+    if all(r == 1 for r in rates):
       return super().weighted_sum(ctx, c)
     spec, data, dz, to_param = self.operands(ctx,
                                              *self.example_operands(ctx))

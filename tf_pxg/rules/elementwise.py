@@ -53,7 +53,7 @@ class _Broadcasting(base.Rule):
 class AddRule(_Broadcasting):
 
   def partial(self, ctx):
-    return ctx.dz * tf.ones_like(ctx.outputs[0])
+    return _as_output(ctx, ctx.dz)
 
 
 @register("Sub")
@@ -61,7 +61,17 @@ class SubRule(_Broadcasting):
 
   def partial(self, ctx):
     sign = 1.0 if ctx.param_index == 0 else -1.0
-    return tf.cast(sign, ctx.dz.dtype) * ctx.dz * tf.ones_like(ctx.outputs[0])
+    return _as_output(ctx, tf.cast(sign, ctx.dz.dtype) * ctx.dz)
+
+
+def _as_output(ctx, t):
+  """`t` (dz's shape) broadcast to the output's shape: `t` itself when the
+  shapes are static and equal (no pass), else `t * ones`."""
+  out = ctx.outputs[0]
+  if (t.shape.is_fully_defined() and out.shape.is_fully_defined() and
+      t.shape == out.shape):
+    return t
+  return t * tf.ones_like(out)
 
 
 @register("Mul")
