@@ -424,6 +424,11 @@ def _profile_lines(result: dict) -> List[str]:
         f"{'–' if ptot is None else '%.1f' % ptot} | "
         f"{'–' if not (ktot and ptot) else '%.2f× Keras' % (ptot / ktot)} |")
     lines.append("")
+    top = pxg.get("top") or []
+    if top:
+      lines += ["Largest ops of the DP step (ms per step, family): " + "; ".join(
+          f"`{name.rsplit(':', 1)[1]}` {ms:.1f} ({fam})"
+          for ms, fam, name in top[:6]) + ".", ""]
   return lines
 
 

@@ -284,27 +284,33 @@ def run_time(settings) -> dict:
     record = {"batch_size": spec.batch, "seq_len": seq_len or None,
               "modes": res, "load_before": load_before, "load_after": None,
               "seconds": None}
+    _log_modes(res)
     if model in settings["jax_models"]:
       _log(f"  [jax-privacy] {model}, load {_load()}")
       jax_start = time.perf_counter()
-      res.update(jax_anchor.run_time(
+      jax_res = jax_anchor.run_time(
           model, spec.batch, settings["rounds"], settings["round_seconds"],
           size=settings["size"], memory_limit_gb=_JAX_MEMORY_LIMIT.value,
-          log=_log))
+          log=_log)
+      res.update(jax_res)
+      _log_modes(jax_res)
       record["jax_seconds"] = round(time.perf_counter() - jax_start, 1)
       if res.get(jax_anchor.FALLBACK_MODE, {}).get("status") == "ok":
         settings.setdefault("jax_fallback_models", []).append(model)
     record["load_after"] = _load()
     record["seconds"] = round(time.perf_counter() - start, 1)
     out[model] = record
-    for k, r in res.items():
-      ratio = (f" ratio {r['ratio']:.2f}x (CPU {r['cpu_ratio']:.2f}x)"
-               if "ratio" in r else "")
-      _log(f"  {k:16s} {r.get('status'):13s} "
-           f"{r.get('ms', float('nan')):9.2f} ms{ratio} "
-           f"{r.get('path', '')}{r.get('error', '')}")
     _log(f"  ({record['seconds']:.0f} s, load {record['load_after']})")
   return out
+
+
+def _log_modes(res: dict) -> None:
+  for k, r in res.items():
+    ratio = (f" ratio {r['ratio']:.2f}x (CPU {r['cpu_ratio']:.2f}x)"
+             if "ratio" in r else "")
+    _log(f"  {k:16s} {r.get('status'):13s} "
+         f"{r.get('ms', float('nan')):9.2f} ms{ratio} "
+         f"{r.get('path', '')}{r.get('error', '')}")
 
 
 def run_growth(settings) -> list:
