@@ -337,7 +337,7 @@ def _memory_one(mode, model, batch_size=0, seq_len=0, size="full") -> dict:
   from benchmarks import jax_anchor  # noqa: PLC0415
   from benchmarks import models  # noqa: PLC0415
   timeout = 1800 if model in models.REAL_MODELS else 900
-  if mode in jax_anchor.JAX_MODES:
+  if mode in jax_anchor.JAX_MODES + (jax_anchor.FALLBACK_MODE,):
     return jax_anchor.run_memory(
         mode, model, batch_size or models.SPECS[model].batch, size=size,
         timeout=timeout, memory_limit_gb=_JAX_MEMORY_LIMIT.value, log=_log)
