@@ -237,6 +237,9 @@ LAYER_CASES = [
     # R = 4 summed rows, d = u = 16: 4 * (16 + 16) < 16 * 16 selects ghost.
     layer_case("Dense_3d_sequence_ghost", lambda d: L.Dense(16, dtype=d),
                (4, 16), rules=expect("MatMul", sq=G, **BIAS)),
+    # A widening Dense (8 -> 48 over R = 4 rows): ghost.
+    layer_case("Dense_3d_widening_ghost", lambda d: L.Dense(48, dtype=d),
+               (4, 8), rules=expect("MatMul", sq=G, **BIAS)),
     layer_case("EinsumDense", lambda d: L.EinsumDense(
         "abc,cd->abd", output_shape=(4, 3), bias_axes="d", dtype=d), (4, 5),
                rules=expect("BatchMatMulV2", sq=M, **BIAS)),
