@@ -1,4 +1,5 @@
-"""The native norm ops: `TfPxgConv2DFilterSqNorm` and the depthwise
+"""The native norm ops: `TfPxgConv2DFilterSqNorm` /
+`TfPxgConv2DFilterWeightedSum` and the depthwise
 `TfPxgDepthwiseConv2DFilterSqNorm` / `TfPxgDepthwiseConv2DFilterWeightedSum`
 (tf_pxg.rules.conv),
 `TfPxgRowSumOfSquares` (tf_pxg.rules.base.row_sum_of_squares) and
@@ -12,11 +13,17 @@ exactly against NumPy (it is one multiplication per element) and its
 gradient in closed form; its use by every rule's weighted sum is covered by
 the per-example table and the DP-step tests.
 
-The op's definition, ||sum over an example's rows of G_n||^2 with G_n the
+The ops' definitions, ||sum over an example's rows of G_n||^2 with G_n the
 filter gradient of row n, is checked against a float64 NumPy evaluation of
 that sum (strided slices of the zero-padded input, contracted with dz) for
 strides, dilations, explicit padding, several rows per example (also with
-the examples minor, as after SpaceToBatchND), one input channel, channel counts that are not whole vectors, and both index dtypes.
+the examples minor, as after SpaceToBatchND), one input channel, channel counts that are not whole vectors, and both index dtypes;
+and for `TfPxgConv2DFilterWeightedSum` sum_b c[b] G_b in the same cases,
+an example with factor 0 and inf/NaN rows adding nothing (bit for bit),
+many examples with most factors 0, and an empty batch. The rule's clipped
+sums use it outside XLA (recorded as "native") for strided convolutions,
+and TF's filter gradient for stride 1 and filters above
+`FUSED_SUM_MAX_FILTER` entries.
 The rule that uses it is checked against the plain `tf.GradientTape` loop
 over single examples (`tf_pxg.testing.check_per_example_gradients`):
 eagerly and in `tf.function` (native op) and under XLA (the patch path), at
@@ -172,6 +179,133 @@ def test_op_on_an_empty_batch(lib):
   assert got.shape == [0]
 
 
+def _per_example_definition(x, dz, ksize, strides, dilations, pads,
+                            examples, minor=False):
+  """[B, kh, kw, C, Cout]: sum over an example's rows of G_n, in float64
+  NumPy (as `_definition`; rows b, B + b, ... with `minor`)."""
+  top, left, bottom, right = pads
+  x = np.pad(np.asarray(x, np.float64),
+             [[0, 0], [top, bottom], [left, right], [0, 0]])
+  dz = np.asarray(dz, np.float64)
+  n, oh, ow, _ = dz.shape
+  k = n // examples
+  (kh, kw), (sh, sw), (dh, dw) = ksize, strides, dilations
+  out = []
+  for b in range(examples):
+    rows = ([r * examples + b for r in range(k)] if minor else
+            range(b * k, (b + 1) * k))
+    out.append(sum(np.stack([np.stack([
+        np.einsum("hwc,hwo->co",
+                  x[row, i * dh:i * dh + (oh - 1) * sh + 1:sh,
+                    j * dw:j * dw + (ow - 1) * sw + 1:sw], dz[row])
+        for j in range(kw)]) for i in range(kh)]) for row in rows))
+  return np.stack(out)
+
+
+def _op_data(name, dtype, seed):
+  n, h, w, c, ksize, strides, dilations, pads, cout, examples = OP_CASES[name]
+  rng = np.random.default_rng(seed)
+  oh = (h + pads[0] + pads[2] - (ksize[0] - 1) * dilations[0] - 1) // (
+      strides[0]) + 1
+  ow = (w + pads[1] + pads[3] - (ksize[1] - 1) * dilations[1] - 1) // (
+      strides[1]) + 1
+  x = rng.standard_normal((n, h, w, c))
+  dz = rng.standard_normal((n, oh, ow, cout))
+  attrs = dict(ksize=ksize, strides=strides, dilations=dilations,
+               pads=pads[:2])
+  return x, dz, examples, attrs, rng
+
+
+def _assert_close_to(got, want, dtype):
+  """Entries of `want` are sums of products of unit normals: float32
+  rounding relative to the largest of them (never an rtol between
+  float-noise values)."""
+  scale = np.max(np.abs(want)) if want.size else 0.0
+  np.testing.assert_allclose(got, want, rtol=0,
+                             atol=(1e-5 if dtype == F32 else 1e-12) * scale)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(OP_CASES))
+def test_weighted_sum_matches_its_definition(lib, name, dtype):
+  """TfPxgConv2DFilterWeightedSum: sum_b c[b] G_b, [kh, kw, C, Cout]; an
+  example with factor 0 whose rows hold inf and NaN adds exactly nothing
+  (bit for bit the result with finite rows there)."""
+  x, dz, examples, attrs, rng = _op_data(name, dtype,
+                                         sorted(OP_CASES).index(name))
+  g = _per_example_definition(x, dz, pads=OP_CASES[name][7],
+                              examples=examples, **{
+                                  k: v for k, v in attrs.items()
+                                  if k != "pads"})
+  c = rng.uniform(0.1, 2.0, examples)
+  c[0] = 0.0
+  want = np.einsum("b,b...->...", c, g)
+  k = x.shape[0] // examples
+  finite = lib.tf_pxg_conv2d_filter_weighted_sum(
+      tf.constant(x, dtype), tf.constant(dz, dtype), tf.constant(c, dtype),
+      **attrs)
+  x[:k], dz[:k] = np.inf, np.nan  # example 0's rows
+  got = lib.tf_pxg_conv2d_filter_weighted_sum(
+      tf.constant(x, dtype), tf.constant(dz, dtype), tf.constant(c, dtype),
+      **attrs)
+  assert got.dtype == dtype and got.shape == want.shape
+  _assert_close_to(got.numpy(), want, dtype)
+  np.testing.assert_array_equal(got.numpy(), finite.numpy())
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+def test_weighted_sum_with_the_examples_minor(lib, dtype):
+  """Rows [k, B] (as after SpaceToBatchND): example b's rows are b, B + b,
+  ...; c[b] scales those."""
+  x, dz, examples, attrs, rng = _op_data("padded_2_rows_each", dtype, 7)
+  pads = OP_CASES["padded_2_rows_each"][7]
+  g = _per_example_definition(x, dz, attrs["ksize"], attrs["strides"],
+                              attrs["dilations"], pads, examples, minor=True)
+  c = rng.uniform(0.1, 2.0, examples)
+  got = lib.tf_pxg_conv2d_filter_weighted_sum(
+      tf.constant(x, dtype), tf.constant(dz, dtype), tf.constant(c, dtype),
+      batch_minor=True, **attrs)
+  _assert_close_to(got.numpy(), np.einsum("b,b...->...", c, g), dtype)
+
+
+def test_weighted_sum_of_many_examples_and_channels(lib):
+  """Several groups of examples and threads' running sums, channel counts
+  of several vectors plus a partial one, all factors 0 but some."""
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((37, 6, 6, 21))
+  dz = rng.standard_normal((37, 4, 4, 35))
+  attrs = dict(ksize=[3, 3], strides=[1, 1], dilations=[1, 1], pads=[0, 0])
+  g = _per_example_definition(x, dz, (3, 3), (1, 1), (1, 1), (0, 0, 0, 0),
+                              37)
+  c = rng.uniform(0.1, 2.0, 37)
+  c[rng.permutation(37)[:20]] = 0.0
+  for dtype in (F32, F64):
+    got = lib.tf_pxg_conv2d_filter_weighted_sum(
+        tf.constant(x, dtype), tf.constant(dz, dtype), tf.constant(c, dtype),
+        **attrs)
+    _assert_close_to(got.numpy(), np.einsum("b,b...->...", c, g), dtype)
+  zero = lib.tf_pxg_conv2d_filter_weighted_sum(
+      tf.constant(x, F32), tf.constant(dz, F32), tf.zeros([37]), **attrs)
+  np.testing.assert_array_equal(zero.numpy(), np.zeros([3, 3, 21, 35]))
+
+
+def test_weighted_sum_rejects_rows_that_do_not_split_into_examples(lib):
+  attrs = dict(ksize=[2, 2], strides=[1, 1], dilations=[1, 1], pads=[0, 0])
+  x, dz = tf.zeros([5, 4, 4, 2]), tf.zeros([5, 3, 3, 3])
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="5 rows are not a whole number per example"):
+    lib.tf_pxg_conv2d_filter_weighted_sum(x, dz, tf.ones([2]), **attrs)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="dz 4"):
+    lib.tf_pxg_conv2d_filter_weighted_sum(x, dz[:4], tf.ones([5]), **attrs)
+
+
+def test_weighted_sum_on_an_empty_batch(lib):
+  g = lib.tf_pxg_conv2d_filter_weighted_sum(
+      tf.zeros([0, 4, 4, 2]), tf.zeros([0, 3, 3, 3]), tf.zeros([0]),
+      ksize=[2, 2], strides=[1, 1], dilations=[1, 1], pads=[0, 0])
+  np.testing.assert_array_equal(g.numpy(), np.zeros([2, 2, 2, 3]))
+
+
 # The rule against the reference loop -------------------------------------------
 
 
@@ -238,10 +372,15 @@ def test_rule_matches_reference(lib, name, dtype, batch, mode):
                                             mode=mode)
   forms = {r.get("sq_norm") for r in records
            if r["form"] == "sq_norm" and r["op_type"] == "Conv2D"}
+  sums = {r.get("weighted_sum") for r in records
+          if r["form"] == "weighted_sum" and r["op_type"] == "Conv2D"}
   if mode == "jit":  # XLA cannot run the op: the patch path.
     assert forms and "native" not in forms, records
+    assert "native" not in sums, records
   else:
     assert forms == {"native"}, records
+    # Fused for strided (or 1x1) convolutions; TF's filter gradient else.
+    assert sums == ({"native"} if "strides" in name else {None}), records
 
 
 @pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
@@ -296,6 +435,31 @@ def test_keras_fit_step_with_the_op(lib):
   assert {r.get("sq_norm") for r in records
           if r["form"] == "sq_norm" and r["op_type"] == "Conv2D"} == {
               "native"}, records
+  # The strided conv's clipped sum is fused, the other's is TF's.
+  assert {r.get("weighted_sum") for r in records
+          if r["form"] == "weighted_sum" and r["op_type"] == "Conv2D"} == {
+              "native", None}, records
+
+
+def test_large_filters_take_tfs_filter_gradient(lib):
+  """A one-group filter of more than `FUSED_SUM_MAX_FILTER` entries (3x3,
+  256 -> 512, stride 2): native norms, the weighted sum from TF's filter
+  gradient of the scaled dz, equal to the reference loop."""
+  del lib
+  from tf_pxg.rules import conv
+  rng = np.random.default_rng(5)
+  w = tf.Variable(0.05 * rng.standard_normal((3, 3, 256, 512)), dtype=F32)
+  assert w.shape.num_elements() > conv.FUSED_SUM_MAX_FILTER
+  model = lambda x: tf.nn.conv2d(x, w, 2, "SAME")
+  x = tf.constant(rng.standard_normal((3, 3, 3, 256)), F32)
+  labels = tf.constant(rng.standard_normal((3, 2, 2, 512)), F32)
+  with pxg_testing.trace_rules() as records:
+    pxg_testing.check_per_example_gradients(_loss, model, [w], x, labels,
+                                            mode="function")
+  forms = {(r["form"], r.get(r["form"])) for r in records
+           if r["op_type"] == "Conv2D" and r["form"] != "per_example"}
+  assert ("sq_norm", "native") in forms, records
+  assert ("weighted_sum", "native") not in forms, records
 
 
 def test_without_the_library_the_patch_path_runs(monkeypatch):
@@ -505,10 +669,12 @@ def test_keras_fit_step_with_the_depthwise_ops(lib):
 
   with pxg_testing.trace_rules() as records:
     check_one_dp_fit_step(make_layers, x, y, build_shape=x.shape)
+  # Both Conv2Ds (the stem's one group and the depthwise groups): native
+  # norms and weighted sums.
   assert {r.get(r["form"]) for r in records if r["op_type"] == "Conv2D" and
-          r["form"] != "per_example"} == {"native", None}, records
-  assert any(r["op_type"] == "Conv2D" and r.get("weighted_sum") == "native"
-             for r in records), records
+          r["form"] != "per_example"} == {"native"}, records
+  assert sum(r["op_type"] == "Conv2D" and r.get("weighted_sum") == "native"
+             for r in records) >= 2, records
 
 
 # Row sums of squares -------------------------------------------------------------

@@ -9,7 +9,7 @@ engine: per-example gradients are one einsum, and squared norms pick between
 materialising `[B, K, C]` and the ghost form over `P x P` Gram matrices by
 cost. Squared norms run over chunks of examples whose patches fit in
 `NORM_CHUNK_BYTES` (one chunk alive at a time; not under XLA). Weighted sums
-are TF's filter gradient with dz scaled per example.
+are TF's filter gradient with dz scaled per example (native ops below).
 
 On CPU outside XLA, a 2-D convolution's squared norms (one group, NHWC
 or NCHW, float32/float64) come from the native op `TfPxgConv2DFilterSqNorm`
@@ -24,7 +24,12 @@ patch path; docs/benchmarks.md). Depthwise convolutions — a
 (`tf_pxg/kernels/depthwise_norms.cc`): channel vectors of x and dz
 multiplied and summed over each tap's valid positions, the scaling by
 `c[b]` fused into the sum (an example with `c[b] = 0` is skipped). Other
-grouped convolutions take the patch path.
+grouped convolutions take the patch path. The clip-weighted sum of a
+one-group 2-D convolution is `TfPxgConv2DFilterWeightedSum` (the norm op's
+loop, dz scaled by `c[b]` as it is copied, zero-factor examples skipped)
+when it is strided or 1x1 and its filter has at most `FUSED_SUM_MAX_FILTER`
+entries; other convolutions take TF's filter gradient of the scaled dz,
+which is faster there.
 
 Patches come from one-hot (depthwise) convolutions where possible, see
 `_patches`. A transposed convolution (`Conv2DBackpropInput`) is the same with the roles
@@ -403,19 +408,42 @@ class ConvRule(_PatchContraction):
     return _depthwise_taps(ctx)
 
   def native_weighted_sum(self, ctx, c):
-    """`TfPxgDepthwiseConv2DFilterWeightedSum` for a 2-D convolution with
-    one input channel per group (a depthwise convolution written as
-    `Conv2D(groups=C)`, as Keras' ConvNeXt does), where `native.serves`;
-    else None."""
+    """`TfPxgConv2DFilterWeightedSum` for a strided or 1x1 2-D convolution
+    of one group with a filter of at most `FUSED_SUM_MAX_FILTER` entries, or
+    `TfPxgDepthwiseConv2DFilterWeightedSum` for one input channel per group
+    (a depthwise convolution written as `Conv2D(groups=C)`, as Keras'
+    ConvNeXt does), where `native.serves`; else None."""
     x, filt = ctx.inputs[0], ctx.inputs[1]
     if (filt.shape.rank != 4 or x.shape.rank != 4 or
         not native.serves(x, (tf.float32, tf.float64))):
       return None
     x = _to_channels_last(ctx, x)
-    if (x.shape[-1] is None or int(filt.shape[2]) != 1 or
-        int(x.shape[-1]) == 1):
+    channels = x.shape[-1]
+    if channels is None:
       return None
-    return _native_depthwise_weighted_sum(ctx, x, c)
+    if int(filt.shape[2]) == 1 and int(channels) > 1:  # one channel a group
+      return _native_depthwise_weighted_sum(ctx, x, c)
+    if int(channels) != int(filt.shape[2]):  # groups
+      return None
+    strides = _spatial(ctx, "strides", 4)
+    if (filt.shape.num_elements() > FUSED_SUM_MAX_FILTER or
+        (max(strides) == 1 and filt.shape[:2].num_elements() > 1)):
+      return None  # TF's filter gradient of the scaled dz is faster
+    return _native_weighted_sum(ctx, "tf_pxg_conv2d_filter_weighted_sum", x,
+                                c)
+
+
+# Where the clip-weighted sum of a one-group 2-D convolution comes from
+# `TfPxgConv2DFilterWeightedSum` rather than TF's filter gradient of the
+# scaled dz: strided or 1x1 convolutions with at most this many filter
+# entries (kh kw C Cout). At B = 32 on 2 shared cores (AVX-512, timings
+# interleaved) the fused op took 0.7-0.9x the time of the scaling plus
+# `Conv2DBackpropFilter` for 3x3 128 -> 256 at 16x16 stride 2 (295k
+# entries) and 1x1 128 -> 256 at 8x8, but 1.07-1.15x for 3x3 stride 1
+# (64 -> 64 at 32x32, 128 -> 128 at 16x16, 256 -> 256 at 8x8), where
+# oneDNN's blocked GEMM is faster than the register-blocked loop (it is
+# slower on strided convolutions).
+FUSED_SUM_MAX_FILTER = 1 << 19
 
 
 def _valid_range(size, out, stride, offset):
@@ -548,11 +576,13 @@ def _native_sq_norm(ctx, op, x, dz):
       batch_minor=ctx.batch_minor)
 
 
-def _native_depthwise_weighted_sum(ctx, x, c):
-  """`TfPxgDepthwiseConv2DFilterWeightedSum` of channels-last `x`, the op's
-  dz and the clip factors `c`: `sum_b c[b] g_b` in the parameter's shape and
-  dtype, an example with `c[b] == 0` skipped (exactly 0 even if its rows are
-  not finite); None if SAME padding depends on a size that is not static."""
+def _native_weighted_sum(ctx, op, x, c):
+  """Native op `op` (`tf_pxg_conv2d_filter_weighted_sum` or
+  `tf_pxg_depthwise_conv2d_filter_weighted_sum`) of channels-last `x`, the
+  op's dz and the clip factors `c`: `sum_b c[b] g_b` in the parameter's
+  shape and dtype, the scaling fused into the sum and an example with
+  `c[b] == 0` skipped (exactly 0 even if its rows are not finite); None if
+  SAME padding depends on a size that is not static."""
   kernel = [int(d) for d in ctx.inputs[1].shape[:2]]
   strides = _spatial(ctx, "strides", 4)
   dilations = _spatial(ctx, "dilations", 4)
@@ -560,11 +590,17 @@ def _native_depthwise_weighted_sum(ctx, x, c):
   if pads is None:
     return None
   base.trace_note(weighted_sum="native")
-  w = native.library().tf_pxg_depthwise_conv2d_filter_weighted_sum(
+  w = getattr(native.library(), op)(
       x, tf.cast(_to_channels_last(ctx, ctx.dz), x.dtype),
       tf.cast(c, x.dtype), ksize=kernel, strides=strides,
       dilations=dilations, pads=pads, batch_minor=ctx.batch_minor)
   return tf.cast(tf.reshape(w, ctx.param_shape), ctx.param_dtype)
+
+
+def _native_depthwise_weighted_sum(ctx, x, c):
+  """`TfPxgDepthwiseConv2DFilterWeightedSum` (`_native_weighted_sum`)."""
+  return _native_weighted_sum(
+      ctx, "tf_pxg_depthwise_conv2d_filter_weighted_sum", x, c)
 
 
 def _native_depthwise_sq_norm(ctx, x, dz):
