@@ -28,7 +28,7 @@ setuptools.setup(
         "scipy>=1.7",  # root finding in tf_pxg.accounting
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "pytest-xdist>=3"],
         "examples": ["scikit-learn>=1.0"],
         # tf_pxg.data.beam: Poisson sampling of data beyond memory. The
         # [tfrecord] extra brings the CRC32C that TFRecord files need.
