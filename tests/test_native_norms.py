@@ -68,8 +68,10 @@ def lib(native_ops):
 # The op against its definition ------------------------------------------------
 
 
-def _definition(x, dz, ksize, strides, dilations, pads, examples):
-  """||sum_{rows n of example b} G_n||^2 per example, in float64 NumPy.
+def _per_example_definition(x, dz, ksize, strides, dilations, pads,
+                            examples, minor=False):
+  """[B, kh, kw, C, Cout]: sum over example b's rows n of G_n, in float64
+  NumPy (rows b k .. b k + k - 1, or b, B + b, ... with `minor`).
 
   `pads` = (top, left, bottom, right) zeros around the input; G_n[i, j] is
   x's slice at offset (i d_h, j d_w), strided, contracted with dz[n].
@@ -83,15 +85,21 @@ def _definition(x, dz, ksize, strides, dilations, pads, examples):
   (kh, kw), (sh, sw), (dh, dw) = ksize, strides, dilations
   out = []
   for b in range(examples):
-    g = 0.0
-    for row in range(b * k, (b + 1) * k):
-      g = g + np.stack([np.stack([
-          np.einsum("hwc,hwo->co",
-                    x[row, i * dh:i * dh + (oh - 1) * sh + 1:sh,
-                      j * dw:j * dw + (ow - 1) * sw + 1:sw], dz[row])
-          for j in range(kw)]) for i in range(kh)])
-    out.append(np.sum(g * g))
-  return np.array(out)
+    rows = ([r * examples + b for r in range(k)] if minor else
+            range(b * k, (b + 1) * k))
+    out.append(sum(np.stack([np.stack([
+        np.einsum("hwc,hwo->co",
+                  x[row, i * dh:i * dh + (oh - 1) * sh + 1:sh,
+                    j * dw:j * dw + (ow - 1) * sw + 1:sw], dz[row])
+        for j in range(kw)]) for i in range(kh)]) for row in rows))
+  return np.stack(out)
+
+
+def _definition(x, dz, ksize, strides, dilations, pads, examples):
+  """||sum_{rows n of example b} G_n||^2 per example, in float64 NumPy."""
+  g = _per_example_definition(x, dz, ksize, strides, dilations, pads,
+                              examples)
+  return np.sum(g.reshape(examples, -1) ** 2, axis=1)
 
 
 # (rows, H, W, C, ksize, strides, dilations, (top, left, bottom, right),
@@ -177,29 +185,6 @@ def test_op_on_an_empty_batch(lib):
       tf.zeros([0, 4, 4, 2]), tf.zeros([0, 3, 3, 3]), 0, ksize=[2, 2],
       strides=[1, 1], dilations=[1, 1], pads=[0, 0])
   assert got.shape == [0]
-
-
-def _per_example_definition(x, dz, ksize, strides, dilations, pads,
-                            examples, minor=False):
-  """[B, kh, kw, C, Cout]: sum over an example's rows of G_n, in float64
-  NumPy (as `_definition`; rows b, B + b, ... with `minor`)."""
-  top, left, bottom, right = pads
-  x = np.pad(np.asarray(x, np.float64),
-             [[0, 0], [top, bottom], [left, right], [0, 0]])
-  dz = np.asarray(dz, np.float64)
-  n, oh, ow, _ = dz.shape
-  k = n // examples
-  (kh, kw), (sh, sw), (dh, dw) = ksize, strides, dilations
-  out = []
-  for b in range(examples):
-    rows = ([r * examples + b for r in range(k)] if minor else
-            range(b * k, (b + 1) * k))
-    out.append(sum(np.stack([np.stack([
-        np.einsum("hwc,hwo->co",
-                  x[row, i * dh:i * dh + (oh - 1) * sh + 1:sh,
-                    j * dw:j * dw + (ow - 1) * sw + 1:sw], dz[row])
-        for j in range(kw)]) for i in range(kh)]) for row in rows))
-  return np.stack(out)
 
 
 def _op_data(name, dtype, seed):

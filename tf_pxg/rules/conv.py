@@ -382,20 +382,12 @@ class ConvRule(_PatchContraction):
     `Conv3D`, groups, a dtype other than float32/float64, SAME padding of
     a size that is not static, XLA, accelerators or no native library
     (`native.serves`)."""
-    x, dz = ctx.inputs[0], ctx.dz
-    filt = ctx.inputs[1]
-    if (filt.shape.rank != 4 or x.shape.rank != 4 or
-        not native.serves(x, (tf.float32, tf.float64))):
-      return None
-    x = _to_channels_last(ctx, x)
-    channels = x.shape[-1]
-    if channels is None:
-      return None
-    if int(filt.shape[2]) == 1 and int(channels) > 1:  # one channel a group
-      return _native_depthwise_sq_norm(ctx, x, dz)
-    if int(channels) != int(filt.shape[2]):  # groups
-      return None
-    return _native_sq_norm(ctx, "tf_pxg_conv2d_filter_sq_norm", x, dz)
+    kind, x = _native_conv_kind(ctx)
+    if kind == "depthwise":
+      return _native_depthwise_sq_norm(ctx, x, ctx.dz)
+    if kind == "one group":
+      return _native_sq_norm(ctx, "tf_pxg_conv2d_filter_sq_norm", x, ctx.dz)
+    return None
 
   def taps(self, ctx):
     """Tap by tap under XLA for one input channel per group."""
@@ -413,18 +405,12 @@ class ConvRule(_PatchContraction):
     `TfPxgDepthwiseConv2DFilterWeightedSum` for one input channel per group
     (a depthwise convolution written as `Conv2D(groups=C)`, as Keras'
     ConvNeXt does), where `native.serves`; else None."""
-    x, filt = ctx.inputs[0], ctx.inputs[1]
-    if (filt.shape.rank != 4 or x.shape.rank != 4 or
-        not native.serves(x, (tf.float32, tf.float64))):
-      return None
-    x = _to_channels_last(ctx, x)
-    channels = x.shape[-1]
-    if channels is None:
-      return None
-    if int(filt.shape[2]) == 1 and int(channels) > 1:  # one channel a group
+    kind, x = _native_conv_kind(ctx)
+    if kind == "depthwise":
       return _native_depthwise_weighted_sum(ctx, x, c)
-    if int(channels) != int(filt.shape[2]):  # groups
+    if kind != "one group":
       return None
+    filt = ctx.inputs[1]
     strides = _spatial(ctx, "strides", 4)
     if (filt.shape.num_elements() > FUSED_SUM_MAX_FILTER or
         (max(strides) == 1 and filt.shape[:2].num_elements() > 1)):
@@ -432,6 +418,27 @@ class ConvRule(_PatchContraction):
     return _native_weighted_sum(ctx, "tf_pxg_conv2d_filter_weighted_sum", x,
                                 c)
 
+
+def _native_conv_kind(ctx):
+  """Which native conv op family serves a `Conv2D`'s norm and weighted
+  sum: `("depthwise", x)` for one input channel per group, `("one group",
+  x)` for a plain convolution, `(None, None)` otherwise (a `Conv3D`, other
+  groups, unknown channels, a dtype other than float32/float64, XLA,
+  accelerators or no native library: `native.serves`); `x` is the input
+  channels-last."""
+  x, filt = ctx.inputs[0], ctx.inputs[1]
+  if (filt.shape.rank != 4 or x.shape.rank != 4 or
+      not native.serves(x, (tf.float32, tf.float64))):
+    return None, None
+  x = _to_channels_last(ctx, x)
+  channels = x.shape[-1]
+  if channels is None:
+    return None, None
+  if int(filt.shape[2]) == 1 and int(channels) > 1:  # one channel a group
+    return "depthwise", x
+  if int(channels) != int(filt.shape[2]):  # groups
+    return None, None
+  return "one group", x
 
 # Where the clip-weighted sum of a one-group 2-D convolution comes from
 # `TfPxgConv2DFilterWeightedSum` rather than TF's filter gradient of the
