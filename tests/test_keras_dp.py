@@ -274,10 +274,11 @@ def test_dp_optimizer_provides_settings_and_trains():
   model.compile(optimizer=dpk.DPSGD(1.0, 0.5, learning_rate=0.1),
                 loss=_sce(), metrics=["accuracy"])
   assert model.l2_norm_clip == 1.0 and model.noise_multiplier == 0.5
-  history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
-  assert set(history.history) >= {"loss", "accuracy"}
+  history = model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                      unprotected_training_metrics=True)
+  assert set(history.history) >= {"unprotected_loss", "unprotected_accuracy"}
   assert int(model.optimizer.iterations) == 8
-  assert np.all(np.isfinite(history.history["loss"]))
+  assert np.all(np.isfinite(history.history["unprotected_loss"]))
 
 
 def test_evaluate_and_predict_behave_as_keras():
@@ -462,3 +463,23 @@ def test_model_seed_makes_noise_reproducible():
   np.testing.assert_array_equal(first, again)
   assert np.abs(first).max() > 0.1
   assert np.abs(first - other).max() > 0.1
+
+
+@pytest.mark.parametrize("inputs", ["arrays", "dataset", "validation"])
+def test_poisson_fit_emits_no_keras_warning(inputs):
+  """Quiet by default: nothing our fit does makes Keras warn (e.g.
+  "`shuffle=True` was passed, but will be ignored")."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  x, y = _data(n=32)
+  model = _functional(dp_cls=dpk.DPModel, l2_norm_clip=1.0,
+                      noise_multiplier=0.5)
+  model.compile(optimizer="sgd", loss=_sce(), metrics=["accuracy"])
+  kwargs = {"arrays": dict(x=x, y=y), "validation": dict(
+      x=x, y=y, validation_data=(x, y)), "dataset": dict(
+          x=tf.data.Dataset.from_tensor_slices((x, y)))}[inputs]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.fit(batch_size=8, epochs=1, verbose=0, **kwargs)
+  ours = [str(w.message) for w in caught
+          if "keras" in w.filename or "tf_pxg" in w.filename]
+  assert not ours, ours

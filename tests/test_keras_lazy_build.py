@@ -103,15 +103,17 @@ def test_unbuilt_sequential_string_optimizer_and_loss_trains(optimizer, loss):
   layers = _layers()[:-1] + [keras.layers.Dense(3, activation="softmax")]
   dp = dpk.DPSequential(layers, l2_norm_clip=1.0, noise_multiplier=0.5)
   dp.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
-  history = dp.fit(x, y, batch_size=8, epochs=2, verbose=0)
-  assert np.isfinite(history.history["loss"]).all()
+  history = dp.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                   unprotected_training_metrics=True)
+  assert np.isfinite(history.history["unprotected_loss"]).all()
   assert int(dp.optimizer.iterations) > 0
   assert all(np.isfinite(v.numpy()).all() for v in dp.trainable_variables)
   # train_on_batch on a second, fresh unbuilt model.
-  dp2 = dpk.DPSequential(_layers(), l2_norm_clip=1.0, noise_multiplier=0.5)
+  dp2 = dpk.DPSequential(_layers(), l2_norm_clip=1.0, noise_multiplier=0.5,
+                         unprotected_training_metrics=True)
   dp2.compile(optimizer=optimizer, loss=_SCE)
   logs = dp2.train_on_batch(x, y, return_dict=True)
-  assert math.isfinite(logs["loss"])
+  assert math.isfinite(logs["unprotected_loss"])
   assert int(dp2.optimizer.iterations) == 1
 
 

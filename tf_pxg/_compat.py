@@ -244,6 +244,24 @@ def set_flat_losses(compile_loss_obj, entries) -> None:
   compile_loss_obj._flat_losses = entries  # pylint: disable=protected-access
 
 
+@contextlib.contextmanager
+def loss_trackers_suspended(compile_loss_obj):
+  # A multi-output CompileLoss updates one Mean per output with the batch's
+  # loss inside its call (logged as "<output>_loss"): a variable written
+  # from the data. The DP step computes per-example losses with it and
+  # must write nothing from the data, so the trackers' update_state is a
+  # no-op for the call (no public switch).
+  trackers = [m for m in (getattr(compile_loss_obj, "metrics", None) or ())
+              if m is not None]
+  for m in trackers:
+    m.update_state = lambda *args, **kwargs: None
+  try:
+    yield
+  finally:
+    for m in trackers:
+      del m.update_state
+
+
 def compile_metrics(model):
   # The compiled metrics container, whose update_state is wrapped so padding
   # rows are masked for unweighted metrics too; no public accessor.
@@ -274,6 +292,13 @@ def regularization_losses(model) -> list:
   # Weight-regularizer losses only: `model.losses` also holds add_loss /
   # activity terms, which are per batch and which DP training refuses.
   return model._get_regularization_losses()  # pylint: disable=protected-access
+
+
+def added_losses(layer) -> list:
+  # The terms `layer.add_loss` added in its last call (activity
+  # regularizers' included), without weight regularizers; `layer.losses`
+  # mixes both.
+  return list(layer._get_own_losses())  # pylint: disable=protected-access
 
 
 def call_has_training_arg(model) -> bool:
@@ -373,6 +398,8 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
     "_compile_loss/_flat_losses": lambda: set_flat_losses(
         compile_loss(_probe_keras_model()), flat_losses(
             compile_loss(_probe_keras_model()))),
+    "CompileLoss.metrics": lambda: isinstance(
+        compile_loss(_probe_keras_model()).metrics, list) or _fail(),
     "_compile_metrics": lambda: compile_metrics_parts(
         compile_metrics(_probe_keras_model())),
     "optimizer._variables": lambda: optimizer_own_variables(
@@ -380,6 +407,8 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
     "_loss_tracker": lambda: loss_tracker(_probe_keras_model()).update_state,
     "_get_regularization_losses":
         lambda: len(regularization_losses(_probe_keras_model())) == 1
+        or _fail(),
+    "_get_own_losses": lambda: added_losses(_probe_keras_model()) == []
         or _fail(),
     "_call_has_training_arg":
         lambda: call_has_training_arg(_probe_keras_model()),

@@ -232,6 +232,9 @@ class ReplicaGradients(NamedTuple):
     count_normalizer: the divisor for `count` (qN, or this replica's
       example count of a plain batch; all-reduced in `dp_apply`).
     mechanism: the step's `Mechanism`, or None (DP-SGD, flat clip).
+    finite: `[B]` (or `[P]` units) bool: the example's loss and gradient
+      norm are finite (its clip factor was not zeroed); for the opt-in
+      unprotected metrics, which must never see a non-finite example.
   """
   grads: list
   normalizer: tf.Tensor
@@ -247,6 +250,7 @@ class ReplicaGradients(NamedTuple):
   count: Optional[tf.Tensor] = None
   count_normalizer: Optional[tf.Tensor] = None
   mechanism: Optional[Mechanism] = None
+  finite: Optional[tf.Tensor] = None
 
 
 def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
@@ -288,6 +292,9 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   info = sample_weight if dp_data.is_dp_batch_info(sample_weight) else None
   if info is not None:
     sample_weight = info.get(dp_data.WEIGHT)
+  # Eagerly a refused write has already run when it is seen: keep the
+  # state to put back (in a graph the refusal comes at trace time).
+  before = _eager_state(model)
   with GradientTape() as tape:
     if _compat.call_has_training_arg(model):
       y_pred = model(x, training=True)
@@ -316,6 +323,8 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # without an Input) creates its variables in its first call.
   variables = list(model.trainable_variables)
   _validation.check_no_data_dependent_losses(model)
+  with _restored_on_error(before):
+    _validation.check_forward_side_effects(model, tape, data)
   clipping = None if mechanism is None else mechanism.clipping
   clip_variable = None if mechanism is None else mechanism.clip_variable
   clip = l2_norm_clip if clip_variable is None else clip_variable.read_value()
@@ -379,9 +388,29 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   if count is not None:
     count_normalizer = (info[dp_data.NORMALIZER][0] if info is not None else
                         tf.cast(tf.shape(losses)[0], tf.float32))
+  finite = tf.logical_and(tf.math.is_finite(losses), tf.math.is_finite(norms))
   return ReplicaGradients(noisy, normalizer, reg_grads, step_end, x, y,
                           y_pred, sample_weight, losses, mask, reg_loss,
-                          count, count_normalizer, mechanism)
+                          count, count_normalizer, mechanism, finite)
+
+
+def _eager_state(model):
+  """`(variable, value)` of the model's non-trainable variables when
+  executing eagerly (the ones a forward pass may write), else None."""
+  if not tf.executing_eagerly():
+    return None
+  return [(v, tf.identity(v.value)) for v in model.non_trainable_variables]
+
+
+@contextlib.contextmanager
+def _restored_on_error(state):
+  """Assigns `state` back if the body raises (a refused eager write)."""
+  try:
+    yield
+  except Exception:
+    for v, value in state or ():
+      v.assign(value)
+    raise
 
 
 def _noisy_count(count, stddev, generator, replicas, draw):
@@ -432,10 +461,11 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
 
   At a logical step's end, and while `optimizer.iterations` is below the
   model's step limit (`step_limit_variable`), applies `result.grads` with
-  `optimizer` (whose all-reduce sums the replicas' noisy shares); updates
-  the loss and metric trackers (padding rows excluded). Returns the metric
-  logs. Nothing here depends on whether an example was non-finite (its
-  clip factor was 0).
+  `optimizer` (whose all-reduce sums the replicas' noisy shares). Returns
+  the logs: nothing computed from the private batch by default (see
+  `_unprotected_metrics` for why, and for the opt-in), the adaptive clip
+  (a function of noisy counts) when there is one. Nothing here depends on
+  whether an example was non-finite (its clip factor was 0).
   """
   variables = list(model.trainable_variables)
   if not optimizer.built:  # not inside a conditional
@@ -466,31 +496,67 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
   _apply_gated(optimizer, result.grads, variables, limit, xla=xla,
                step_end=step_end, transform=normalise)
 
+  # Keras' step needs at least one logged tensor; the learning rate is
+  # data-independent (Keras' LR callbacks log it under this key too).
+  logs = {"learning_rate": tf.identity(optimizer.learning_rate)}
+  if getattr(model, "unprotected_training_metrics", False):
+    logs.update(_unprotected_metrics(model, result))
+  if clip_variable is not None:
+    # A function of the noisy counts only: post-processing, safe to log.
+    logs["l2_norm_clip"] = clip_variable.read_value()
+  return logs
+
+
+def _unprotected_metrics(model, result: ReplicaGradients) -> dict:
+  """The compiled loss and metrics on the private batch, opt-in only.
+
+  By default the DP step logs nothing computed from the batch: a training
+  loss or accuracy on the private batch is not noised, so one example moves
+  it without bound, turns it into NaN (a planted `inf` record: membership
+  in the log), and through callbacks that read the logs (`TerminateOnNaN`,
+  `EarlyStopping`, `ReduceLROnPlateau`) decides how many steps run or the
+  learning rate: data-dependent control that no noise covers.
+
+  With the opt-in, the values are computed as Keras does, padding rows
+  excluded, and logged under `unprotected_<name>` keys, so no callback
+  that monitors `loss` or a metric's own name reads them unless told to.
+  They are not covered by ε. Non-finite examples (clip factor 0) are
+  replaced by zeros and weighted 0, so no logged value is NaN because of
+  one example; a finite outlier still moves them without bound.
+  """
   x, y, y_pred, losses = result.x, result.y, result.y_pred, result.losses
   sample_weight, mask = result.sample_weight, result.mask
   row_mask = None
   if isinstance(mask, tuple):  # privacy units of several rows
     mask, row_mask = mask
-  if mask is None:
-    local_batch = tf.shape(losses)[0]
-    _compat.loss_tracker(model).update_state(
-        tf.reduce_mean(losses) + tf.cast(result.reg_loss, losses.dtype),
-        sample_weight=local_batch)
-    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-  else:
-    _compat.loss_tracker(model).update_state(
-        losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
-    if row_mask is not None:
-      mask = row_mask  # the metrics see rows
-    with _metrics_masked(model, mask):
-      logs = model.compute_metrics(
-          x, y, y_pred, sample_weight=mask if sample_weight is None else
-          _rows_times(sample_weight, mask))
-  if clip_variable is not None:
-    # A function of the noisy counts only: post-processing, safe to log.
-    logs = dict(logs)
-    logs["l2_norm_clip"] = clip_variable.read_value()
-  return logs
+  finite = tf.cast(result.finite, losses.dtype)
+  losses = tf.where(result.finite, losses, tf.zeros_like(losses))
+  mask = finite if mask is None else tf.cast(mask, losses.dtype) * finite
+  if row_mask is not None:  # the metrics see rows: a unit's G rows
+    rows = tf.reshape(tf.repeat(finite, tf.shape(row_mask)[0] //
+                                tf.shape(finite)[0]), [-1])
+    row_mask = tf.cast(row_mask, losses.dtype) * rows
+  rows = mask if row_mask is None else row_mask
+  y = _zero_rows(y, rows)
+  y_pred = _zero_rows(y_pred, rows)
+  _compat.loss_tracker(model).update_state(
+      losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
+  with _metrics_masked(model, rows):
+    logs = model.compute_metrics(
+        x, y, y_pred, sample_weight=rows if sample_weight is None else
+        _rows_times(sample_weight, rows))
+  return {f"unprotected_{k}": v for k, v in logs.items()}
+
+
+def _zero_rows(nest, rows):
+  """Floating tensors of `nest` with the rows where `rows` is 0 set to 0
+  (a select: `inf * 0` would be NaN)."""
+  def zero(t):
+    if t is None or not t.dtype.is_floating or t.shape.rank == 0:
+      return t
+    keep = tf.reshape(rows > 0, [-1] + [1] * (t.shape.rank - 1))
+    return tf.where(keep, t, tf.zeros_like(t))
+  return tf.nest.map_structure(zero, nest)
 
 
 def _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,

@@ -110,6 +110,16 @@ def check_no_batch_mixing_layers(model: keras.Model) -> None:
           "influence (no DP guarantee). Replace it with "
           "keras.layers.GroupNormalization or keras.layers.LayerNormalization "
           "(or freeze it with `layer.trainable = False`).")
+    if getattr(layer, "stateful", False) is True:
+      raise ValueError(
+          f"Layer {layer.name!r} of model {model.name!r} has stateful=True: "
+          "it carries each row's final state into the next batch's initial "
+          "state (a variable written from the data in the forward pass), so "
+          "one batch's examples influence the next batch's losses and the "
+          "saved model holds un-noised states computed from the data (no DP "
+          "guarantee). Create the layer with stateful=False (the default); "
+          "to keep context across chunks of a sequence, make the chunks one "
+          "longer example.")
     if mixers and isinstance(layer, mixers):
       raise ValueError(
           f"Layer {layer.name!r} of model {model.name!r} is a "
@@ -119,6 +129,57 @@ def check_no_batch_mixing_layers(model: keras.Model) -> None:
           "influence (no DP guarantee). Remove it, and augment each example "
           "on its own (RandomFlip, RandomCrop, RandomTranslation, "
           "RandomRotation, ...).")
+
+
+def check_forward_side_effects(model: keras.Model, tape, data) -> None:
+  """Raises, before any update, if the recorded forward pass carries the data
+  out other than through the loss.
+
+  * A state write whose value depends on `data` (`tape.data_dependent_writes`;
+    the argument is in `tf_pxg.tape.side_effects`): a running statistic
+    assigned in `call`, a scatter update, a summary write. Writes of
+    data-independent values (a step counter, a seed generator's state) are
+    allowed.
+  * A term added with `layer.add_loss(...)` during the call: Keras adds it to
+    the batch loss, but DP-SGD differentiates each example's loss alone, so
+    the term would be silently dropped (a batch-level term has no
+    per-example split that the clip could bound).
+
+  Args:
+    model: the model whose forward pass `tape` recorded.
+    tape: the `tf_pxg.GradientTape`, before its gradient is taken.
+    data: a nest of the step's data tensors (inputs, labels, weights).
+
+  Raises:
+    ValueError: naming the layer, the variable or term, and what to do.
+  """
+  writes = tape.data_dependent_writes(data, model.variables)
+  if writes:
+    entry, variable = writes[0]
+    what = (f"variable {getattr(variable, 'path', variable.name)!r}"
+            if variable is not None else "a variable")
+    raise ValueError(
+        f"Model {model.name!r}: {entry.describe()} writes {what} from the "
+        "training data in the forward pass (e.g. a running statistic "
+        "assigned in a layer's call, like BatchNormalization's moving mean). "
+        "DP training releases the data only through the clipped, noised "
+        "gradient sum; this variable would be saved with the model holding "
+        "an un-noised function of each batch. Compute such statistics "
+        "outside the DP step (from public data, or under the layer's "
+        "training=False branch), or make the variable depend only on the "
+        "weights. Writes of data-independent values (counters, seed "
+        "generators) are allowed.")
+  for layer in _compat.flatten_layers(model, include_self=True):
+    if _compat.added_losses(layer):
+      raise ValueError(
+          f"Layer {layer.name!r} of model {model.name!r} adds a loss term "
+          "with add_loss() in its call. DP training clips each example's "
+          "gradient of its own loss, and a batch-level term has no "
+          "per-example split, so it cannot be included (and would otherwise "
+          "be silently dropped). Return the term per example as a model "
+          "output and give that output its own compiled loss, or, if it "
+          "depends only on the weights, use a kernel_regularizer (added "
+          "unclipped, like every weight regularizer).")
 
 
 def check_no_data_dependent_losses(model: keras.Model) -> None:

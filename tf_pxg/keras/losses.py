@@ -115,8 +115,11 @@ class _PerExampleLoss:
 def _per_example_mode(compile_loss):
   """Temporarily swaps `compile_loss`'s resolved losses for adapters."""
   saved = {}
+  # Its per-output loss trackers (made by build) write nothing here.
+  stack = contextlib.ExitStack()
 
   def swap():
+    stack.enter_context(_compat.loss_trackers_suspended(compile_loss))
     saved["flat"] = _compat.flat_losses(compile_loss)
     _compat.set_flat_losses(compile_loss, [
         entry._replace(loss=_PerExampleLoss(entry.loss))
@@ -137,6 +140,7 @@ def _per_example_mode(compile_loss):
   try:
     yield
   finally:
+    stack.close()
     if patched_build:
       del compile_loss.build
     if "flat" in saved:

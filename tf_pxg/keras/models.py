@@ -40,6 +40,13 @@ def _check_secure_mode(secure_mode, seed, where: str) -> bool:
   return secure_mode
 
 
+def _check_bool(value, name: str, where: str) -> bool:
+  if not isinstance(value, bool):
+    raise TypeError(f"{where}: {name} must be True or False; got "
+                    f"{value!r}.")
+  return value
+
+
 class _DPTrainingMixin:
   """DP-SGD `train_step` and DP settings for a Keras model class.
 
@@ -54,8 +61,11 @@ class _DPTrainingMixin:
       std `noise_multiplier * l2_norm_clip / sqrt(R)` and the all-reduce sums
       them), then the sum is divided by the global batch size.
     seed: seeds the noise generator (tests only); by default it is seeded
-      from OS entropy. The seed is not saved with the model, so a reloaded
-      model never replays the noise of a previous run.
+      from OS entropy. Neither the seed nor the generator's state is saved
+      with the model or in a `tf.train.Checkpoint`, so a reloaded or
+      resumed model draws fresh noise and never replays the noise of a
+      previous run (a seeded model does, in a new process: seeds are for
+      tests).
     clipping: a `tf_pxg.clipping` policy (default flat clipping to
       `l2_norm_clip`; `Automatic()`, `QuantileAdaptive(...)`); see
       `tf_pxg.keras.DPOptimizer`.
@@ -63,6 +73,10 @@ class _DPTrainingMixin:
       (BandMF correlated noise with cyclic Poisson sampling in `fit`); see
       `tf_pxg.keras.DPOptimizer`. With either set, `compile` wraps a
       plain optimizer in a `DPOptimizer`, which holds their state.
+    unprotected_training_metrics: log the compiled loss and metrics on
+      the private batches, un-noised and not covered by ε, under
+      `unprotected_<name>` keys (default False: no batch values logged;
+      see "Logs" below). Saved in the config.
     secure_mode: draw every step's noise keys from the OS CSPRNG (no
       generator state, nothing to replay) and sum four Gaussians per
       coordinate against floating-point attacks (`tf_pxg.dp.secure`); the
@@ -86,8 +100,16 @@ class _DPTrainingMixin:
   depend on one example, an unbounded leak (see `tf_pxg.dp.clipping`). No
   count of such examples is logged (it is data-dependent, not private).
   Non-finite parameters or weight-regulariser gradients (not any example's)
-  propagate as in plain Keras. The logged loss is the mean of the
-  per-example losses, so it is NaN when an example's is.
+  propagate as in plain Keras.
+
+  Logs: the train step logs nothing computed from the private batch (no
+  training `loss` or metrics: un-noised, one example would move them
+  without bound, and callbacks reading them, such as `TerminateOnNaN` or
+  `ReduceLROnPlateau`, would make the number of steps or the learning rate
+  depend on it). `PrivacyCallback` logs ε; validation metrics are Keras'.
+  `unprotected_training_metrics=True` (here or in `fit`) logs the compiled
+  loss and metrics on the private batch as `unprotected_<name>`, not
+  covered by ε (non-finite examples excluded). See docs/threat_model.md.
 
   Step limit: updates are applied only while `optimizer.iterations` is below
   the model's step limit (`set_step_limit`; `PrivacyCallback(
@@ -106,7 +128,8 @@ class _DPTrainingMixin:
   def __init__(self, *args, l2_norm_clip: Optional[float] = None,
                noise_multiplier: Optional[float] = None,
                seed: Optional[int] = None, secure_mode: bool = False,
-               clipping=None, noise_mechanism=None, **kwargs):
+               clipping=None, noise_mechanism=None,
+               unprotected_training_metrics: bool = False, **kwargs):
     clip, noise = _validation.validate_dp_params(
         l2_norm_clip, noise_multiplier, type(self).__name__)
     clipping, noise_mechanism = _validation.validate_mechanism(
@@ -120,8 +143,16 @@ class _DPTrainingMixin:
     self._dp_clipping = clipping
     self._dp_noise_mechanism = noise_mechanism
     self._dp_seed_given = seed is not None
+    self._dp_unprotected_metrics = _check_bool(
+        unprotected_training_metrics, "unprotected_training_metrics",
+        type(self).__name__)
     with tf.init_scope():
-      self._dp_generator = dp_noise.make_generator(seed)
+      # Not tracked (set past Keras' and tf.train.Checkpoint's attribute
+      # tracking): a checkpoint holding the generator's state would let a
+      # resumed run replay the same noise on other data, and anyone holding
+      # it predict the noise (docs/threat_model.md, "Checkpoints").
+      object.__setattr__(self, "_dp_generator",
+                         dp_noise.make_generator(seed))
     _train_step.step_limit_variable(self)
 
   # Settings -----------------------------------------------------------------
@@ -135,6 +166,22 @@ class _DPTrainingMixin:
   def secure_mode(self) -> bool:
     """Whether the noise keys come from the OS CSPRNG (`tf_pxg.dp.secure`)."""
     return bool(getattr(self, "_dp_secure_mode", False))
+
+  @property
+  def unprotected_training_metrics(self) -> bool:
+    """Whether training logs hold un-noised values of the private batch."""
+    return bool(getattr(self, "_dp_unprotected_metrics", False))
+
+  def _set_unprotected_metrics(self, value: Optional[bool]) -> None:
+    """`fit`'s override (None: keep); retraces the train function on a
+    change (the flag is read when the step is traced)."""
+    if value is None:
+      return
+    value = _check_bool(value, "unprotected_training_metrics",
+                        f"Model {self.name!r}.fit")
+    if value != self.unprotected_training_metrics:
+      self._dp_unprotected_metrics = value
+      self.train_function = None
 
   def _dp_noise_source(self):
     """The noise source of the train step: the model's generator, or a
@@ -401,7 +448,8 @@ class _DPTrainingMixin:
           sampling: str = "poisson", accumulation_steps: int = 1,
           physical_batch_size: Optional[int] = None,
           sampling_seed: Optional[int] = None, augmult: int = 1,
-          user_ids=None, examples_per_user: Optional[int] = None):
+          user_ids=None, examples_per_user: Optional[int] = None,
+          unprotected_training_metrics: Optional[bool] = None):
     """Keras `fit`, by default on Poisson-sampled logical batches.
 
     With `sampling="poisson"` (the default) `x`, `y` and `sample_weight`
@@ -453,6 +501,11 @@ class _DPTrainingMixin:
         mean of their gradients is clipped. ε is then per user
         (`PrivacyCallback(num_users=U, ...)`). See docs/privacy_units.md.
       examples_per_user: k, required with `user_ids`.
+      unprotected_training_metrics: True logs the compiled loss and metrics
+        of the private batches as `unprotected_<name>` (not covered by ε);
+        False logs none; None (default) keeps the model's setting
+        (`unprotected_training_metrics` of the constructor, default
+        False). Validation metrics are logged as in Keras either way.
       (others: as `keras.Model.fit`; `batch_size` is the expected logical
       batch size, default min(32, N); `steps_per_epoch` counts logical
       steps.)
@@ -462,6 +515,7 @@ class _DPTrainingMixin:
         (a batched dataset, a generator, a `PyDataset`); a `batch_size`
         larger than the dataset.
     """
+    self._set_unprotected_metrics(unprotected_training_metrics)
     if getattr(self, "optimizer", None) is not None:
       self._check_trainable_for_dp(self.optimizer)  # before building
     if _compat.compile_loss(self) is None:
@@ -528,6 +582,8 @@ class _DPTrainingMixin:
     config["l2_norm_clip"] = self._dp_l2_norm_clip
     config["noise_multiplier"] = self._dp_noise_multiplier
     config["secure_mode"] = self.secure_mode
+    if self.unprotected_training_metrics:
+      config["unprotected_training_metrics"] = True
     if not self._own_mechanism_is_default():
       from tf_pxg.dp import clipping as policies  # noqa: PLC0415
       from tf_pxg.keras import _dp_state  # noqa: PLC0415
@@ -541,6 +597,7 @@ class _DPTrainingMixin:
     config = dict(config)
     dp = {k: config.pop(k, None) for k in _DP_CONFIG_KEYS}
     secure_mode = bool(config.pop("secure_mode", False))
+    unprotected = bool(config.pop("unprotected_training_metrics", False))
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
     from tf_pxg.keras import _dp_state  # noqa: PLC0415
     clipping = policies.get(config.pop("clipping", None))
@@ -548,6 +605,7 @@ class _DPTrainingMixin:
         config.pop("noise_mechanism", None))
     model = super().from_config(config, custom_objects=custom_objects)
     model._dp_secure_mode = secure_mode
+    model._dp_unprotected_metrics = unprotected
     model._dp_clipping = clipping
     model._dp_noise_mechanism = mechanism
     clip, noise = _validation.validate_dp_params(
@@ -612,10 +670,12 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                  noise_multiplier: Optional[float] = None,
                  seed: Optional[int] = None,
                  secure_mode: bool = False, clipping=None,
-                 noise_mechanism=None) -> keras.Model:
+                 noise_mechanism=None,
+                 unprotected_training_metrics: bool = False) -> keras.Model:
   """A DP model sharing `model`'s layers and weights.
 
-  `secure_mode`, `clipping`, `noise_mechanism`: see `_DPTrainingMixin`
+  `secure_mode`, `clipping`, `noise_mechanism`,
+  `unprotected_training_metrics`: see `_DPTrainingMixin`
   (secure mode raises with a `seed`).
 
   Works for functional and `Sequential` models (the result is a `DPModel` or
@@ -634,7 +694,8 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
   _validation.check_no_batch_mixing_layers(model)
   kwargs = dict(l2_norm_clip=clip, noise_multiplier=noise, seed=seed,
                 secure_mode=secure_mode, clipping=clipping,
-                noise_mechanism=noise_mechanism)
+                noise_mechanism=noise_mechanism,
+                unprotected_training_metrics=unprotected_training_metrics)
   if isinstance(model, keras.Sequential):
     return DPSequential(model.layers, name=f"dp_{model.name}", **kwargs)
   if isinstance(model, _compat.functional_class()):

@@ -18,7 +18,7 @@ per-example values, or a scalar that is a sum over examples):
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
@@ -27,6 +27,7 @@ from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.dp.clipping import clip_factors
 from tf_pxg.per_example import PerExampleBackprop
+from tf_pxg.tape import side_effects
 from tf_pxg.tape.recording import Recorder, tensor_id
 
 
@@ -150,19 +151,66 @@ class GradientTape:
           self._watch_accessed_variables and var.trainable)
       if not watched:
         return None
-      handle = var.handle
-      graph = self._recorder.graph
-      if graph is not None and getattr(handle, "graph", None) is not graph:
-        internal = {id(ext): inner for ext, inner in
-                    getattr(graph, "captures", ())}.get(id(handle))
-        if internal is None:
-          return None
-        handle = internal
-      return tensor_id(handle)
+      return self._handle_id(var)
     if s is None:
       raise TypeError("A source is None; expected tensors or variables.")
     tid = tensor_id(s)
     return tid if tid in self._watched_tensors else None
+
+  def _handle_id(self, var) -> Optional[int]:
+    """The recorded id of `var`'s resource handle (inside a `tf.function`
+    its captured placeholder), or None if the recording's graph does not
+    capture it."""
+    handle = var.handle
+    graph = self._recorder.graph
+    if graph is not None and getattr(handle, "graph", None) is not graph:
+      handle = {id(ext): inner for ext, inner in
+                getattr(graph, "captures", ())}.get(id(handle))
+      if handle is None:
+        return None
+    return tensor_id(handle)
+
+  # Side effects -----------------------------------------------------------
+
+  def _dependent_ids(self, data) -> set:
+    return side_effects.data_dependent_ids(
+        self._recorder.entries,
+        [tensor_id(t) for t in tf.nest.flatten(data) if t is not None])
+
+  def data_dependence(self, data) -> Callable[[Any], bool]:
+    """A predicate: whether a tensor recorded so far depends on `data`.
+
+    `data` is a nest of the tensors that carry the examples (inputs,
+    labels, weights); see `tf_pxg.tape.side_effects`. Tensors the tape did
+    not record (variables' values read outside it, constants made before
+    it) are data-independent unless they are in `data`.
+    """
+    dependent = self._dependent_ids(data)
+    return lambda t: tensor_id(t) in dependent
+
+  def data_dependent_writes(self, data, variables=()) -> list:
+    """The state writes recorded so far whose value depends on `data`.
+
+    Args:
+      data: a nest of the tensors that carry the examples.
+      variables: variables to name the written ones by (e.g. all of a
+        model's variables, trainable or not).
+
+    Returns:
+      `(entry, variable)` pairs: the write's `recording.Entry` (its op type
+      and scope) and the variable of `variables` it writes, or None.
+    """
+    dependent = self._dependent_ids(data)
+    writes = side_effects.data_dependent_writes(self._recorder.writes,
+                                                dependent)
+    if not writes:
+      return []
+    by_handle = {}
+    for v in variables:
+      var = _tf_variable(v)
+      if _compat.is_resource_variable(var):
+        by_handle.setdefault(self._handle_id(var), v)
+    return [(w, by_handle.get(w.input_ids[0])) for w in writes]
 
   def _begin_gradient(self):
     if self._used and not self._persistent:

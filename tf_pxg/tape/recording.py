@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from tf_pxg import _compat
 from tf_pxg import control_flow
+from tf_pxg.tape import side_effects
 
 
 def tensor_id(t: Any) -> int:
@@ -85,6 +86,9 @@ class Recorder:
   def __init__(self):
     self.entries: list[Entry] = []
     self.producer: dict[int, Entry] = {}
+    # Ops with no outputs that write state (`side_effects.WRITE_OPS`):
+    # not on any gradient path, kept for the data-dependence check.
+    self.writes: list[Entry] = []
     self._graph = None
     self._first_op_id = 0
     self._active = False
@@ -160,17 +164,21 @@ class Recorder:
   def clear(self):
     self.entries = []
     self.producer = {}
+    self.writes = []
 
   def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
                 graph=None):
     # Always hand the outputs back unchanged: in graphs TF chains callbacks,
     # passing each one's return value to the next as its `outputs`.
-    if self.paused or not outputs or graph is not self._graph:
+    if self.paused or graph is not self._graph:
       if self.paused and graph is None and self._watcher is not None:
         self._renew_watcher()  # Forget reads made by our own backward pass.
       return outputs
     if isinstance(op_type, bytes):
       op_type = op_type.decode()
+    if not outputs:
+      self._record_write(op_type, inputs, op_name, graph)
+      return outputs
     if graph is None:
       op = None
       scope = _compat.eager_scope_name()
@@ -183,6 +191,21 @@ class Recorder:
     self._append(Entry(op_type, tuple(inputs), tuple(outputs), attrs, op,
                        scope))
     return outputs
+
+  def _record_write(self, op_type, inputs, op_name, graph):
+    """Keeps an output-less op that writes state (a variable assignment, a
+    scatter update, a summary write) in `writes`."""
+    if not side_effects.is_write(op_type):
+      return
+    if graph is None:
+      op, scope = None, _compat.eager_scope_name()
+    else:
+      name = op_name.decode() if isinstance(op_name, bytes) else op_name
+      op = graph.get_operation_by_name(name) if name else None
+      scope = name or ""
+    entry = Entry(op_type, tuple(inputs), (), None, op, scope)
+    entry.index = len(self.entries)  # recorded after entries[:index]
+    self.writes.append(entry)
 
   def _record_silent_producers(self, inputs):
     """Records call ops built without an op callback (a `ConcreteFunction`
