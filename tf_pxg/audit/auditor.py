@@ -63,6 +63,15 @@ number of thresholds on the ROC frontier instead, which depends on the
 labels; K = m is larger, so our bound is at most that much smaller:
 additively about `ln(m / frontier) / r` in q's log-odds.)
 
+**Other threshold strategies** (`tf_pxg.audit.thresholds`: `Explicit`,
+`Split`, `MultiSplit`, each with its validity argument) choose one
+one-sided rule instead of paying for a family.
+
+**The Gaussian f-DP bound** (`epsilon_one_run_fdp`, Mahloujifar, Melis and
+Chaudhuri 2024) tests the trade-off curve of a Gaussian mechanism that is
+(ε, δ)-DP instead of ε-randomised response: much tighter for DP-SGD. Its
+test and validity argument are in `tf_pxg.audit.fdp`.
+
 ## Clopper–Pearson (the classical audit)
 
 Jagielski, Ullman and Oprea (NeurIPS 2020), Nasr et al. (S&P 2021): a
@@ -79,12 +88,17 @@ not a proven bound; `epsilon_one_run` is the one that holds for one run.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+import math
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import optimize
 from scipy import special
 from scipy import stats
+
+from tf_pxg.audit import fdp
+from tf_pxg.audit import thresholds
+from tf_pxg.audit.thresholds import ThresholdStrategy
 
 __all__ = ["CanaryScoreAuditor", "one_run_p_value", "one_run_epsilon"]
 
@@ -192,10 +206,15 @@ class CanaryScoreAuditor:
                          "quantity (e.g. clip the loss).")
     self.in_scores = s_in
     self.out_scores = s_out
-    self.m = s_in.size + s_out.size
-    scores = np.concatenate([s_in, s_out])
-    member = np.concatenate([np.ones(s_in.size, bool),
-                             np.zeros(s_out.size, bool)])
+    self._index(np.concatenate([s_in, s_out]),
+                np.concatenate([np.ones(s_in.size, bool),
+                                np.zeros(s_out.size, bool)]))
+
+  def _index(self, scores, member):
+    """Sorts the scores and finds the top sets (no checks: a split's part
+    may have no canary on one side)."""
+    self.m = scores.size
+    self._scores, self._labels = scores, member   # unsorted, for splits
     order = np.argsort(-scores, kind="stable")
     self._sorted = scores[order]          # descending
     self._member = member[order]
@@ -204,7 +223,16 @@ class CanaryScoreAuditor:
     self._cuts = ends + 1                 # sizes of the top sets {s >= t}
     cum_in = np.r_[0, np.cumsum(self._member)]
     self._top_in = cum_in[self._cuts]     # in-canaries in each top set
-    self._n_in, self._n_out = s_in.size, s_out.size
+    self._n_in = int(member.sum())
+    self._n_out = self.m - self._n_in
+
+  @classmethod
+  def _part(cls, scores, member) -> "CanaryScoreAuditor":
+    """The auditor of a subset of the canaries (a split's part)."""
+    part = cls.__new__(cls)
+    part.in_scores, part.out_scores = scores[member], scores[~member]
+    part._index(scores, member)
+    return part
 
   def __repr__(self):
     return (f"CanaryScoreAuditor(in={self._n_in}, out={self._n_out}, "
@@ -236,42 +264,147 @@ class CanaryScoreAuditor:
     return rules
 
   def epsilon_one_run(self, significance: float = 0.05, delta: float = 0.0,
-                      one_sided: bool = True) -> float:
-    """The one-run ε lower bound (Steinke, Nasr and Jagielski 2023).
+                      one_sided: bool = True, *,
+                      threshold_strategy: Optional[ThresholdStrategy] = None
+                      ) -> float:
+    """The one-run ε-DP lower bound (Steinke, Nasr and Jagielski 2023).
 
-    Maximises `one_run_epsilon(m, r, v, significance / K, delta)` over the
-    guess rules of the module docstring (one-sided: "in" for the top
-    scores, K = m; two-sided: "in" for the top and "out" for the bottom
-    k, K = ⌊m/2⌋). With probability at least `1 - significance` over the
-    canaries' inclusion (and the training randomness), a mechanism that is
-    (ε, δ)-DP in each canary gives a bound ≤ ε.
+    With the default `Bonferroni()` strategy, maximises
+    `one_run_epsilon(m, r, v, significance / K, delta)` over the guess rules
+    of the module docstring (one-sided: "in" for the top scores, K = m;
+    two-sided: "in" for the top and "out" for the bottom k, K = ⌊m/2⌋).
+    `Explicit`, `Split` and `MultiSplit` (`tf_pxg.audit.thresholds`, each
+    with its validity argument) test one-sided rules. With probability at
+    least `1 - significance` over the canaries' inclusion (and the training
+    randomness), a mechanism that is (ε, δ)-DP in each canary gives a bound
+    ≤ ε.
 
     Args:
       significance: the allowed probability that the bound is wrong.
       delta: the δ of the claim being tested (the run's δ).
-      one_sided: only "in" guesses (k₋ = 0), or balanced in/out guesses.
+      one_sided: only "in" guesses (k₋ = 0), or balanced in/out guesses
+        (Bonferroni only).
+      threshold_strategy: how the rule is chosen (default `Bonferroni()`).
 
     Returns:
       The lower bound (≥ 0; 0 means nothing was refuted).
+
+    References:
+      Steinke, Nasr, Jagielski, "Privacy Auditing with One (1) Training
+      Run", NeurIPS 2023 (arXiv 2305.08846).
     """
     _check_significance(significance)
     _check_delta(delta)
+    strategy = thresholds.check(threshold_strategy)
+    if not one_sided:
+      if not isinstance(strategy, thresholds.Bonferroni):
+        raise ValueError("one_sided=False is only defined for the "
+                         "Bonferroni() threshold strategy.")
+      return self._two_sided_one_run(significance, delta)
+    return self._with_strategy(strategy, one_run_epsilon, significance,
+                               delta, precision_prune=True)
+
+  def epsilon_one_run_fdp(
+      self, significance: float = 0.05, delta: float = 1e-5, *,
+      threshold_strategy: Optional[ThresholdStrategy] = None) -> float:
+    """The one-run Gaussian f-DP lower bound (Mahloujifar et al. 2024).
+
+    The largest ε whose claim "`G_μ(ε, δ)`-DP in each canary" (as private
+    as a Gaussian mechanism that is (ε, δ)-DP) the canaries reject
+    (`tf_pxg.audit.fdp`, with the test's validity argument), over the same
+    label-independent one-sided family as `epsilon_one_run` (K = m rules at
+    `significance / m`) or another `threshold_strategy`. With probability
+    at least `1 - significance`, a mechanism that is `G_μ(ε, δ)`-DP in each
+    canary gives a bound ≤ ε; `tf_pxg.audit.fdp.gdp_covers` checks that a
+    DP-SGD run's accounting implies it.
+
+    Args:
+      significance: the allowed probability that the bound is wrong.
+      delta: δ in (0, 1) of the claim (μ-GDP is never (ε, 0)-DP).
+      threshold_strategy: how the rule is chosen (default `Bonferroni()`).
+
+    Returns:
+      The lower bound (≥ 0; 0 means nothing was refuted).
+
+    References:
+      Mahloujifar, Melis, Chaudhuri, "Auditing f-Differential Privacy in
+      One Run", ICML 2025 (arXiv 2410.22235); jax-privacy 2.0's
+      `CanaryScoreAuditor.epsilon_one_run_fdp` (the same test).
+    """
+    _check_significance(significance)
+    if not 0 < delta < 1:
+      raise ValueError(f"delta must be in (0, 1) for the f-DP bound (a "
+                       f"Gaussian mechanism is never (ε, 0)-DP); got "
+                       f"{delta!r}.")
+    return self._with_strategy(thresholds.check(threshold_strategy),
+                               fdp.one_run_epsilon_fdp, significance, delta,
+                               precision_prune=False)
+
+  def _with_strategy(self, strategy, bound, significance, delta,
+                     precision_prune):
+    """`bound(m, r, v, level, delta, floor)` under a threshold strategy."""
+    if isinstance(strategy, thresholds.Bonferroni):
+      return self._best_rule(bound, significance / self.m, delta,
+                             precision_prune)[0]
+    if isinstance(strategy, thresholds.Explicit):
+      return self._at_threshold(bound, significance, delta,
+                                strategy.threshold)
+    frac = strategy.threshold_estimation_frac
+    rng = np.random.default_rng(strategy.seed)
+    if isinstance(strategy, thresholds.Split):
+      return self._split_once(bound, significance, delta, frac, rng,
+                              precision_prune)
+    return float(np.median([
+        self._split_once(bound, significance / 2, delta, frac, rng,
+                         precision_prune)
+        for _ in range(strategy.num_samples)]))
+
+  def _split_once(self, bound, level, delta, frac, rng, precision_prune):
+    """`Split`: the best rule's threshold on a random part, tested at
+    `level` on the rest (`tf_pxg.audit.thresholds.Split`)."""
+    select, test = thresholds.partition(self.m, frac, rng)
+    chooser = self._part(self._scores[select], self._labels[select])
+    eps, threshold = chooser._best_rule(bound, level, delta, precision_prune)
+    if eps <= 0:  # no rule separates the selection part: nothing to test
+      return 0.0
+    tester = self._part(self._scores[test], self._labels[test])
+    return tester._at_threshold(bound, level, delta, threshold)
+
+  def _best_rule(self, bound, level, delta, precision_prune):
+    """(bound, threshold) of the best one-sided rule, each at `level`."""
     m = self.m
-    best = 0.0
-    if one_sided:
-      a = significance / m
-      rules = [(int(r), int(r), int(v))
-               for r, v in zip(*self._one_sided_rules())]
-    else:
-      if m < 2:
-        return 0.0
-      a = significance / (m // 2)
-      rules = [(k, r, v) for k, r, v, _ in self._two_sided_rules()]
-    # Most precise rules first, then the most guesses; a rule whose raw
-    # precision v/r is at most the best q so far cannot win (its root lies
-    # below logit(v/r)), and one whose p-value at the best ε so far exceeds
-    # `a` is skipped after one evaluation (`floor`).
+    rules = [(int(r), int(v), float(self._sorted[r - 1]))
+             for r, v in zip(*self._one_sided_rules()) if v > 0]
+    # Most precise rules first, then the most guesses, so that a good bound
+    # is found early; a rule whose bound cannot beat the best so far is
+    # skipped after one test at the best ε (`floor`). For the ε-DP bound a
+    # rule whose raw precision v/r is at most the best q cannot win (its
+    # root lies below logit(v/r)) and is not even tested.
+    rules.sort(key=lambda t: (-(t[1] / t[0]), -t[0]))
+    best, best_threshold = 0.0, math.inf
+    for r, v, threshold in rules:
+      if precision_prune and v / r <= special.expit(best):
+        continue
+      eps = bound(m, r, v, level, delta, floor=best)
+      if eps > best:
+        best, best_threshold = eps, threshold
+    return best, best_threshold
+
+  def _at_threshold(self, bound, level, delta, threshold):
+    """The bound of the single rule "in if s ≥ threshold" at `level`."""
+    guess = self._scores >= threshold
+    r, v = int(guess.sum()), int((guess & self._labels).sum())
+    return bound(self.m, r, v, level, delta) if v else 0.0
+
+  def _two_sided_one_run(self, significance, delta):
+    """The two-sided Bonferroni family, K = ⌊m/2⌋."""
+    m = self.m
+    if m < 2:
+      return 0.0
+    a = significance / (m // 2)
+    rules = [(k, r, v) for k, r, v, _ in self._two_sided_rules()]
     rules.sort(key=lambda t: (-(t[2] / t[1]), -t[1]))
+    best = 0.0
     for _, r, v in rules:
       if v / r <= special.expit(best):
         continue
@@ -356,9 +489,12 @@ class CanaryScoreAuditor:
 
   def summary(self, significance: float = 0.05, delta: float = 0.0) -> dict:
     """All numbers at once (for logs)."""
+    fdp_bound = ({"epsilon_one_run_fdp": self.epsilon_one_run_fdp(
+        significance, delta)} if delta > 0 else {})
     return {
         "m": self.m, "in": self._n_in, "out": self._n_out,
         "epsilon_one_run": self.epsilon_one_run(significance, delta),
+        **fdp_bound,
         "epsilon_one_run_two_sided": self.epsilon_one_run(
             significance, delta, one_sided=False),
         "epsilon_clopper_pearson": self.epsilon_clopper_pearson(

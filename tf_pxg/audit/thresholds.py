@@ -1,0 +1,149 @@
+"""How a one-run audit picks its guess rule: threshold strategies.
+
+A one-run bound (`CanaryScoreAuditor.epsilon_one_run`, ε-DP;
+`epsilon_one_run_fdp`, Gaussian f-DP) tests one guess rule, "in" for the
+canaries scoring at least t. Choosing t after looking at the scores *and
+the labels* (which canaries were in) and then testing it on the same
+canaries would be a biased test. Each strategy below pays for the choice
+differently; each docstring says why the bound stays valid, i.e. why a
+mechanism that satisfies the claim yields a bound above it with
+probability at most `significance`.
+
+* `Bonferroni()` (the default): every rule of a family fixed before
+  looking, each tested at `significance / K`.
+* `Explicit(t)`: one threshold fixed in advance, tested at `significance`.
+* `Split(frac, seed)`: choose t on a random part of the canaries, test it on
+  the rest at `significance`.
+* `MultiSplit(num_samples, frac, seed)`: the median of many splits' bounds,
+  each at `significance / 2`.
+
+The names and the median rule follow jax-privacy 2.0 (`auditing.Split`,
+`MultiSplit`); the partition differs (see `Split`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Bonferroni", "Explicit", "Split", "MultiSplit", "ThresholdStrategy"]
+
+
+class ThresholdStrategy:
+  """Base class of the strategies (module docstring)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Bonferroni(ThresholdStrategy):
+  """Every rule of a label-independent family, each at `significance / K`.
+
+  The family is fixed by m alone: one-sided, rule k = 1..m guesses "in"
+  for the largest tie-complete set of top scores of size at most k (K = m;
+  two-sided for the ε-DP bound: also "out" for the bottom k, K = ⌊m/2⌋).
+  Validity: under the claim each rule's test rejects with probability at
+  most `significance / K`, so by the union bound the probability that any
+  rule of the family rejects, and hence that the maximum over the family
+  exceeds the claim, is at most `significance`, whatever the scores.
+  (jax-privacy's `Bonferroni` divides by the number of thresholds on the
+  ROC frontier, a number that depends on the labels, so its K is itself
+  chosen after looking.)
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class Explicit(ThresholdStrategy):
+  """One threshold t, fixed before the run (e.g. from a previous run).
+
+  Validity: one test at `significance`. The number of guesses, #{s ≥ t},
+  is random; both theorems bound the right guesses conditionally on the
+  guess vector, so a data-dependent number of guesses is allowed.
+
+  Attributes:
+    threshold: guess "in" for the canaries scoring at least this.
+  """
+  threshold: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Split(ThresholdStrategy):
+  """Choose t on a random part of the canaries; test it on the rest.
+
+  A uniformly random subset of `round(frac m)` canaries (drawn from `seed`
+  alone, without looking at scores or labels) is the *selection* part: the
+  best rule's threshold on it (the rule maximising the bound at
+  `significance`, as `Bonferroni` would search) becomes t. The bound is
+  then `Explicit(t)` on the other m₂ canaries, at `significance`, with m₂
+  as the number of canaries.
+
+  Validity: the canaries' inclusions are independent fair coins, and the
+  partition is independent of them, so given the selection part (its
+  scores, its labels, hence t) the m₂ test canaries' inclusions are still
+  independent fair coins, and the selection canaries are fixed data like
+  any other training example. The mechanism is still DP in each test
+  canary, so the one-run theorem applies to the m₂ test canaries with the
+  single rule "in if s ≥ t" at `significance`. (jax-privacy partitions the
+  in and out canaries separately, which fixes how many test canaries are
+  in: their labels are then no longer independent coins. Drawing the
+  subset from all m canaries keeps them so.)
+
+  Attributes:
+    threshold_estimation_frac: the selection part's share of the canaries.
+    seed: seeds the partition (default: OS entropy).
+  """
+  threshold_estimation_frac: float = 0.5
+  seed: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiSplit(ThresholdStrategy):
+  """The median of `num_samples` `Split` bounds, each at `significance / 2`.
+
+  Validity (Meinshausen, Meier and Bühlmann 2009, Theorem 3.1 with γ = 1/2:
+  twice the median of valid p-values is a valid p-value). Let p_j(ε) be
+  split j's p-value for the claim ε. Under the claim, each
+  `P[p_j ≤ significance / 2] ≤ significance / 2`, so the expected number of
+  splits with `p_j ≤ significance / 2` is at most `n significance / 2`
+  and, by Markov's inequality, at least half of them do so with probability
+  at most `significance`. A median bound above the claim needs at least
+  half of the splits' bounds at `significance / 2` above it, i.e. half of
+  the p_j at most `significance / 2`. (`np.median` of an even number
+  averages the middle two, which is at most the upper one: conservative.)
+  Many splits remove most of the luck of one partition.
+
+  Attributes:
+    num_samples: the number of random partitions.
+    threshold_estimation_frac: the selection part's share, as `Split`.
+    seed: seeds the partitions (default: OS entropy).
+  """
+  num_samples: int = 100
+  threshold_estimation_frac: float = 0.5
+  seed: Optional[int] = None
+
+
+def check(strategy) -> ThresholdStrategy:
+  """`strategy`, or `Bonferroni()` for None; raises on anything else."""
+  if strategy is None:
+    return Bonferroni()
+  if not isinstance(strategy, ThresholdStrategy):
+    raise ValueError(f"threshold_strategy must be one of Bonferroni(), "
+                     f"Explicit(t), Split(...), MultiSplit(...) (from "
+                     f"tf_pxg.audit); got {strategy!r}.")
+  frac = getattr(strategy, "threshold_estimation_frac", 0.5)
+  if not 0 < frac < 1:
+    raise ValueError(f"threshold_estimation_frac must be in (0, 1); got "
+                     f"{frac!r}.")
+  if isinstance(strategy, MultiSplit) and strategy.num_samples < 1:
+    raise ValueError(f"MultiSplit needs num_samples >= 1; got "
+                     f"{strategy.num_samples!r}.")
+  return strategy
+
+
+def partition(m: int, frac: float, rng: np.random.Generator):
+  """A uniformly random (selection, test) split of range(m), drawn from
+  `rng` only; the selection part has `round(frac m)` members (at least one
+  canary on each side)."""
+  order = rng.permutation(m)
+  k = min(max(int(round(frac * m)), 1), m - 1)
+  return order[:k], order[k:]
