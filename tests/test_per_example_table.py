@@ -131,6 +131,7 @@ RULE_OF = {
     "Conv3D": "ConvRule", "DepthwiseConv2dNative": "DepthwiseConvRule",
     "Conv2DBackpropInput": "ConvTransposeRule", "GatherV2": "_GatherRule",
     "ResourceGather": "_GatherRule",
+    "BroadcastTo": "BroadcastToRule", "Tile": "TileRule",
 }
 FALLBACK = "_VectorizedFallback"
 
@@ -502,6 +503,70 @@ RAW_CASES += [
              ids_vocab=5),
 ]
 
+# Parameters copied along the batch axis (`tf_pxg.rules.copies`): the copy
+# op is the interface; what follows it is data (no other rule runs).
+
+
+def _position_table(x, w):
+  """KerasHub's PositionEmbedding: the table's first T rows broadcast to
+  the batch (`ops.broadcast_to(table[:T], ops.shape(x))`)."""
+  t = keras.ops.slice(keras.ops.convert_to_tensor(w), (0, 0),
+                      (x.shape[1], x.shape[2]))
+  return x + keras.ops.broadcast_to(t, keras.ops.shape(x))
+
+
+def _class_token(x, cls):
+  """ViT's class token: tiled to the batch, concatenated with the patches."""
+  tokens = keras.ops.tile(cls, (keras.ops.shape(x)[0], 1, 1))
+  return tf.tanh(tf.concat([tokens, x], axis=1))
+
+
+def _folded_rows(x, w):
+  """A [B, T, d] copy folded into [B*T, d] rows (the batch major)."""
+  rows = tf.reshape(tf.broadcast_to(w, tf.shape(x)), [-1, x.shape[-1]])
+  return tf.reshape(tf.reshape(x, [-1, x.shape[-1]]) * rows, tf.shape(x))
+
+
+def _tiled_rows(x, w):
+  """`tf.tile(w, [B, 1])` of a [T, d] weight: [B*T, d], T rows an example."""
+  rows = tf.tile(w, [tf.shape(x)[0], 1])
+  return tf.reshape(tf.reshape(x, [-1, x.shape[-1]]) + rows, tf.shape(x))
+
+
+def _time_major_copy(x, w):
+  """A [T, 1, d] weight broadcast along the batch on axis 1 (time-major)."""
+  xt = tf.transpose(x, [1, 0, 2])
+  return tf.transpose(xt * tf.broadcast_to(w, tf.shape(xt)), [1, 0, 2])
+
+
+RAW_CASES += [
+    raw_case("BroadcastTo_position_table", ["BroadcastTo"], _position_table,
+             (3, 5), [(6, 5)], sq=M),
+    raw_case("BroadcastTo_tf_shape", ["BroadcastTo"],
+             lambda x, w: x * tf.broadcast_to(w, tf.shape(x)), (3, 5),
+             [(1, 5)], sq=M),
+    raw_case("BroadcastTo_folded_into_rows", ["BroadcastTo"], _folded_rows,
+             (3, 4), [(3, 4)], sq=M),
+    raw_case("BroadcastTo_time_major_batch_axis_1", ["BroadcastTo"],
+             _time_major_copy, (3, 4), [(3, 1, 4)], sq=M),
+    raw_case("Tile_class_token_concat", ["Tile"], _class_token, (3, 4),
+             [(1, 1, 4)], sq=M),
+    raw_case("Tile_merged_rows", ["Tile"], _tiled_rows, (2, 4), [(2, 4)],
+             sq=M),
+    raw_case("Tile_within_example", ["Tile"],
+             lambda x, w: x * tf.tile(w[None], [tf.shape(x)[0], 2, 1]),
+             (4, 3), [(2, 3)], sq=M),
+    # tf.repeat / keras.ops.repeat: ExpandDims, Tile (batch on axis 1),
+    # Reshape (DeBERTa's relative table).
+    raw_case("Tile_tf_repeat", ["Tile"],
+             lambda x, w: x + tf.repeat(w[None], tf.shape(x)[0], axis=0),
+             (3, 4), [(3, 4)], sq=M),
+    raw_case("Tile_keras_repeat", ["Tile"],
+             lambda x, w: x * keras.ops.repeat(
+                 keras.ops.expand_dims(w, 0), keras.ops.shape(x)[0], axis=0),
+             (3, 4), [(3, 4)], sq=M),
+]
+
 # Parameter sharing and parameter-only preprocessing ---------------------------
 
 
@@ -632,6 +697,22 @@ def _native_ops() -> bool:
   return native.library() is not None
 
 
+def _declared_form(case: Case, op: str, form: str, mode: str,
+                   dtype: tf.DType) -> str:
+  """The squared-norm form `op` must take in `mode` and `dtype`: the
+  declared one (what XLA runs), except outside XLA for the convolutions a
+  native op serves (`NATIVE_SQ_NORM`): "native" where the library loads,
+  else the patch path, which materialises the small filters of the
+  depthwise convolutions declared "taps" (taps are XLA's form only).
+  With `TF_PXG_NATIVE=0` (or no compiler) the table thus checks the
+  fallbacks the native ops replace."""
+  if not form or mode == "jit" or op not in NATIVE_SQ_NORM:
+    return form
+  if dtype in (F32, F64) and case.without_rule is None and _native_ops():
+    return "native"
+  return M if form == T else form
+
+
 # Rule calls that compute a parameter's squared norms (the second for the
 # chunks of merged uses, `tf_pxg.merge_uses`).
 _NORM_FORMS = ("sq_norm", "chunked_sq_norm")
@@ -642,8 +723,6 @@ def rule_problems(case: Case, records, mode: str = "eager",
   """What in `records` (from `trace_rules`) differs from `case.rules`; in
   `mode` and `dtype` (where the native conv norms replace the declared
   form)."""
-  native_form = (mode != "jit" and dtype in (F32, F64) and
-                 case.without_rule is None and _native_ops())
   by_op = {}
   for r in records:
     by_op.setdefault(r["op_type"], []).append(r)
@@ -652,8 +731,7 @@ def rule_problems(case: Case, records, mode: str = "eager",
               for op in sorted(set(by_op) - set(case.rules))]
   for op, spec in sorted(case.rules.items()):
     rule, _, form = spec.partition("/")
-    if form and native_form and op in NATIVE_SQ_NORM:
-      form = "native"
+    form = _declared_form(case, op, form, mode, dtype)
     calls = by_op.get(op, [])
     if not calls:
       problems.append(f"{op}: no rule ran (expected {spec})")
@@ -785,6 +863,33 @@ def test_fallback_that_cannot_work_raises(mode):
   msg = str(info.value)
   assert "MatrixSolve" in msg and "axis 1" in msg, msg
   assert "mixes examples" in msg, msg
+
+
+@pytest.mark.parametrize("op", ["ConcatV2", "AddV2"])
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_rows_per_example_raise_at_trace_time(op, mode):
+  """A parameter operand whose axis 0 lines up with the batch (its own row
+  per example, not a copy of a shared weight along the batch) raises a
+  clear error naming the op and the way to copy a weight, before anything
+  runs: never a raw runtime error from inside the fallback (ConcatOffset)
+  nor a wrong per-example gradient."""
+  rng = np.random.default_rng(0)
+  x = _normal(rng, (4, 3, 5), F32)
+  w = _var(rng, (4, 1, 5) if op == "ConcatV2" else (4, 3, 5), F32, "rows")
+
+  def fn(inp):
+    if op == "ConcatV2":
+      return tf.concat([tf.identity(w), inp], axis=1)
+    return inp + w
+
+  labels = _normal(rng, fn(x).shape, F32)
+  with pytest.raises(ValueError) as info:
+    pxg_testing.check_per_example_gradients(
+        _loss, fn, [w], x, labels, mode=mode,
+        reference=[tf.zeros([4] + list(w.shape))])
+  msg = str(info.value)
+  assert f"op '{op}'" in msg and "tf.tile" in msg, msg
+  assert "lines up with the batch axis" in msg, msg
 
 
 class _WrongRule(tf_pxg.rules.base.Rule):

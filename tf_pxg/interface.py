@@ -94,9 +94,11 @@ _SHAPE_CONSUMERS = ("BroadcastArgs", "BroadcastGradientArgs", "Range",
 
 
 # Inputs that set an output size (Keras' CategoryEncoding passes a bincount
-# `size` clamped between constants computed from `max(ids)`): the values of
-# each example's row do not depend on them.
-_SIZE_INPUTS = {"DenseBincount": (1,), "Bincount": (1,)}
+# `size` clamped between constants computed from `max(ids)`; the shape of a
+# broadcast, the multiples of a tile): the values of each example's row do
+# not depend on them.
+_SIZE_INPUTS = {"DenseBincount": (1,), "Bincount": (1,), "BroadcastTo": (1,),
+                "Tile": (1,)}
 
 
 def _takes_shapes(op_type: str) -> bool:
@@ -138,6 +140,11 @@ class Interface:
   # Set on the chunks of one parameter's merged uses (`tf_pxg.merge_uses`):
   # a key shared by the chunks, whose per-example gradients add up.
   chunk_set: Any = None
+
+  # Set for a parameter copied along the batch axis (`tf.broadcast_to`,
+  # `tf.tile` of a weight; `tf_pxg.batch_axis.copy_layout`), an interface
+  # without data operands: the output axis that holds the examples.
+  copy_axis: Optional[int] = None
 
   @property
   def param_id(self) -> int:
@@ -201,6 +208,14 @@ class Classifier:
         if st == DATA and _uniform(entry):
           self._fills.update(entry.output_ids)
       out_layouts = [batch_axis.AXIS0] * len(entry.outputs)
+      copy = batch_axis.copy_layout(entry, batch_size,
+                                    self._layout_of_tensor) if (
+                                        st == PARAM) else None
+      if copy is not None:
+        # A parameter copied along the batch axis: example b's rows are its
+        # own copy, data from here on (the op is the interface).
+        st, values = DATA, True
+        out_layouts = [copy] * len(entry.outputs)
       if st == DATA and layouts:
         out_layouts, why = batch_axis.propagate(entry, layouts,
                                                  batch_size,

@@ -47,8 +47,11 @@ from tf_pxg.rules import base
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
 # Ops through which a per-example gradient keeps its norm (phase 2 shortcut).
+# A slice's gradient puts each entry in a distinct place among zeros
+# (a position table's first T rows, `table[:T]`).
 _NORM_PRESERVING = ("ReadVariableOp", "Identity", "Cast", "Reshape",
-                    "ExpandDims", "Squeeze", "Transpose")
+                    "ExpandDims", "Squeeze", "Transpose", "StridedSlice",
+                    "Slice")
 
 
 class _VectorizedFallback(base.Rule):
@@ -145,6 +148,8 @@ class PerExampleBackprop:
         itf.rule.check(self._context(itf))
       except NotImplementedError:  # This instance is outside the rule's scope.
         itf.rule = _FALLBACK
+      if itf.rule is _FALLBACK:  # It splits the data, not the parameter.
+        base.check_param_shared(self._context(itf))
     return found
 
   def _check_visible(self, entry: Entry) -> None:
@@ -168,6 +173,8 @@ class PerExampleBackprop:
 
   def _context(self, itf: Interface) -> base.Context:
     b = self.batch_size
+    if b is None and itf.copy_axis is not None:  # A copied parameter.
+      b = batch_axis.copy_batch_size(itf.entry, itf.copy_axis)
     if b is None:  # Scalar target: each data operand's axis 0 is the batch.
       if not itf.data_indices:
         raise ValueError(
@@ -177,7 +184,8 @@ class PerExampleBackprop:
       d = itf.entry.inputs[itf.data_indices[0]]
       b = d.shape[0] if d.shape[0] is not None else tf.shape(d)[0]
     return base.Context(itf.entry, itf.param_index, itf.output_grads, b,
-                        itf.data_indices, itf.batch_minor, self._kept)
+                        itf.data_indices, itf.batch_minor, self._kept,
+                        itf.copy_axis)
 
   # Rules --------------------------------------------------------------------
 

@@ -11,5 +11,6 @@ from tf_pxg.rules import contraction  # noqa: F401
 from tf_pxg.rules import elementwise  # noqa: F401
 from tf_pxg.rules import gather  # noqa: F401
 from tf_pxg.rules import conv  # noqa: F401
+from tf_pxg.rules import copies  # noqa: F401
 from tf_pxg.registry import registered_op_types  # noqa: F401
 from tf_pxg.rules.base import register  # noqa: F401

@@ -72,6 +72,9 @@ class Context:
     data_indices: inputs that carry examples on axis 0.
     batch_minor: the data's axis 0 is `[k, B]` (example index minor, as after
       SpaceToBatchND) rather than the usual `[B, k]`.
+    copy_axis: for a parameter copied along the batch axis (an op without
+      data operands, `tf_pxg.rules.copies`), the output axis holding the
+      examples (`[B, k]` merged); None otherwise.
   """
   entry: Entry
   param_index: int
@@ -82,6 +85,7 @@ class Context:
   # The backprop's store for `keep_per_example` / `take_per_example`
   # (`PerExampleBackprop` owns it, one per backward pass); None: keep nothing.
   kept: Optional[dict] = None
+  copy_axis: Optional[int] = None
 
   @property
   def op_type(self) -> str:
@@ -429,6 +433,39 @@ def weighted_sum_of(g, c, dtype):
   return tf.cast(tf.reduce_sum(scaled, axis=0), dtype)
 
 
+def check_param_shared(ctx: Context, broadcasting: bool = False) -> None:
+  """Raises if the parameter operand has rows on the batch axis.
+
+  A parameter operand of the output's rank whose axis 0 has the output's
+  (static) number of rows on the batch axis, more than one, gives each
+  example its own rows: a rule that treats it as one shared tensor (the
+  elementwise rules, the vectorized fallback) would pair example b with the
+  whole of it. For an elementwise op with broadcasting (`broadcasting`),
+  any axis 0 of more than one row is aligned with the batch axis. A parameter copied along the batch axis by `tf.broadcast_to`
+  or `tf.tile` (`tf.repeat`) is followed (`tf_pxg.rules.copies`) when its
+  copy count is the batch size; this is the case it was not.
+
+  Raises:
+    ValueError: naming the op, its layer and what to do.
+  """
+  p, out = ctx.param, ctx.outputs[0] if ctx.outputs else None
+  if out is None or p.shape.rank is None or p.shape.rank != out.shape.rank:
+    return
+  rows = p.shape[0] if p.shape.rank else None
+  if rows is None or rows == 1 or (rows != out.shape[0] and
+                                   not broadcasting):
+    return
+  raise ValueError(
+      f"{ctx.describe()} consumes a parameter-derived operand of shape "
+      f"{p.shape} whose axis 0 lines up with the batch axis of its output "
+      f"({rows} rows), so each example would use other rows of the "
+      "parameter, and tf_pxg could not trace them to a copy of a shared "
+      "parameter along the batch axis (tf.broadcast_to, tf.tile or "
+      "tf.repeat of a weight B times, with B the static batch size of a [B] "
+      "per-example target or tf.shape(x)[0] of the data). Copy the weight "
+      "that way, or let the op broadcast it (give it a size-1 axis 0).")
+
+
 def vectorized_per_example(ctx: Context):
   """Per-example gradient by running TF's gradient function per example.
 
@@ -499,8 +536,9 @@ class Rule:
     kept = take_per_example(ctx)
     if isinstance(kept, _Materialised):
       return weighted_sum_of(kept.g, c, ctx.param_dtype)
+    axis = ctx.copy_axis or 0  # Where the outputs hold the examples.
     grads = [None if g is None or not g.shape.rank else
-             ctx.scale_examples(g, c) for g in ctx.output_grads]
+             ctx.scale_examples(g, c, axis) for g in ctx.output_grads]
     inputs, outputs = ctx.dropped_io(c, self.drop_inputs, self.drop_outputs)
     return ctx.tf_gradient(grads, inputs=inputs, outputs=outputs)
 

@@ -21,10 +21,7 @@ def reduce_to_param(ctx, e):
   if out_rank is None or p_rank is None:
     raise NotImplementedError(f"{ctx.describe()}: unknown rank")
   padded = [1] * (out_rank - p_rank) + list(p.shape)
-  if padded[0] not in (1, None) and out_rank == p_rank:
-    raise NotImplementedError(
-        f"{ctx.describe()}: the parameter is not broadcast along the batch "
-        "axis 0, so it is not shared between examples")
+  base.check_param_shared(ctx, broadcasting=True)
   e = tf.reduce_sum(ctx.split_batch(e), axis=1)  # [B, rest of output]
   axes = [a for a in range(1, out_rank)
           if padded[a] == 1 and e.shape[a] != 1]
