@@ -181,3 +181,44 @@ def test_int_tokens_behind_float_input_spec_train_exactly():
   check_one_dp_fit_step(layers, ids, y,
                         reference_x=tf.constant(ids, tf.float32),
                         build_shape=(None, 12))
+
+
+# Parameters copied along the batch axis with a dynamic batch size ------------
+
+_TABLE = _var((6, 5), 11)
+_CLS = _var((1, 1, 5), 12)
+COPIES = {
+    # KerasHub's PositionEmbedding: keras.ops.shape(x) holds tf.shape(x)[0].
+    "broadcast_to_keras_shape": (lambda x: x + keras.ops.broadcast_to(
+        _TABLE[:3], keras.ops.shape(x)), _TABLE),
+    "broadcast_to_tf_shape": (
+        lambda x: x * tf.broadcast_to(_TABLE[:3], tf.shape(x)), _TABLE),
+    "repeat": (lambda x: x * keras.ops.repeat(
+        _TABLE[None, :3], keras.ops.shape(x)[0], axis=0), _TABLE),
+    "class_token": (lambda x: tf.concat(
+        [keras.ops.tile(_CLS, (keras.ops.shape(x)[0], 1, 1)), x], 1), _CLS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COPIES))
+def test_copies_along_a_dynamic_batch_match_reference(name):
+  """In a tf.function traced for any batch size (`[None, T, d]`), a copy's
+  count is `tf.shape(x)[0]`: read from the size vector, it is followed as
+  exactly as a static one (`tf_pxg.batch_axis.copy_layout`)."""
+  fn, w = COPIES[name]
+  x = _x((4, 3, 5), 13)
+
+  def losses(out):
+    return tf.reduce_sum(tf.reshape(tf.square(out), [tf.shape(out)[0], -1]),
+                         axis=1)
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 3, 5])])
+  def run(inp):
+    with tf_pxg.GradientTape() as tape:
+      target = losses(fn(inp))
+    return tape.per_example_gradient(target, [w])[0]
+
+  want, = pxg_testing.reference_per_example_gradients(
+      losses, fn, [w], x)
+  np.testing.assert_allclose(run(x).numpy(), want.numpy(), rtol=1e-5,
+                             atol=1e-6)
