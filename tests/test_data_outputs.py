@@ -370,3 +370,133 @@ def test_unprotected_setting_round_trips_through_saving(tmp_path):
   assert keras.models.load_model(path).unprotected_training_metrics
   with pytest.raises(TypeError, match="unprotected_training_metrics"):
     _model(keras.layers.Identity(), unprotected_training_metrics="yes")
+
+
+# The noisy, accounted training loss -------------------------------------------
+
+
+def _noisy_loss_model(sigma, noisy_loss, width=D, **compile_kwargs):
+  keras.utils.set_random_seed(3)
+  model = dpk.DPSequential([keras.layers.Dense(K)], l2_norm_clip=CLIP,
+                           noise_multiplier=sigma, noisy_loss=noisy_loss)
+  model.compile(keras.optimizers.SGD(0.0), _sce(), **compile_kwargs)
+  model.build((None, width))
+  return model
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_noisy_loss_mean_and_std_match_the_closed_form(mode):
+  # q = 1 steps on fixed weights (lr = 0): each step logs
+  # (sum_b min(max(l_b, 0), bound) + N(0, (z bound)^2)) / N.
+  x, y = _data()
+  x[2] = np.inf  # contributes 0
+  release = dpk.NoisyLoss(bound=1.5, noise_multiplier=4.0)
+  model = _noisy_loss_model(1.0, release, **MODES[mode])
+  logits = model(x).numpy()
+  per_example = _sce().__class__(from_logits=True, reduction=None)(
+      y, logits).numpy()
+  per_example = np.where(np.isfinite(per_example), per_example, 0.0)
+  want_mean = np.clip(per_example, 0, 1.5).sum() / N
+  want_std = 4.0 * 1.5 / N
+  info = dpd.dp_batch_info(np.ones(N, "float32"), step_end=True,
+                           normalizer=float(N))
+  steps = 40 if mode == "eager" else 200
+  got = np.array([model.train_on_batch(x, y, sample_weight=info,
+                                       return_dict=True)["loss"]
+                  for _ in range(steps)])
+  assert np.isfinite(got).all()
+  # Mean within 5 standard errors; the sample std within 5 of its own
+  # (about std / sqrt(2 steps)).
+  assert abs(got.mean() - want_mean) < 5 * want_std / math.sqrt(steps)
+  assert abs(got.std(ddof=1) / want_std - 1) < 5 / math.sqrt(2 * steps)
+
+
+def test_noisy_loss_takes_its_share_of_the_gradient_noise():
+  # sigma = 1, z = 3: sigma_g = (1 - 1/9)^-1/2 = 1.0607, measured on the
+  # update of a 65 x 128 layer (8320 coordinates: the sample std's standard
+  # error is 0.78%, so sigma_g and sigma = 1 are 7.8 standard errors apart
+  # and the midpoint threshold fails with probability < 1e-4).
+  rng = np.random.RandomState(0)
+  x = rng.randn(N, 64).astype("float32")
+  y = rng.randint(0, 64, N)
+  sigma_g = (1 - 1 / 9) ** -0.5
+  updates = {}
+  for sigma, release in ((0.0, None), (1.0, dpk.NoisyLoss(1.0, 3.0))):
+    keras.utils.set_random_seed(3)
+    model = dpk.DPSequential([keras.layers.Dense(128)], l2_norm_clip=CLIP,
+                             noise_multiplier=sigma, noisy_loss=release)
+    model.compile(keras.optimizers.SGD(1.0), _sce())
+    model.build((None, 64))
+    before = _flat(model)
+    model.train_on_batch(x, y, sample_weight=dpd.dp_batch_info(
+        np.ones(N, "float32"), step_end=True, normalizer=float(N)))
+    updates[sigma] = _flat(model) - before
+  noise = updates[1.0] - updates[0.0]
+  assert noise.std() / (sigma_g * CLIP / N) == pytest.approx(1.0, abs=0.04)
+  assert noise.std() / (CLIP / N) > 1.0 + 0.5 * (sigma_g - 1)
+
+
+def test_noisy_loss_epsilon_is_the_accounted_sigmas():
+  # The step releases two Gaussians of the same Poisson sample: sensitivity
+  # C with sigma_g and sensitivity `bound` with z. Their RDP adds up to one
+  # Gaussian's with sigma^-2 = sigma_g^-2 + z^-2, so PrivacyCallback's ε
+  # (computed from sigma) covers both: checked against dp-accounting.
+  import dp_accounting  # pylint: disable=g-import-not-at-top
+  from tf_pxg import accounting  # pylint: disable=g-import-not-at-top
+  sigma, z = 1.1, 5.0
+  sigma_g = dpk.NoisyLoss(2.0, z).gradient_noise_multiplier(sigma)
+  orders = list(accounting.RDP_ORDERS)
+  pair = dp_accounting.rdp.RdpAccountant(orders)
+  pair.compose(dp_accounting.GaussianDpEvent(sigma_g), 100)
+  pair.compose(dp_accounting.GaussianDpEvent(z), 100)
+  one = dp_accounting.rdp.RdpAccountant(orders)
+  one.compose(dp_accounting.GaussianDpEvent(sigma), 100)
+  assert pair.get_epsilon(1e-5) == pytest.approx(one.get_epsilon(1e-5),
+                                                 rel=1e-9)
+  x, y = _data(64)
+  model = dpk.DPSequential([keras.layers.Dense(K)], l2_norm_clip=1.0,
+                           noise_multiplier=sigma,
+                           noisy_loss=dpk.NoisyLoss(2.0, z))
+  model.compile(keras.optimizers.SGD(0.1), _sce())
+  cb = dpk.PrivacyCallback(num_examples=64, batch_size=16)
+  hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                   callbacks=[cb]).history
+  steps = int(model.optimizer.iterations)
+  want = accounting.compute_epsilon(64, 16, sigma, steps=steps, delta=1e-5)
+  assert hist["epsilon"][-1] == pytest.approx(want, rel=1e-9)
+  assert np.isfinite(hist["loss"]).all() and len(hist["loss"]) == 2
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_planted_record_with_noisy_loss_and_log_callbacks(mode):
+  release = dpk.NoisyLoss(bound=3.0, noise_multiplier=10.0)
+  iterations = []
+  for plant in (False, True):
+    x, y = _planted(0, plant)
+    keras.utils.set_random_seed(0)
+    model = dpk.DPSequential([keras.layers.Dense(K)], l2_norm_clip=1.0,
+                             noise_multiplier=1.0, noisy_loss=release)
+    model.compile(keras.optimizers.SGD(0.1), _sce(), **MODES[mode])
+    hist = model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+                     sampling_seed=0, callbacks=[
+                         keras.callbacks.TerminateOnNaN()]).history
+    assert np.isfinite(hist["loss"]).all(), hist
+    iterations.append(int(model.optimizer.iterations))
+  assert iterations == [12, 12]
+
+
+def test_noisy_loss_errors_and_saving(tmp_path):
+  with pytest.raises(ValueError, match="bound"):
+    dpk.NoisyLoss(bound=0.0, noise_multiplier=3.0)
+  with pytest.raises(TypeError, match="noisy_loss"):
+    _model(keras.layers.Identity(), noisy_loss=2.0)
+  model = dpk.DPSequential([keras.layers.Dense(K)], l2_norm_clip=1.0,
+                           noise_multiplier=2.0,
+                           noisy_loss=dpk.NoisyLoss(1.0, 1.5))
+  with pytest.raises(ValueError, match="too noisy a release"):
+    model.compile("sgd", _sce())
+  model = _noisy_loss_model(1.0, dpk.NoisyLoss(2.0, 8.0))
+  path = os.path.join(str(tmp_path), "m.keras")
+  model.save(path)
+  assert keras.models.load_model(path)._dp_noisy_loss == dpk.NoisyLoss(2.0,
+                                                                        8.0)

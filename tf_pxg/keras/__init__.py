@@ -1,5 +1,6 @@
 """Keras 3 DP-SGD: models, optimizers and callbacks built on tf_pxg."""
 
+from tf_pxg.dp.noisy_loss import NoisyLoss
 from tf_pxg.keras import callbacks
 from tf_pxg.keras.callbacks import PrivacyCallback
 from tf_pxg.keras.losses import per_example_losses
@@ -17,6 +18,7 @@ __all__ = [
     "DPOptimizer",
     "DPSGD",
     "DPSequential",
+    "NoisyLoss",
     "PrivacyCallback",
     "callbacks",
     "make_dp_model_class",

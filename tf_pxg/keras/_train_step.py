@@ -195,10 +195,13 @@ class Mechanism(NamedTuple):
     count_stddev: the unclipped count's noise std (adaptive), else 0.
     gradient_noise_multiplier: sigma_g, the gradient noise's multiplier:
       the accounted `noise_multiplier` sigma, or with adaptive clipping
-      `(sigma^-2 - (2 count_stddev)^-2)^-1/2` (Andrew et al., Theorem 1).
+      `(sigma^-2 - (2 count_stddev)^-2)^-1/2` (Andrew et al., Theorem 1),
+      less the noisy loss's share `z^-2` too when there is one.
     coefs: BandMF's `[b]` strategy coefficients for b > 1, else None.
     noise_state: the `tf_pxg.dp.correlated.NoiseBuffers` (b > 1), else None.
     optimizer: the optimizer whose `iterations` index the steps.
+    noisy_loss: the `tf_pxg.dp.noisy_loss.NoisyLoss` released and logged
+      as `loss`, else None.
   """
   clipping: Any
   clip_variable: Optional[tf.Variable]
@@ -207,6 +210,7 @@ class Mechanism(NamedTuple):
   coefs: Any
   noise_state: Any
   optimizer: Any
+  noisy_loss: Any = None
 
 
 class ReplicaGradients(NamedTuple):
@@ -229,12 +233,15 @@ class ReplicaGradients(NamedTuple):
       rows the pair `(unit mask [P], row mask [P G])`, `losses` per unit).
     count: adaptive clipping's noisy unclipped count (this replica's share,
       meaningful at a step's end), else None.
-    count_normalizer: the divisor for `count` (qN, or this replica's
-      example count of a plain batch; all-reduced in `dp_apply`).
+    count_normalizer: the divisor for `count` and `loss_sum` (qN, or this
+      replica's example count of a plain batch; all-reduced in
+      `dp_apply`).
     mechanism: the step's `Mechanism`, or None (DP-SGD, flat clip).
     finite: `[B]` (or `[P]` units) bool: the example's loss and gradient
       norm are finite (its clip factor was not zeroed); for the opt-in
       unprotected metrics, which must never see a non-finite example.
+    loss_sum: `tf_pxg.dp.noisy_loss.NoisyLoss`'s noisy clamped loss sum
+      (this replica's share, meaningful at a step's end), else None.
   """
   grads: list
   normalizer: tf.Tensor
@@ -251,6 +258,7 @@ class ReplicaGradients(NamedTuple):
   count_normalizer: Optional[tf.Tensor] = None
   mechanism: Optional[Mechanism] = None
   finite: Optional[tf.Tensor] = None
+  loss_sum: Optional[tf.Tensor] = None
 
 
 def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
@@ -340,11 +348,21 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # logical step (divided by R: the all-reduce sums the replicas' copies).
   reg_loss, reg_grads = _regularization(model, variables)
 
-  count = None
+  finite = tf.logical_and(tf.math.is_finite(losses), tf.math.is_finite(norms))
+  # Private scalars released with the sum, each `(value, noise std)`,
+  # accumulated and noised as the gradient is: adaptive clipping's count,
+  # the noisy training loss.
+  scalars = {}
   if clip_variable is not None:  # adaptive: sum_b (1[||g_b|| <= C] - 1/2)
-    count = clipping.unclipped_count(
-        norms, clip, None if info is None else info[dp_data.MASK])
-    sums = sums + [count]
+    scalars["count"] = (clipping.unclipped_count(
+        norms, clip, None if info is None else info[dp_data.MASK]),
+                        mechanism.count_stddev)
+  if mechanism is not None and mechanism.noisy_loss is not None:
+    keep = finite if info is None else tf.logical_and(
+        finite, info[dp_data.MASK] > 0)
+    scalars["loss_sum"] = (mechanism.noisy_loss.clamped_sum(losses, keep),
+                           mechanism.noisy_loss.stddev)
+  sums = sums + [value for value, _ in scalars.values()]
   if info is None:
     step_end, mask = None, None
     normalizer = tf.cast(tf.shape(losses)[0], tf.float32)
@@ -357,10 +375,11 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     if row_mask is not None:
       mask = (mask, info[dp_data.ROW_MASK])  # per unit, per row (metrics)
   draw = None if xla else step_end
-  if count is not None:
-    sums, count = sums[:-1], sums[-1]
-    count = _noisy_count(count, mechanism.count_stddev, generator, replicas,
-                         draw)
+  released = {}
+  if scalars:
+    sums, tail = sums[:-len(scalars)], sums[-len(scalars):]
+    released = {name: _noisy_scalar(value, stddev, generator, replicas, draw)
+                for (name, (_, stddev)), value in zip(scalars.items(), tail)}
   if mechanism is not None and noise_multiplier:
     # The gradient's share of the accounted noise (adaptive clipping keeps
     # the rest for the count), times the clip in use.
@@ -385,13 +404,13 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   noisy = [dp_noise.densify(g) for g in noisy]
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
   count_normalizer = None
-  if count is not None:
+  if released:
     count_normalizer = (info[dp_data.NORMALIZER][0] if info is not None else
                         tf.cast(tf.shape(losses)[0], tf.float32))
-  finite = tf.logical_and(tf.math.is_finite(losses), tf.math.is_finite(norms))
   return ReplicaGradients(noisy, normalizer, reg_grads, step_end, x, y,
                           y_pred, sample_weight, losses, mask, reg_loss,
-                          count, count_normalizer, mechanism, finite)
+                          released.get("count"), count_normalizer, mechanism,
+                          finite, released.get("loss_sum"))
 
 
 def _eager_state(model):
@@ -413,9 +432,9 @@ def _restored_on_error(state):
     raise
 
 
-def _noisy_count(count, stddev, generator, replicas, draw):
-  """`count + N(0, stddev^2 / R)`: this replica's share of the noisy count
-  (drawn only when `draw` is true or None)."""
+def _noisy_scalar(count, stddev, generator, replicas, draw):
+  """`count + N(0, stddev^2 / R)`: this replica's share of a noisy released
+  scalar, e.g. the count (drawn only when `draw` is true or None)."""
   if not stddev:
     return count
   share = dp_noise.replica_noise_stddev(stddev, replicas)
@@ -493,6 +512,8 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
   if clip_variable is not None:
     _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
                           replicas)
+  if result.loss_sum is not None:
+    _track_noisy_loss(model, result, optimizer, limit, ctx, replicas)
   _apply_gated(optimizer, result.grads, variables, limit, xla=xla,
                step_end=step_end, transform=normalise)
 
@@ -501,10 +522,44 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
   logs = {"learning_rate": tf.identity(optimizer.learning_rate)}
   if getattr(model, "unprotected_training_metrics", False):
     logs.update(_unprotected_metrics(model, result))
+  if result.loss_sum is not None:
+    # The noisy, accounted loss (tf_pxg.dp.noisy_loss): safe to log.
+    logs["loss"] = _compat.loss_tracker(model).result()
   if clip_variable is not None:
     # A function of the noisy counts only: post-processing, safe to log.
     logs["l2_norm_clip"] = clip_variable.read_value()
   return logs
+
+
+def _released_scalar(value, n, result, ctx, replicas):
+  """A released scalar and its divisor, summed over the replicas (their
+  noise shares add up to the whole noise, once)."""
+  if ctx is not None and replicas > 1:
+    value = ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+    if result.step_end is None:  # plain batches: the global batch size
+      n = ctx.all_reduce(tf.distribute.ReduceOp.SUM, n)
+  return value, n
+
+
+def _applied(result, optimizer, limit):
+  """Whether this physical batch's update is applied (a logical step's end,
+  within the step limit): data-independent; read before the apply moves
+  `iterations`."""
+  go = _within_limit(optimizer, limit)
+  if result.step_end is not None:
+    go = tf.logical_and(go, result.step_end)
+  return go
+
+
+def _track_noisy_loss(model, result, optimizer, limit, ctx, replicas):
+  """Adds the step's noisy mean loss to Keras' loss tracker (logged as
+  `loss`, averaged over the epoch's steps) at an applied step; other
+  physical batches weigh 0 (no conditional)."""
+  loss_sum, n = _released_scalar(result.loss_sum, result.count_normalizer,
+                                 result, ctx, replicas)
+  weight = tf.cast(_applied(result, optimizer, limit), tf.float32)
+  _compat.loss_tracker(model).update_state(
+      loss_sum / tf.cast(n, tf.float32), sample_weight=weight)
 
 
 def _unprotected_metrics(model, result: ReplicaGradients) -> dict:
@@ -539,13 +594,16 @@ def _unprotected_metrics(model, result: ReplicaGradients) -> dict:
   rows = mask if row_mask is None else row_mask
   y = _zero_rows(y, rows)
   y_pred = _zero_rows(y_pred, rows)
-  _compat.loss_tracker(model).update_state(
-      losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
+  noisy_loss = result.loss_sum is not None  # owns Keras' loss tracker
+  if not noisy_loss:
+    _compat.loss_tracker(model).update_state(
+        losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
   with _metrics_masked(model, rows):
     logs = model.compute_metrics(
         x, y, y_pred, sample_weight=rows if sample_weight is None else
         _rows_times(sample_weight, rows))
-  return {f"unprotected_{k}": v for k, v in logs.items()}
+  return {f"unprotected_{k}": v for k, v in logs.items()
+          if not (noisy_loss and k == "loss")}
 
 
 def _zero_rows(nest, rows):
@@ -569,14 +627,9 @@ def _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
   (a logical step's end, within the step limit), decided before the apply
   moves `iterations`.
   """
-  count, n = result.count, result.count_normalizer
-  if ctx is not None and replicas > 1:
-    count = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
-    if result.step_end is None:  # plain batches: the global batch size
-      n = ctx.all_reduce(tf.distribute.ReduceOp.SUM, n)
-  go = _within_limit(optimizer, limit)
-  if result.step_end is not None:
-    go = tf.logical_and(go, result.step_end)
+  count, n = _released_scalar(result.count, result.count_normalizer, result,
+                              ctx, replicas)
+  go = _applied(result, optimizer, limit)
   new = result.mechanism.clipping.next_clip(clip_variable.read_value(), count,
                                             n)
   clip_variable.assign(tf.where(go, new, clip_variable.read_value()))

@@ -47,6 +47,15 @@ def _check_bool(value, name: str, where: str) -> bool:
   return value
 
 
+def _check_noisy_loss(noisy_loss, where: str):
+  from tf_pxg.dp.noisy_loss import NoisyLoss  # noqa: PLC0415
+  if noisy_loss is not None and not isinstance(noisy_loss, NoisyLoss):
+    raise TypeError(f"{where}: noisy_loss must be None or a "
+                    f"tf_pxg.keras.NoisyLoss(bound, noise_multiplier); got "
+                    f"{noisy_loss!r}.")
+  return noisy_loss
+
+
 class _DPTrainingMixin:
   """DP-SGD `train_step` and DP settings for a Keras model class.
 
@@ -73,6 +82,12 @@ class _DPTrainingMixin:
       (BandMF correlated noise with cyclic Poisson sampling in `fit`); see
       `tf_pxg.keras.DPOptimizer`. With either set, `compile` wraps a
       plain optimizer in a `DPOptimizer`, which holds their state.
+    noisy_loss: a `tf_pxg.keras.NoisyLoss(bound, noise_multiplier)`: log
+      a private training `loss` (per-example losses clamped to `[0,
+      bound]`, summed, Gaussian-noised once per step, divided as the
+      gradient), covered by the model's ε: the gradient's noise takes the
+      rest of the budget (`tf_pxg.dp.noisy_loss`). Default None: no
+      training loss is logged. Saved in the config.
     unprotected_training_metrics: log the compiled loss and metrics on
       the private batches, un-noised and not covered by ε, under
       `unprotected_<name>` keys (default False: no batch values logged;
@@ -103,10 +118,11 @@ class _DPTrainingMixin:
   propagate as in plain Keras.
 
   Logs: the train step logs nothing computed from the private batch (no
-  training `loss` or metrics: un-noised, one example would move them
+  un-noised training `loss` or metrics: one example would move them
   without bound, and callbacks reading them, such as `TerminateOnNaN` or
   `ReduceLROnPlateau`, would make the number of steps or the learning rate
-  depend on it). `PrivacyCallback` logs ε; validation metrics are Keras'.
+  depend on it). `noisy_loss=NoisyLoss(...)` logs a noised `loss` covered
+  by ε. `PrivacyCallback` logs ε; validation metrics are Keras'.
   `unprotected_training_metrics=True` (here or in `fit`) logs the compiled
   loss and metrics on the private batch as `unprotected_<name>`, not
   covered by ε (non-finite examples excluded). See docs/threat_model.md.
@@ -129,7 +145,8 @@ class _DPTrainingMixin:
                noise_multiplier: Optional[float] = None,
                seed: Optional[int] = None, secure_mode: bool = False,
                clipping=None, noise_mechanism=None,
-               unprotected_training_metrics: bool = False, **kwargs):
+               unprotected_training_metrics: bool = False,
+               noisy_loss=None, **kwargs):
     clip, noise = _validation.validate_dp_params(
         l2_norm_clip, noise_multiplier, type(self).__name__)
     clipping, noise_mechanism = _validation.validate_mechanism(
@@ -143,6 +160,7 @@ class _DPTrainingMixin:
     self._dp_clipping = clipping
     self._dp_noise_mechanism = noise_mechanism
     self._dp_seed_given = seed is not None
+    self._dp_noisy_loss = _check_noisy_loss(noisy_loss, type(self).__name__)
     self._dp_unprotected_metrics = _check_bool(
         unprotected_training_metrics, "unprotected_training_metrics",
         type(self).__name__)
@@ -274,8 +292,14 @@ class _DPTrainingMixin:
     coefs = None
     if mech is not None and int(mech.num_bands) > 1:
       coefs = mech.coefs
+    noisy_loss = getattr(self, "_dp_noisy_loss", None)
     if isinstance(policy, policies.Flat) and coefs is None:
-      return None
+      if noisy_loss is None:
+        return None
+      sigma_g = (noisy_loss.gradient_noise_multiplier(noise_multiplier)
+                 if noise_multiplier else noise_multiplier)
+      return _train_step.Mechanism(policy, None, 0.0, sigma_g, None, None,
+                                   optimizer, noisy_loss)
     if not isinstance(optimizer, DPOptimizer):
       raise ValueError(  # compile wraps; only a hand-set optimizer gets here
           f"Model {self.name!r}: clipping={policy!r} and noise_mechanism="
@@ -294,9 +318,13 @@ class _DPTrainingMixin:
       if noise_multiplier:
         sigma_g = accounting.split_noise_multipliers(noise_multiplier,
                                                      count_stddev)
+    if noisy_loss is not None and noise_multiplier:
+      sigma_g = noisy_loss.gradient_noise_multiplier(
+          noise_multiplier, *([2.0 * count_stddev] if policy.adaptive
+                              else []))
     return _train_step.Mechanism(
         policy, state.clip, count_stddev, sigma_g, coefs, state.noise,
-        optimizer)
+        optimizer, noisy_loss)
 
   def _check_trainable_for_dp(self, optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -305,7 +333,9 @@ class _DPTrainingMixin:
           "(mixed_float16): DP training does not scale the loss, so the "
           "optimizer would unscale unscaled gradients. Use the float32 or "
           "mixed_bfloat16 dtype policy.")
-    self._resolve_dp_params(optimizer, strict=True)
+    _, noise = self._resolve_dp_params(optimizer, strict=True)
+    if getattr(self, "_dp_noisy_loss", None) is not None and noise:
+      self._dp_noisy_loss.gradient_noise_multiplier(noise)  # raises if z <= σ
     self._resolve_mechanism(optimizer)
     self._adopt_secure_mode(optimizer)
     inner = (optimizer.inner_optimizer if isinstance(optimizer, DPOptimizer)
@@ -430,9 +460,11 @@ class _DPTrainingMixin:
     """
     from tf_pxg.dp import accumulation  # noqa: PLC0415
     acc = self.__dict__.get("_dp_accumulator")
-    # Adaptive clipping accumulates its unclipped count with the sums.
+    # Adaptive clipping's unclipped count and the noisy loss's sum are
+    # accumulated with the sums.
     scalars = int(self._resolve_mechanism(
-        getattr(self, "optimizer", None))[0].adaptive)
+        getattr(self, "optimizer", None))[0].adaptive) + int(
+            getattr(self, "_dp_noisy_loss", None) is not None)
     if acc is None or not acc.matches(variables, scalars):
       with tf.init_scope():
         acc = accumulation.LogicalStepAccumulator(variables, scalars)
@@ -584,6 +616,8 @@ class _DPTrainingMixin:
     config["secure_mode"] = self.secure_mode
     if self.unprotected_training_metrics:
       config["unprotected_training_metrics"] = True
+    if getattr(self, "_dp_noisy_loss", None) is not None:
+      config["noisy_loss"] = self._dp_noisy_loss.get_config()
     if not self._own_mechanism_is_default():
       from tf_pxg.dp import clipping as policies  # noqa: PLC0415
       from tf_pxg.keras import _dp_state  # noqa: PLC0415
@@ -598,6 +632,10 @@ class _DPTrainingMixin:
     dp = {k: config.pop(k, None) for k in _DP_CONFIG_KEYS}
     secure_mode = bool(config.pop("secure_mode", False))
     unprotected = bool(config.pop("unprotected_training_metrics", False))
+    noisy_loss = config.pop("noisy_loss", None)
+    if noisy_loss is not None:
+      from tf_pxg.dp.noisy_loss import NoisyLoss  # noqa: PLC0415
+      noisy_loss = NoisyLoss.from_config(noisy_loss)
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
     from tf_pxg.keras import _dp_state  # noqa: PLC0415
     clipping = policies.get(config.pop("clipping", None))
@@ -606,6 +644,7 @@ class _DPTrainingMixin:
     model = super().from_config(config, custom_objects=custom_objects)
     model._dp_secure_mode = secure_mode
     model._dp_unprotected_metrics = unprotected
+    model._dp_noisy_loss = noisy_loss
     model._dp_clipping = clipping
     model._dp_noise_mechanism = mechanism
     clip, noise = _validation.validate_dp_params(
@@ -671,11 +710,12 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                  seed: Optional[int] = None,
                  secure_mode: bool = False, clipping=None,
                  noise_mechanism=None,
-                 unprotected_training_metrics: bool = False) -> keras.Model:
+                 unprotected_training_metrics: bool = False,
+                 noisy_loss=None) -> keras.Model:
   """A DP model sharing `model`'s layers and weights.
 
   `secure_mode`, `clipping`, `noise_mechanism`,
-  `unprotected_training_metrics`: see `_DPTrainingMixin`
+  `unprotected_training_metrics`, `noisy_loss`: see `_DPTrainingMixin`
   (secure mode raises with a `seed`).
 
   Works for functional and `Sequential` models (the result is a `DPModel` or
@@ -695,7 +735,8 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
   kwargs = dict(l2_norm_clip=clip, noise_multiplier=noise, seed=seed,
                 secure_mode=secure_mode, clipping=clipping,
                 noise_mechanism=noise_mechanism,
-                unprotected_training_metrics=unprotected_training_metrics)
+                unprotected_training_metrics=unprotected_training_metrics,
+                noisy_loss=noisy_loss)
   if isinstance(model, keras.Sequential):
     return DPSequential(model.layers, name=f"dp_{model.name}", **kwargs)
   if isinstance(model, _compat.functional_class()):
