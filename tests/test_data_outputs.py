@@ -510,16 +510,10 @@ import numpy as np
 import tensorflow as tf
 import keras
 """ + multi_worker.MIRRORED_TWO_CPUS + """
+import sys
 import tf_pxg.keras as dpk
-
-class RunningMean(keras.layers.Layer):
-  def build(self, shape):
-    self.moving_mean = self.add_weight(shape=shape[1:], initializer="zeros",
-                                       trainable=False, name="moving_mean")
-  def call(self, x, training=None):
-    if training:
-      self.moving_mean.assign(tf.reduce_mean(x, axis=0))
-    return x
+sys.path.insert(0, TESTS)
+from test_data_outputs import RunningMean
 
 class Steps(keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
@@ -563,7 +557,8 @@ def test_mirrored_noisy_loss_noise_once_and_write_refused():
   # Zero losses: each step logs N(0, (z bound)^2) / B, the replicas' shares
   # (std z bound / sqrt(R) each) summed once: std 4 * 1.5 / 16 = 0.375,
   # not sqrt(2) or 1/sqrt(2) times it (300 steps: 4% standard error).
-  result = multi_worker.run_script(_MIRRORED_NOISY_LOSS, timeout=400)
+  result = multi_worker.run_script(_MIRRORED_NOISY_LOSS.replace(
+      "TESTS", repr(os.path.dirname(os.path.abspath(__file__)))), timeout=400)
   assert result["replicas"] == 2 and result["steps"] == 300
   assert result["std"] / (4.0 * 1.5 / 16) == pytest.approx(1.0, abs=0.16)
   assert "running/moving_mean'" in result["refused"]
