@@ -63,7 +63,7 @@ def native_sampling() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
       program = pathlib.Path(tmp) / "threefry_rounds"
       subprocess.run([native.compiler(), str(source), "-o", str(program),
-                      *native.OPTIMIZATION_FLAGS],
+                      *native.optimization_flags()],
                      check=True, capture_output=True, timeout=300)
       out = subprocess.run([str(program)], check=True, capture_output=True,
                            text=True, timeout=300).stdout

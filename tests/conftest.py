@@ -34,10 +34,13 @@ def _restore_keras_dtype_policy():
 @pytest.fixture(scope="module")
 def native_ops():
   """tf_pxg's native op library. It must build on every machine of this
-  kind (it has g++); skipped when `TF_PXG_NATIVE=0` switches it off."""
+  kind (it has g++): if it does not, the tests that use it fail, with
+  `tf-pxg build-native --check`'s report of why. Skipped when
+  `TF_PXG_NATIVE=0` switches the native ops off deliberately."""
   from tf_pxg import native  # pylint: disable=g-import-not-at-top
   if not native.enabled():
     pytest.skip("TF_PXG_NATIVE=0: the native ops are switched off")
   loaded = native.library()
-  assert loaded is not None, "the native ops did not build (see the log)"
+  assert loaded is not None, "the native ops did not build:\n" + "\n".join(
+      native.check()[1])
   return loaded

@@ -1,15 +1,21 @@
 """The native ops' build: ahead of time (`tf-pxg build-native`), logged at
 WARNING with its duration, once across concurrent processes (fcntl lock),
 into a cache directory of mode 0700 whose owner and mode are checked before
-a library is loaded from it, with the compiler's warnings in the build log.
+a library is loaded from it, with the compiler's warnings in the build log;
+portable flags (an instruction-set level chosen from the CPU, never
+`-march=native`, and the AVX512-FP16 guard); a failed build recorded so
+that no process retries it, with one quiet WARNING line per process;
+`--check` and `--force`.
 
-A fake compiler (a shell script writing the `-o` file) keeps these fast;
+A fake compiler (a shell script writing the `-o` file) keeps most of these
+fast; the FP16 checks compile one real kernel with `-fsyntax-only`, and
 tests/test_native_noise.py builds the real library.
 """
 
 import logging
 import os
 import pathlib
+import shutil
 import stat
 import subprocess
 import sys
@@ -22,18 +28,48 @@ from tf_pxg import native
 
 
 def _fake_compiler(tmp_path, sleep=0.0, warning=True):
+  """A compiler that writes "fake" to its `-o` file (counting each such
+  build in the returned file; other calls, e.g. flag probes, fail)."""
   script = tmp_path / "fake-cxx"
   count = tmp_path / "compilations"
   script.write_text(
       "#!/bin/sh\n"
       'out=""; prev=""\n'
       'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+      '[ -n "$out" ] || exit 1\n'
       f'echo x >> "{count}"\n'
       f"sleep {sleep}\n"
       + ("echo \"rows.cc:1:1: warning: unused variable 'x'\" >&2\n"
          if warning else "") +
       'printf fake > "$out"\n')
   script.chmod(0o755)
+  return str(script), count
+
+
+# What a broken compiler prints: pages of it, none of which may reach stderr.
+_COMPILER_NOISE = "PacketMathFP16.h:740:49: error: expected initializer"
+
+
+def _failing_compiler(tmp_path):
+  """A compiler whose builds fail with pages of output while the file
+  `fail` beside it exists (it counts them in `compilations`)."""
+  script = tmp_path / "failing-cxx"
+  count = tmp_path / "compilations"
+  script.write_text(
+      "#!/bin/sh\n"
+      'case " $* " in *" -o "*) ;; *) exit 1;; esac\n'
+      f'echo x >> "{count}"\n'
+      'out=""; prev=""\n'
+      'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+      f'if [ -e "{tmp_path / "fail"}" ]; then\n'
+      '  i=0; while [ $i -lt 200 ]; do\n'
+      f'    echo "In file included from x.h:$i: {_COMPILER_NOISE}" >&2\n'
+      '    i=$((i+1)); done\n'
+      "  exit 1\n"
+      "fi\n"
+      'printf fake > "$out"\n')
+  script.chmod(0o755)
+  (tmp_path / "fail").write_text("")
   return str(script), count
 
 
@@ -79,7 +115,7 @@ def test_first_use_warns_with_duration_and_compiler_warnings(
   log = path.with_suffix(".log").read_text()
   assert "warning: unused variable 'x'" in log  # no -w: warnings kept
   assert "-w" not in log.split()
-  assert "-w" not in native._FLAGS  # pylint: disable=protected-access
+  assert "-w" not in native.compile_command("g++", path)
   caplog.clear()
   with caplog.at_level(logging.WARNING):
     native.build(cache_dir=tmp_path / "cache")  # cached: silent
@@ -174,3 +210,240 @@ def test_cli_build_native(tmp_path, monkeypatch, capsys, tmpdir_env):
   assert cli.main(["tf-pxg", "build-native",
                    f"--cache_dir={tmp_path / 'other'}"]) == 1
   assert "build-native: error" in capsys.readouterr().err
+
+
+# Portable flags --------------------------------------------------------------
+
+_V3 = ("abm avx avx2 bmi1 bmi2 cx16 f16c fma lahf_lm movbe popcnt sse4_1 "
+       "sse4_2 ssse3 xsave")
+_V4 = _V3 + " avx512bw avx512cd avx512dq avx512f avx512vl"
+
+
+@pytest.mark.parametrize("machine,flags,level", [
+    ("x86_64", _V4 + " avx512fp16 amx_tile", "x86-64-v4"),
+    ("x86_64", _V4, "x86-64-v4"),
+    ("x86_64", _V3 + " avx512f", "x86-64-v3"),  # AVX-512F alone is not v4
+    ("x86_64", _V3, "x86-64-v3"),
+    ("x86_64", "cx16 lahf_lm popcnt sse4_1 sse4_2 ssse3", "x86-64-v2"),
+    ("x86_64", "", "baseline"),
+    ("aarch64", "fp asimd sve", "baseline"),
+])
+def test_isa_level_follows_the_cpu(monkeypatch, machine, flags, level):
+  monkeypatch.delenv("TF_PXG_NATIVE_ISA", raising=False)
+  monkeypatch.delenv("TF_PXG_NATIVE_FLAGS", raising=False)
+  monkeypatch.setattr(native.platform, "machine", lambda: machine)
+  monkeypatch.setattr(native, "_cpu_info",
+                      lambda: ("a CPU", frozenset(flags.split())))
+  assert native.isa() == level
+  command = native.compile_command("g++", pathlib.Path("lib.so"))
+  assert "-march=native" not in command
+  expected = [] if level == "baseline" else [f"-march={level}"]
+  assert [f for f in command if f.startswith("-march")] == expected
+  if machine != "x86_64":
+    assert "-mno-avx512fp16" not in command
+
+
+def test_isa_level_from_the_environment(monkeypatch):
+  monkeypatch.setenv("TF_PXG_NATIVE_ISA", "x86-64-v3")
+  assert native.isa() == "x86-64-v3"
+  monkeypatch.setenv("TF_PXG_NATIVE_ISA", "avx9000")
+  with pytest.raises(ValueError, match="TF_PXG_NATIVE_ISA=avx9000 is not "
+                     "one of baseline, x86-64-v2"):
+    native.isa()
+
+
+def test_the_library_name_keys_level_flags_compiler_and_cpu(
+    tmp_path, monkeypatch):
+  cxx, _ = _fake_compiler(tmp_path)
+  monkeypatch.delenv("TF_PXG_NATIVE_FLAGS", raising=False)
+  monkeypatch.setattr(native, "_cpu_info", lambda: ("cpu A", frozenset()))
+  v3 = native.library_name(cxx, "x86-64-v3")
+  assert v3.startswith("tf_pxg_ops-x86-64-v3-")
+  assert v3 == native.library_name(cxx, "x86-64-v3")
+  assert native.library_name(cxx, "x86-64-v4") != v3
+  # The CPU's model enters only where the code depends on it.
+  native_a = native.library_name(cxx, "native")
+  monkeypatch.setattr(native, "_cpu_info", lambda: ("cpu B", frozenset()))
+  assert native.library_name(cxx, "x86-64-v3") == v3
+  assert native.library_name(cxx, "native") != native_a
+  monkeypatch.setenv("TF_PXG_NATIVE_FLAGS", "-mtune=znver4")
+  assert native.library_name(cxx, "x86-64-v3") != v3
+  monkeypatch.delenv("TF_PXG_NATIVE_FLAGS")
+  pathlib.Path(cxx).write_text(pathlib.Path(cxx).read_text() + "\n# new\n")
+  assert native.library_name(cxx, "x86-64-v3") != v3  # an upgraded compiler
+
+
+def _syntax_check(cxx, level):
+  """`-fsyntax-only` of rows.cc (the smallest kernel, with TF's and Eigen's
+  headers) with the build's flags: (exit status, output)."""
+  command = native.compile_command(cxx, None, level,
+                                   files=[native.KERNELS / "rows.cc"])
+  assert command.index("-mavx512fp16") < command.index("-mno-avx512fp16")
+  done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+  return done.returncode, done.stdout + done.stderr
+
+
+def _knows_avx512fp16(cxx) -> bool:
+  return subprocess.run([cxx, "-mavx512fp16", "-x", "c++", "-fsyntax-only",
+                         "-"], input="", capture_output=True,
+                        timeout=60).returncode == 0
+
+
+def _compilers():
+  return [c for c in ("g++", "clang++") if shutil.which(c)]
+
+
+@pytest.mark.skipif(native.platform.machine() != "x86_64", reason="x86 only")
+@pytest.mark.parametrize("cxx", _compilers())
+def test_avx512fp16_is_neutralised(cxx, monkeypatch):
+  """Issue 30: with `__AVX512FP16__` defined (`-march=native` on an Intel
+  CPU with AVX512-FP16), TF's bundled Eigen does not compile with gcc 12.
+  Compile-only (the library would not run on a CPU without it): the old
+  flags plus `-mavx512fp16` reproduce the error where the compiler has it;
+  the build's flags compile with `-mavx512fp16` added (at this CPU's
+  level; `native` differs only in `-march`), since the guard comes last."""
+  if not _knows_avx512fp16(cxx):
+    pytest.skip(f"{cxx} does not know -mavx512fp16 (so cannot define "
+                "__AVX512FP16__)")
+  monkeypatch.setattr(native, "_probed", {})
+  monkeypatch.setenv("TF_PXG_NATIVE_FLAGS", "-mavx512fp16")
+  old = [cxx, str(native.KERNELS / "rows.cc"), "-fsyntax-only", "-O3",
+         "-march=native", "-fno-math-errno", "-mavx512fp16",
+         *native.tf.sysconfig.get_compile_flags()]
+  done = subprocess.run(old, capture_output=True, text=True, timeout=600)
+  if done.returncode != 0:  # gcc 12; newer compilers may parse it
+    assert "PacketMathFP16.h" in done.stderr, done.stderr[-2000:]
+  status, output = _syntax_check(cxx, native.isa())
+  assert status == 0, output[-3000:]
+  assert "PacketMathFP16" not in output
+
+
+# A failed build: recorded, one attempt, quiet -------------------------------
+
+_LOADER = """
+import os, sys, time, pathlib
+from tf_pxg import native
+ready, go = sys.argv[1:3]
+pathlib.Path(ready).write_text("")
+while not os.path.exists(go):
+  time.sleep(0.01)
+print("loaded" if native.library() is not None else "fallback")
+"""
+
+
+def _run_loaders(tmp_path, env, n, tag):
+  """Starts `n` processes together, each asking for `native.library()`;
+  returns their (stdout, stderr)."""
+  go = tmp_path / f"go-{tag}"
+  ready = [tmp_path / f"ready-{tag}{i}" for i in range(n)]
+  procs = [subprocess.Popen([sys.executable, "-c", _LOADER, str(r), str(go)],
+                            env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+           for r in ready]
+  deadline = time.monotonic() + 300
+  while not all(r.exists() for r in ready):
+    assert time.monotonic() < deadline
+    assert all(p.poll() is None for p in procs), [p.communicate()
+                                                  for p in procs]
+    time.sleep(0.05)
+  go.write_text("")
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs
+  return outs
+
+
+def _tf_pxg_lines(stderr):
+  return [l for l in stderr.splitlines() if "tf_pxg:" in l]
+
+
+def test_a_failing_compiler_is_tried_once_across_processes(tmp_path):
+  cxx, count = _failing_compiler(tmp_path)
+  env = dict(os.environ, CXX=cxx, TMPDIR=str(tmp_path),
+             TF_PXG_CACHE_DIR=str(tmp_path / "cache"))
+  env.pop("TF_PXG_NATIVE", None)
+  outs = _run_loaders(tmp_path, env, 3, "a") + _run_loaders(
+      tmp_path, env, 1, "b")  # three together, one later
+  assert count.read_text().count("x") == 1  # one attempt in total
+  for out, err in outs:
+    assert out.strip() == "fallback"
+    # The compiler's output goes to the log; the warning quotes its first
+    # error line, and nothing else of it reaches stderr.
+    (warning,) = [l for l in _tf_pxg_lines(err) if "unavailable" in l]
+    assert "x.h:0: " + _COMPILER_NOISE in warning
+    assert "x.h:1:" not in err and err.count(_COMPILER_NOISE) == 1
+    assert "tf-pxg build-native --force" in warning
+    assert "failing-cxx exited with status 1" in warning
+    assert "is recorded" in warning
+    # One line besides, in the one process that compiled.
+    assert len(_tf_pxg_lines(err)) <= 2, err
+  assert sum(len(_tf_pxg_lines(err)) == 2 for _, err in outs) == 1
+  (log,) = (tmp_path / "cache").glob("*.log")
+  assert log.read_text().count(_COMPILER_NOISE) == 200
+  (record,) = (tmp_path / "cache").glob("*.failed")
+  assert record.stem == log.stem
+
+
+def test_force_retries_a_recorded_failure(tmp_path, monkeypatch, capsys,
+                                          tmpdir_env):
+  del tmpdir_env
+  cxx, count = _failing_compiler(tmp_path)
+  monkeypatch.setenv("CXX", cxx)
+  cache = tmp_path / "cache"
+  with pytest.raises(native.BuildFailed, match="exited with status 1"):
+    native.build(cache_dir=cache)
+  (tmp_path / "fail").unlink()  # the compiler is fixed, its name unchanged
+  with pytest.raises(native.BuildFailed, match="is recorded"):
+    native.build(cache_dir=cache)  # not retried
+  assert cli.main(["tf-pxg", "build-native", f"--cache_dir={cache}"]) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "--force" in err
+  assert count.read_text().count("x") == 1
+  assert cli.main(["tf-pxg", "build-native", f"--cache_dir={cache}",
+                   "--force"]) == 0
+  path = pathlib.Path(capsys.readouterr().out.strip())
+  assert path.read_text() == "fake" and count.read_text().count("x") == 2
+  assert not list(cache.glob("*.failed"))
+  assert native.build(cache_dir=cache) == str(path)  # cached
+  assert native.build(cache_dir=cache, force=True) == str(path)  # rebuilt
+  assert count.read_text().count("x") == 3
+
+
+def test_check_names_each_op_and_why(tmp_path, monkeypatch, capsys,
+                                     tmpdir_env):
+  del tmpdir_env
+  ops = native.ops()
+  assert set(ops) == set(native.FALLBACKS)
+  assert "TfPxgConv2DFilterWeightedSum" in ops and len(ops) == 8
+  cxx, _ = _failing_compiler(tmp_path)
+  monkeypatch.setenv("CXX", cxx)
+  cache = tmp_path / "cache"
+
+  def check():
+    status = cli.main(["tf-pxg", "build-native", "--check",
+                       f"--cache_dir={cache}"])
+    return status, capsys.readouterr().out
+
+  status, out = check()
+  assert status == 1
+  assert "why: not built yet" in out
+  assert all(f"{op}" in out for op in ops)
+  assert out.count("fallback: ") == len(ops)
+  with pytest.raises(native.BuildFailed):
+    native.build(cache_dir=cache)
+  status, out = check()
+  assert status == 1 and "why: building tf_pxg_ops-" in out
+  assert "--force" in out
+  monkeypatch.setenv("TF_PXG_NATIVE", "0")
+  status, out = check()
+  assert status == 1 and "why: TF_PXG_NATIVE=0" in out
+  assert cli.main(["tf-pxg", "build-native", "--check", "--force"]) == 2
+
+
+def test_check_of_the_built_library(native_ops, capsys):
+  """On this machine (the `native_ops` fixture built the library) every op
+  is native."""
+  del native_ops
+  assert cli.main(["tf-pxg", "build-native", "--check"]) == 0
+  out = capsys.readouterr().out
+  assert out.count(" native\n") == len(native.ops()), out
+  assert "fallback:" not in out and "why:" not in out

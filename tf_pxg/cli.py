@@ -7,7 +7,7 @@
         --epochs=60 [--delta=1e-5] [--accountant=rdp] [--tolerance=1e-4] \\
         [--num_bands=1]
 
-    tf-pxg build-native [--cache_dir=DIR]
+    tf-pxg build-native [--cache_dir=DIR] [--force | --check]
 
 `epsilon` prints ε of a DP-SGD run (`tf_pxg.accounting.compute_epsilon`);
 `noise` prints the smallest noise multiplier that reaches a target ε
@@ -23,8 +23,13 @@ exits with status 2.
 
 `build-native` compiles tf_pxg's native CPU ops now (`tf_pxg.native.build`)
 instead of at their first use, e.g. in a container image's build, and
-prints the library's path; it exits with status 1 if the build fails (the
-fallback without them is in `tf_pxg.native`'s doc).
+prints the library's path; it exits with status 1 if the build fails (one
+line on stderr saying why; the compiler's output is in the log it names;
+the fallback without them is in `tf_pxg.native`'s doc). A failed build is
+remembered and not retried; `--force` builds again (also over a built
+library). `--check` builds nothing: it prints which ops run natively here
+and which fall back, what runs instead and why, and exits with status 0 if
+all are native, else 1.
 
 Each command parses its flags into its own `absl.flags.FlagValues`, so
 importing this module defines no global flags.
@@ -145,35 +150,51 @@ _HELP_ARGS = ("-h", "--help", "-help", "--helpshort", "--helpfull")
 
 _BUILD_NATIVE = "build-native"
 _BUILD_NATIVE_HELP = (
-    f"usage: {_PROG} {_BUILD_NATIVE} [--cache_dir=DIR]\n\n"
+    f"usage: {_PROG} {_BUILD_NATIVE} [--cache_dir=DIR] [--force | --check]\n\n"
     "Compile tf_pxg's native ops ahead of time (default cache directory:\n"
     "$TF_PXG_CACHE_DIR, else $XDG_CACHE_HOME/tf_pxg or ~/.cache/tf_pxg)\n"
-    "and print the library's path.")
+    "and print the library's path. A failed build is remembered, not\n"
+    "retried; --force builds again. --check builds nothing: it lists the\n"
+    "ops that run natively here and those that fall back, and why\n"
+    "(status 0 if all are native, else 1).")
+_BUILD_NATIVE_SWITCHES = ("--force", "--check")
 
 
 def _build_native(args: Sequence[str]) -> int:
-  """`tf-pxg build-native [--cache_dir=DIR]`."""
-  cache_dir = None
+  """`tf-pxg build-native [--cache_dir=DIR] [--force | --check]`."""
+  cache_dir, switches = None, set()
   for arg in args:
     if arg in _HELP_ARGS:
       print(_BUILD_NATIVE_HELP)
       return 0
     if arg.startswith("--cache_dir="):
       cache_dir = arg.split("=", 1)[1]
+    elif arg in _BUILD_NATIVE_SWITCHES:
+      switches.add(arg)
     else:
-      print(f"{_PROG} {_BUILD_NATIVE}: error: unexpected argument {arg!r}.",
-            file=sys.stderr)
-      return 2
+      return _build_native_usage(f"unexpected argument {arg!r}.")
+  if len(switches) > 1:
+    return _build_native_usage("give at most one of --force and --check.")
   import logging  # pylint: disable=import-outside-toplevel
   logging.getLogger().setLevel(logging.INFO)
   from tf_pxg import native  # pylint: disable=import-outside-toplevel  (TF)
+  if "--check" in switches:
+    all_native, lines = native.check(cache_dir=cache_dir)
+    print("\n".join(lines))
+    return 0 if all_native else 1
   try:
-    path = native.build(cache_dir=cache_dir)
-  except (OSError, native.subprocess.SubprocessError) as e:
-    print(f"{_PROG} {_BUILD_NATIVE}: error: {e}", file=sys.stderr)
+    path = native.build(cache_dir=cache_dir, force="--force" in switches)
+  except (OSError, ValueError, native.subprocess.SubprocessError) as e:
+    print(f"{_PROG} {_BUILD_NATIVE}: error: {_one_line(str(e))}",
+          file=sys.stderr)
     return 1
   print(path)
   return 0
+
+
+def _build_native_usage(message: str) -> int:
+  print(f"{_PROG} {_BUILD_NATIVE}: error: {message}", file=sys.stderr)
+  return 2
 
 
 def _usage() -> str:

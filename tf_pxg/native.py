@@ -10,10 +10,11 @@ The library (`kernels/*.cc`) holds:
   the compiler's vectoriser and shard them over TF's intra-op threads: less
   CPU per Gaussian than the XLA loop (the measured figures are in
   docs/benchmarks.md; `python -m benchmarks.limits`).
-* `TfPxgConv2DFilterSqNorm` (`kernels/conv_norms.cc`): per-example squared
-  norms of a 2-D convolution's filter gradient, accumulated in registers
-  from each example's input and output gradient, with no patch tensor
-  (`tf_pxg.rules.conv`).
+* `TfPxgConv2DFilterSqNorm`, `TfPxgConv2DFilterWeightedSum`
+  (`kernels/conv_norms.cc`): per-example squared norms and the
+  clip-weighted sum of a 2-D convolution's filter gradient, accumulated in
+  registers from each example's input and output gradient, with no patch
+  tensor (`tf_pxg.rules.conv`).
 * `TfPxgDepthwiseConv2DFilterSqNorm`, `TfPxgDepthwiseConv2DFilterWeightedSum`
   (`kernels/depthwise_norms.cc`): a depthwise convolution's per-example
   squared norms and clip-weighted filter gradient sum (`DepthwiseConv2dNative`
@@ -27,20 +28,50 @@ The library (`kernels/*.cc`) holds:
 
 Each user keeps a TF/XLA path for what the ops cannot serve (`serves`):
 code compiled with XLA (`jit_compile=True`, TPUs), accelerators, other
-dtypes, and machines without a compiler.
+dtypes, and machines where the library is not available (`FALLBACKS` names
+each op's; `tf-pxg build-native --check` prints which ops run natively
+here and why the others do not).
 
-The library is built once per machine: the installed TensorFlow's headers
-and flags (`tf.sysconfig`), `-O3 -march=native`, into a cache directory
-keyed by the sources, TensorFlow's version, the compiler and the CPU's
-features, then loaded with `tf.load_op_library`. Building takes tens of
-seconds of one core; the first use logs a WARNING that it is compiling and
-how long it took. `tf-pxg build-native` builds ahead of time (for
-container images: run it in the image, with the cache directory the
-program will use). A file lock (`fcntl`) around the build makes concurrent
-processes (the workers of a multi-worker job) build once; the others wait
-and load the result. The compiler's own output, warnings included, goes to
-`<library>.log` beside the library (its last lines are logged if the build
-fails).
+Portable build. The library is compiled with the installed TensorFlow's
+headers and flags (`tf.sysconfig`), `-O3 -fno-math-errno` and an
+instruction-set level chosen at run time from the CPU (`isa`), never
+`-march=native`: on x86-64 the highest of the psABI levels `x86-64-v2`
+(SSE4.2), `x86-64-v3` (AVX2, FMA) and `x86-64-v4` (AVX-512 F/BW/CD/DQ/VL)
+that the CPU has, elsewhere (aarch64, ...) the compiler's baseline. The
+kernels' register blocking (vector width, rows per block) is a compile-time
+constant of whole loops, so the wider path is chosen per library rather
+than per function: each level is its own library in the cache, and a
+machine loads the one of its own level. A library built on one machine
+(a container image) therefore runs on every CPU of the same level, and a
+CPU of another level builds or loads its own, never one with instructions
+it lacks. On x86 `-mno-avx512fp16` comes last whenever the compiler knows
+it (probed): with `__AVX512FP16__` defined, TensorFlow's bundled Eigen
+includes its FP16 packet math, which gcc 12 cannot compile (issue 30). The
+level `native` (`TF_PXG_NATIVE_ISA=native`) restores `-march=native` (with
+the same guard) for a library that need not leave its machine.
+
+Cache. The library goes into a cache directory, named by a digest of the
+sources, TensorFlow's version, the compiler (its path, size and date), the
+full command (flags included) and the level (the CPU's model and features
+too for `native`), then is loaded with `tf.load_op_library`. Building
+takes a minute or two of one core; the first use logs a WARNING that it
+is compiling and how long it took. `tf-pxg build-native` builds ahead of
+time (for container images: run it in the image, with the cache directory
+the program will use). A file lock (`fcntl`) around the build makes
+concurrent processes (the workers of a multi-worker job) build once; the
+others wait and load the result. The compiler's own output, warnings
+included, goes only to `<library>.log` beside the library.
+
+A failed build is remembered: `<library>.failed` records why (the first
+compiler error) under the same name, so no other process, now or later,
+retries the same compiler, flags, level and TensorFlow. Each process then
+logs one WARNING line saying why and that `tf-pxg build-native --force`
+retries, and uses the TF/XLA paths: the same results, at the cost measured
+in docs/benchmarks.md (DP noise by the XLA Threefry kernel, convolutions'
+per-example norms through patch tensors, row norms and clip scaling by
+TF's ops). Without a compiler (or with `TF_PXG_NATIVE=0`) the same
+fallbacks run, after one WARNING line per process (none for
+`TF_PXG_NATIVE=0`).
 
 Safety: the cache directory is created with mode 0700, and before a
 library is built into or loaded from a directory, the directory (and the
@@ -48,55 +79,111 @@ library) must belong to the current user and not be writable by group or
 others; otherwise that directory is not used (another local user could
 otherwise plant a library that `tf.load_op_library` runs).
 
-Without a compiler (or with `TF_PXG_NATIVE=0`), a failed build logs one
-warning with the compiler's message, and the TF/XLA paths are used: the
-same results, at the cost measured in docs/benchmarks.md (DP noise by the
-XLA Threefry kernel, convolutions' per-example norms through patch
-tensors, row norms and clip scaling by TF's ops).
-
 Environment:
   TF_PXG_NATIVE=0: never build or use the native ops.
   TF_PXG_CACHE_DIR: where the library goes (default
     `$XDG_CACHE_HOME/tf_pxg`, else `~/.cache/tf_pxg`).
   CXX: the C++ compiler (default the first of g++, c++, clang++ on PATH).
+  TF_PXG_NATIVE_ISA: the instruction-set level to build for instead of the
+    CPU's (`ISA_LEVELS`; e.g. `x86-64-v3` for a library that also runs on
+    AVX2 machines without AVX-512, or `native`).
+  TF_PXG_NATIVE_FLAGS: extra compiler flags (split on spaces), after the
+    level's and before the `-mno-avx512fp16` guard.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import pathlib
+import platform
+import re
 import shutil
 import stat
 import subprocess
 import tempfile
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
 from tf_pxg import xla
 
-__all__ = ["KERNELS", "OPTIMIZATION_FLAGS", "build", "compiler", "enabled",
-           "library", "serves", "sources"]
+__all__ = ["BuildFailed", "FALLBACKS", "ISA_LEVELS", "KERNELS",
+           "OPTIMIZATION_FLAGS", "build", "check", "check_safe",
+           "compile_command", "compiler", "enabled", "isa", "library",
+           "library_name", "optimization_flags", "ops", "serves", "sources"]
 
 KERNELS = pathlib.Path(__file__).with_name("kernels")
-# How the kernels are optimised (also for benchmarks/threefry_rounds.cc,
-# which times the sampling code outside TF), and what makes a loadable
-# library.
-OPTIMIZATION_FLAGS = ("-O3", "-march=native", "-fno-math-errno")
-_FLAGS = OPTIMIZATION_FLAGS + ("-shared", "-fPIC")
+# How the kernels are optimised, besides the instruction-set level
+# (`optimization_flags()` adds it, also for benchmarks/threefry_rounds.cc,
+# which times the sampling code outside TF).
+OPTIMIZATION_FLAGS = ("-O3", "-fno-math-errno")
+_LIBRARY_FLAGS = ("-shared", "-fPIC")
+# Last on x86 when the compiler knows it: `__AVX512FP16__` makes TF's
+# bundled Eigen include AVX512/PacketMathFP16.h, which gcc 12 cannot compile.
+_FP16_GUARD = "-mno-avx512fp16"
+
+# x86-64 psABI levels, lowest first, with the /proc/cpuinfo flags each adds
+# to the one before (`abm` is how Linux names LZCNT).
+_X86_LEVELS = (
+    ("x86-64-v2", ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2",
+                   "ssse3")),
+    ("x86-64-v3", ("abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma",
+                   "movbe", "xsave")),
+    ("x86-64-v4", ("avx512bw", "avx512cd", "avx512dq", "avx512f",
+                   "avx512vl")),
+)
+# What TF_PXG_NATIVE_ISA accepts: "baseline" is the compiler's default for
+# the machine (x86-64 with SSE2 on x86, armv8-a on aarch64).
+ISA_LEVELS = ("baseline",) + tuple(name for name, _ in _X86_LEVELS) + (
+    "native",)
+
+# What runs instead of each op when it is not native here (`check`).
+FALLBACKS = {
+    "TfPxgAddNormalNoise": "DP noise by the XLA Threefry kernel "
+                           "(tf_pxg.dp.threefry)",
+    "TfPxgNormalNoiseScatterAdd": "noise of sparse gradients by the XLA "
+                                  "Threefry kernel and a scatter-add",
+    "TfPxgConv2DFilterSqNorm": "conv norms through patch tensors (ghost or "
+                               "materialised)",
+    "TfPxgConv2DFilterWeightedSum": "TF's filter gradient of the "
+                                    "clip-scaled output gradient",
+    "TfPxgDepthwiseConv2DFilterSqNorm": "depthwise norms through patch "
+                                        "tensors",
+    "TfPxgDepthwiseConv2DFilterWeightedSum": "TF's filter gradient of the "
+                                             "clip-scaled output gradient",
+    "TfPxgRowSumOfSquares": "TF's Square and Sum",
+    "TfPxgScaleRows": "TF's broadcasting Mul (with a select for factor 0)",
+}
+
 _lock = threading.Lock()
 _loaded = {}
+
+
+class BuildFailed(OSError):
+  """The native ops could not be built, now or in an earlier process (the
+  failure is recorded in the cache); the message is one line saying why,
+  where the compiler's output is, and how to retry."""
 
 
 def sources() -> List[pathlib.Path]:
   """The library's C++ sources (`kernels/*.cc`), in a fixed order."""
   return sorted(KERNELS.glob("*.cc"))
+
+
+def ops() -> List[str]:
+  """The names of the ops the sources register (`REGISTER_OP`), sorted."""
+  names = set()
+  for source in sources():
+    names.update(re.findall(r'REGISTER_OP\("(\w+)"\)', source.read_text()))
+  return sorted(names)
 
 
 def enabled() -> bool:
@@ -109,11 +196,12 @@ def enabled() -> bool:
 def library():
   """The loaded op library (its ops as `tf_pxg_add_normal_noise`,
   `tf_pxg_normal_noise_scatter_add`, `tf_pxg_conv2d_filter_sq_norm`,
+  `tf_pxg_conv2d_filter_weighted_sum`,
   `tf_pxg_depthwise_conv2d_filter_sq_norm`,
   `tf_pxg_depthwise_conv2d_filter_weighted_sum`,
-  `tf_pxg_row_sum_of_squares`, `tf_pxg_scale_rows`), or
-  None if it is disabled or could not be built (a warning says why, once
-  per process)."""
+  `tf_pxg_row_sum_of_squares`, `tf_pxg_scale_rows`), or None if it is
+  disabled or not available (one WARNING line per process says why, and
+  how to retry)."""
   if not enabled():
     return None
   with _lock:
@@ -121,12 +209,13 @@ def library():
       _loaded["lib"] = None
       try:
         _loaded["lib"] = tf.load_op_library(build())
-      except (OSError, subprocess.SubprocessError,
+      except (OSError, ValueError, subprocess.SubprocessError,
               tf.errors.OpError) as e:
         logging.warning(
-            "tf_pxg: the native ops are unavailable, so DP noise uses the "
-            "XLA kernel (more CPU per Gaussian, see docs/benchmarks.md) and "
-            "convolutions' per-example norms use patch tensors. Why: %s", e)
+            "tf_pxg: the native ops are unavailable, so the TF/XLA "
+            "fallbacks run (same results, slower: docs/benchmarks.md; "
+            "`tf-pxg build-native --check` lists them). Why: %s",
+            _one_line(str(e)))
     return _loaded["lib"]
 
 
@@ -149,26 +238,140 @@ def compiler() -> str:
   """The C++ compiler: `$CXX`, else the first of g++, c++, clang++ on PATH.
 
   Raises:
-    OSError: If there is none.
+    OSError: If there is none, or `$CXX` names no executable.
   """
   cxx = os.environ.get("CXX")
   if cxx:
+    if shutil.which(cxx) is None:
+      raise OSError(f"CXX={cxx} is not an executable (install g++ or "
+                    "clang++, or set CXX to one)")
     return cxx
   for name in ("g++", "c++", "clang++"):
     found = shutil.which(name)
     if found:
       return found
-  raise OSError("no C++ compiler on PATH (install g++ or set CXX)")
+  raise OSError("no C++ compiler on PATH (install g++ or clang++, or set "
+                "CXX)")
 
 
-def _cpu_features() -> str:
-  """The CPU's model and feature flags (what `-march=native` depends on)."""
+def _cpu_info() -> Tuple[str, frozenset]:
+  """The CPU's model name and feature flags from /proc/cpuinfo (empty
+  where there is none)."""
   try:
     with open("/proc/cpuinfo") as f:
-      lines = [l for l in f if l.startswith(("model name", "flags"))]
-    return "".join(sorted(set(lines)))
+      lines = f.read().splitlines()
   except OSError:
-    return ""
+    return "", frozenset()
+  model = next((l.split(":", 1)[1].strip() for l in lines
+                if l.startswith("model name")), "")
+  flags = next((l.split(":", 1)[1].split() for l in lines
+                if l.startswith(("flags", "Features"))), [])
+  return model, frozenset(flags)
+
+
+def _is_x86() -> bool:
+  return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def isa() -> str:
+  """The instruction-set level the library is built for: `$TF_PXG_NATIVE_ISA`
+  if set, else on x86-64 the highest psABI level whose features the CPU
+  has (`x86-64-v2` .. `x86-64-v4`), else `baseline`.
+
+  Raises:
+    ValueError: `$TF_PXG_NATIVE_ISA` is not one of `ISA_LEVELS`.
+  """
+  chosen = os.environ.get("TF_PXG_NATIVE_ISA", "").strip()
+  if chosen:
+    if chosen not in ISA_LEVELS:
+      raise ValueError(f"TF_PXG_NATIVE_ISA={chosen} is not one of "
+                       f"{', '.join(ISA_LEVELS)}")
+    return chosen
+  if not _is_x86():
+    return "baseline"
+  _, have = _cpu_info()
+  level = "baseline"
+  for name, needs in _X86_LEVELS:
+    if not have.issuperset(needs):
+      break
+    level = name
+  return level
+
+
+def optimization_flags(level: Optional[str] = None) -> Tuple[str, ...]:
+  """`OPTIMIZATION_FLAGS` plus the level's (`isa()` unless given):
+  `-march=<level>` for an x86-64 psABI level, `-march=native` for
+  `native`, nothing for `baseline`; then `$TF_PXG_NATIVE_FLAGS`. Without
+  the FP16 guard (`_guard_flags`), which must come last."""
+  level = level or isa()
+  arch = () if level == "baseline" else (f"-march={level}",)
+  extra = tuple(os.environ.get("TF_PXG_NATIVE_FLAGS", "").split())
+  return OPTIMIZATION_FLAGS + arch + extra
+
+
+_probed = {}
+
+
+def _guard_flags(cxx: str) -> Tuple[str, ...]:
+  """`-mno-avx512fp16` on x86 if `cxx` accepts it (probed once per
+  compiler and process: gcc < 12 and clang < 14 do not know the flag, and
+  cannot define `__AVX512FP16__` either)."""
+  if not _is_x86():
+    return ()
+  if cxx not in _probed:
+    try:
+      done = subprocess.run(
+          [cxx, _FP16_GUARD, "-Werror", "-x", "c++", "-fsyntax-only", "-"],
+          input="", capture_output=True, text=True, timeout=60)
+      _probed[cxx] = done.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+      _probed[cxx] = False
+  return (_FP16_GUARD,) if _probed[cxx] else ()
+
+
+def compile_command(cxx: str, output: pathlib.Path, level: Optional[str] = None,
+                    guard: bool = True,
+                    files: Optional[List[pathlib.Path]] = None) -> List[str]:
+  """The command that builds the library (or, with `output` None and
+  `files`, checks their syntax only) with `cxx` for `level` (`isa()` unless
+  given); `guard=False` leaves out the FP16 guard (for its test)."""
+  files = sources() if files is None else files
+  target = ["-o", str(output), *_LIBRARY_FLAGS] if output else [
+      "-fsyntax-only"]
+  return ([cxx, *map(str, files), *target, *optimization_flags(level)] +
+          tf.sysconfig.get_compile_flags() +
+          (tf.sysconfig.get_link_flags() if output else []) +
+          list(_guard_flags(cxx) if guard else ()))
+
+
+def _compiler_identity(cxx: str) -> str:
+  """The compiler's resolved path, size and modification time (changes
+  when it is upgraded), without running it."""
+  path = os.path.realpath(shutil.which(cxx) or cxx)
+  try:
+    info = os.stat(path)
+  except OSError:
+    return path
+  return f"{path}:{info.st_size}:{info.st_mtime_ns}"
+
+
+def library_name(cxx: str, level: Optional[str] = None) -> str:
+  """The library's file name: the level and a digest of the sources,
+  TensorFlow's version, the compiler and the command (plus the CPU's model
+  and features for `native`, whose code depends on them)."""
+  level = level or isa()
+  digest = hashlib.sha256()
+  files = sorted(KERNELS.glob("*.[ch]*"))  # the ops and their headers
+  model, flags = _cpu_info() if level == "native" else ("", frozenset())
+  command = [cxx, *optimization_flags(level)] + (
+      tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
+  for part in (*(f.read_bytes() for f in files), tf.__version__.encode(),
+               " ".join(command).encode(),
+               _compiler_identity(cxx).encode(),
+               f"{model} {' '.join(sorted(flags))}".encode()):
+    digest.update(part)
+    digest.update(b"\0")
+  return f"tf_pxg_ops-{level}-{digest.hexdigest()[:20]}.so"
 
 
 def _cache_dir() -> pathlib.Path:
@@ -179,51 +382,46 @@ def _cache_dir() -> pathlib.Path:
   return pathlib.Path(base) / "tf_pxg"
 
 
-def _command(cxx: str, output: pathlib.Path) -> List[str]:
-  return ([cxx, *map(str, sources()), "-o", str(output), *_FLAGS] +
-          tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
-
-
-def build(cache_dir: Optional[pathlib.Path] = None) -> str:
+def build(cache_dir: Optional[pathlib.Path] = None, force: bool = False) -> str:
   """Compiles the library unless the cache has it; returns its path.
 
   Concurrent builds (several processes of a multi-worker job) build once:
   the build holds an exclusive `fcntl` lock on `<library>.lock`, and a
-  process that waited for it finds the library built. The compiler writes
-  to a file of its own, renamed into place atomically.
+  process that waited for it finds the library built, or the failure
+  recorded. The compiler writes to a file of its own, renamed into place
+  atomically.
 
   The library goes to `cache_dir` (default: see the module doc), or, if
   that cannot be created or written or is not safe (`check_safe`), to
   `$TMPDIR/tf_pxg-<uid>` (created with mode 0700).
 
+  Args:
+    cache_dir: Where the library goes.
+    force: Build again even if the cache has the library or a recorded
+      failure (`tf-pxg build-native --force`).
+
   Raises:
     OSError: No compiler was found, or no cache directory is writable and
       safe (the message says why for each).
-    subprocess.CalledProcessError: The compiler failed (its message is in
-      the exception's `stderr` and string).
+    BuildFailed: The compiler failed, now or in an earlier process with the
+      same compiler, flags, level and TensorFlow (one line: why, the log,
+      how to retry).
   """
   cxx = compiler()
-  cache_dir = pathlib.Path(cache_dir or _cache_dir())
-  digest = hashlib.sha256()
-  files = sorted(KERNELS.glob("*.[ch]*"))  # the ops and their headers
-  for part in (*(f.read_bytes() for f in files), tf.__version__.encode(),
-               " ".join(_command(cxx, pathlib.Path("out"))).encode(),
-               _cpu_features().encode()):
-    digest.update(part)
-    digest.update(b"\0")
-  name = f"tf_pxg_ops-{digest.hexdigest()[:20]}.so"
+  name = library_name(cxx)
   reasons = []
-  for directory in _candidates(cache_dir):
+  for directory in _candidates(pathlib.Path(cache_dir or _cache_dir())):
     problem = _prepare(directory)
     if problem:
       reasons.append(problem)
       continue
     output = directory / name
-    if output.exists():
-      check_safe(output)
+    if not force and _cached(output):
       return str(output)
     with _locked(output.with_suffix(".lock")):
-      if not output.exists():  # Another process may have built it meanwhile.
+      if force:
+        _forget(output)
+      if not _cached(output):  # Another process may have built it meanwhile.
         _compile(cxx, output)
     check_safe(output)
     return str(output)
@@ -232,21 +430,51 @@ def build(cache_dir: Optional[pathlib.Path] = None) -> str:
                 "; ".join(reasons))
 
 
+def _cached(output: pathlib.Path) -> bool:
+  """True if the library is built (and safe); False if it is not.
+
+  Raises:
+    BuildFailed: A failure of this build is recorded.
+    OSError: The library is not safe to load (`check_safe`).
+  """
+  if output.exists():
+    check_safe(output)
+    return True
+  record = _failure_record(output)
+  if record.exists():
+    check_safe(record)
+    try:
+      reason = json.loads(record.read_text())["message"]
+    except (ValueError, KeyError, OSError):
+      reason = f"the build failed earlier (recorded in {record})"
+    raise BuildFailed(reason)
+  return False
+
+
+def _failure_record(output: pathlib.Path) -> pathlib.Path:
+  return output.with_suffix(".failed")
+
+
+def _forget(output: pathlib.Path) -> None:
+  """Removes the library and its recorded failure (`force`)."""
+  for path in (output, _failure_record(output)):
+    if path.exists():
+      path.unlink()
+
+
 def _compile(cxx: str, output: pathlib.Path) -> None:
+  """Builds the library into `output`, the compiler's output into
+  `<library>.log` only; on failure records it (`<library>.failed`) and
+  raises BuildFailed."""
   partial = output.with_name(f"{output.stem}.{os.getpid()}.partial.so")
   log = output.with_suffix(".log")
   logging.warning(
-      "tf_pxg: compiling the native ops once for this machine and "
-      "TensorFlow (tens of seconds) into %s; `tf-pxg build-native` does this "
-      "ahead of time.", output)
+      "tf_pxg: compiling the native ops once for this CPU level (%s), "
+      "compiler and TensorFlow (a minute or two) into %s; `tf-pxg "
+      "build-native` does this ahead of time.", isa(), output)
   start = time.monotonic()
   try:
-    done = subprocess.run(_command(cxx, partial), capture_output=True,
-                          text=True, timeout=600)
-    _write_private(log, f"$ {' '.join(done.args)}\n{done.stdout}"
-                   f"{done.stderr}exit {done.returncode}\n")
-    if done.returncode != 0:
-      raise _BuildError(done.returncode, done.args, done.stdout, done.stderr)
+    done = _run_compiler(cxx, partial, output, log)
     os.chmod(partial, 0o700)
     os.replace(partial, output)
   finally:
@@ -260,6 +488,49 @@ def _compile(cxx: str, output: pathlib.Path) -> None:
                   time.monotonic() - start, len(warnings), len(own), log)
   for line in own:
     logging.warning("tf_pxg: %s", line)
+
+
+def _run_compiler(cxx: str, partial: pathlib.Path, output: pathlib.Path,
+                  log: pathlib.Path) -> subprocess.CompletedProcess:
+  """Runs the build command (into `partial`), writing its output to `log`;
+  records the failure of `output` and raises BuildFailed unless it
+  succeeds."""
+  command = compile_command(cxx, partial)
+  try:
+    done = subprocess.run(command, capture_output=True, text=True,
+                          timeout=1200)
+  except (OSError, subprocess.SubprocessError) as e:
+    _write_private(log, f"$ {' '.join(command)}\n{e}\n")
+    _fail(output, f"running {cxx} failed: {_one_line(str(e))}", log)
+  _write_private(log, f"$ {' '.join(done.args)}\n{done.stdout}"
+                 f"{done.stderr}exit {done.returncode}\n")
+  if done.returncode != 0:
+    _fail(output, f"{os.path.basename(cxx)} exited with status "
+          f"{done.returncode}: {_first_error(done.stdout + done.stderr)}",
+          log)
+  return done
+
+
+def _fail(output: pathlib.Path, why: str, log: pathlib.Path) -> None:
+  """Records a failed build of `output` and raises BuildFailed."""
+  message = (f"building {output.name} failed ({why}; the compiler's output "
+             f"is in {log}). The failure is recorded for this compiler, its "
+             "flags, this CPU level and TensorFlow, so no process retries "
+             "it; `tf-pxg build-native --force` does.")
+  _write_private(_failure_record(output),
+                 json.dumps({"message": message, "time": time.time()}))
+  raise BuildFailed(message)
+
+
+def _first_error(text: str) -> str:
+  """The compiler's first error line (`...: error: ...`), or its last line."""
+  lines = [l.strip() for l in text.splitlines() if l.strip()]
+  errors = [l for l in lines if "error:" in l]
+  return _one_line((errors or lines or ["no output"])[0])[:300]
+
+
+def _one_line(text: str) -> str:
+  return " ".join(text.split())
 
 
 def _write_private(path: pathlib.Path, text: str) -> None:
@@ -323,13 +594,74 @@ def check_safe(path: pathlib.Path) -> None:
                   "TF_PXG_CACHE_DIR)")
 
 
-class _BuildError(subprocess.CalledProcessError):
+def check(cache_dir: Optional[pathlib.Path] = None) -> Tuple[bool, List[str]]:
+  """Which ops run natively in this environment and, for each other, what
+  runs instead and why (`tf-pxg build-native --check`). Loads the library
+  if it is built; never builds it.
 
-  def __str__(self):
-    tail = "\n".join((self.stderr or "").strip().splitlines()[-15:])
-    names = ", ".join(f.name for f in sources())
-    return (f"compiling {names} failed (exit {self.returncode}):\n"
-            f"{tail}")
+  Returns:
+    (whether every op is native, the report's lines).
+  """
+  lines, why, lib = _availability(cache_dir)
+  for op in ops():
+    if lib is not None and hasattr(lib, op):
+      lines.append(f"  {op:<38} native")
+    else:
+      lines.append(f"  {op:<38} fallback: {FALLBACKS.get(op, 'TF ops')}")
+      why = why or (f"{op} is not in the library (`tf-pxg build-native "
+                    "--force` rebuilds it)")
+  if why:
+    lines.append(f"why: {why}")
+  lines.append("(code compiled with XLA, GPUs/TPUs and dtypes an op does "
+               "not take use the fallbacks anyway)")
+  return not why, lines
+
+
+def _availability(cache_dir) -> Tuple[List[str], Optional[str], object]:
+  """(header lines, why the ops are not native or None, the loaded library
+  or None), without building."""
+  if not enabled():
+    return ["tf_pxg native ops: switched off"], (
+        "TF_PXG_NATIVE=0 (or false/no/off) is set"), None
+  try:
+    cxx = compiler()
+    level = isa()
+  except (OSError, ValueError) as e:
+    return ["tf_pxg native ops: no build possible"], str(e), None
+  header = [f"tf_pxg native ops: level {level}, compiler {cxx} "
+            f"({_compiler_version(cxx)}), TensorFlow {tf.__version__}"]
+  path = _locate(pathlib.Path(cache_dir or _cache_dir()),
+                 library_name(cxx, level))
+  if path is None:
+    return header, "no usable cache directory (set TF_PXG_CACHE_DIR)", None
+  header.append(f"library: {path}")
+  try:
+    if not _cached(path):
+      return header, ("not built yet: the first use in a process compiles "
+                      "it (a minute or two of one core); `tf-pxg "
+                      "build-native` does it now"), None
+    return header, None, tf.load_op_library(str(path))
+  except (OSError, tf.errors.OpError) as e:
+    return header, _one_line(str(e)), None
+
+
+def _compiler_version(cxx: str) -> str:
+  """The first line of `cxx --version`, or why there is none."""
+  try:
+    done = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                          timeout=60)
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"--version failed: {_one_line(str(e))}"
+  return (done.stdout.strip().splitlines() or ["unknown version"])[0]
+
+
+def _locate(cache_dir: pathlib.Path, name: str) -> Optional[pathlib.Path]:
+  """Where `build` puts library `name`: in the first usable candidate
+  directory (None if none is)."""
+  for directory in _candidates(cache_dir):
+    if _prepare(directory) is None:
+      return directory / name
+  return None
 
 
 @tf.RegisterGradient("TfPxgAddNormalNoise")
