@@ -226,8 +226,11 @@ def _randomize_lora(layer, rng):
 
 
 # "taps": a depthwise convolution's norms under XLA, tap by tap
-# (`tf_pxg.rules.conv._DepthwiseTaps`; native outside XLA).
+# (`tf_pxg.rules.conv._DepthwiseTaps`; native outside XLA, or without the
+# native ops the patch path, which materialises). "taps|ghost": the same,
+# for sizes where the patch path takes the ghost form.
 M, G, T = "materialised", "ghost", "taps"
+T_OR_G = "taps|ghost"
 BIAS = {"BiasAdd": "BiasAddRule/materialised"}
 
 LAYER_CASES = [
@@ -480,11 +483,11 @@ RAW_CASES += [
                                        padding="VALID"), (3, 2, 2, 4),
              [(2, 2, 2, 4, 16)], sq=G),
     # (Depthwise convolutions take the taps under XLA whatever the sizes;
-    # test_norm_chunks checks this case's ghost form on the patch path.)
+    # the patch path, without the native ops, the ghost form.)
     raw_case("DepthwiseConv2dNative_VALID_ghost", ["DepthwiseConv2dNative"],
              lambda x, w: tf.raw_ops.DepthwiseConv2dNative(
                  input=x, filter=w, strides=[1, 1, 1, 1], padding="VALID"),
-             (4, 4, 2), [(3, 3, 2, 16)], sq=T),
+             (4, 4, 2), [(3, 3, 2, 16)], sq=T_OR_G),
     raw_case("Conv2DBackpropInput_SAME_strides2_ghost", ["Conv2DBackpropInput"],
              lambda x, w: tf.nn.conv2d_transpose(
                  x, w, tf.stack([tf.shape(x)[0], 4, 4, 8]), strides=2,
@@ -702,15 +705,15 @@ def _declared_form(case: Case, op: str, form: str, mode: str,
   """The squared-norm form `op` must take in `mode` and `dtype`: the
   declared one (what XLA runs), except outside XLA for the convolutions a
   native op serves (`NATIVE_SQ_NORM`): "native" where the library loads,
-  else the patch path, which materialises the small filters of the
-  depthwise convolutions declared "taps" (taps are XLA's form only).
-  With `TF_PXG_NATIVE=0` (or no compiler) the table thus checks the
-  fallbacks the native ops replace."""
+  else the patch path's (for "taps": materialised; for "taps|ghost":
+  ghost). With `TF_PXG_NATIVE=0` (or no compiler) the table thus checks
+  the fallbacks the native ops replace."""
+  xla_form, _, patch_form = form.partition("|")
   if not form or mode == "jit" or op not in NATIVE_SQ_NORM:
-    return form
+    return xla_form
   if dtype in (F32, F64) and case.without_rule is None and _native_ops():
     return "native"
-  return M if form == T else form
+  return patch_form or (M if xla_form == T else xla_form)
 
 
 # Rule calls that compute a parameter's squared norms (the second for the

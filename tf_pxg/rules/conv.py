@@ -61,6 +61,15 @@ def _to_channels_last(ctx, t):
   return t
 
 
+def _grouped_float64(ctx) -> bool:
+  """A float64 convolution with groups (input channels != the filter's),
+  whose filter gradient TF's CPU kernels do not compute."""
+  x, filt = ctx.inputs[0], ctx.inputs[1]
+  channels = _to_channels_last(ctx, x).shape[-1]
+  return (x.dtype == tf.float64 and channels is not None and
+          int(channels) != int(filt.shape[-2]))
+
+
 def _spatial(ctx, name, rank):
   """The spatial entries of a per-axis attr (strides/dilations), channels-last."""
   v = list(ctx.attr(name, [1] * rank))
@@ -230,8 +239,10 @@ class _PatchContraction(base.Rule):
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept;
     else TF's filter gradient with dz scaled per example; for dilations > 1
-    the patch contraction instead, as some CPU builds have no dilated
-    `Conv*BackpropFilter/Input` kernel (float64, or without oneDNN)."""
+    and for grouped float64 convolutions the patch contraction instead, as
+    some CPU builds have no dilated `Conv*BackpropFilter/Input` kernel
+    (float64, or without oneDNN) and TF's CPU kernels no grouped float64
+    one (the native ops serve the latter where they load)."""
     if not self.supported(ctx):  # the defaults' sq_norm and weighted sum
       return super().weighted_sum(ctx, c)
     kept = base.take_per_example(ctx)
@@ -248,7 +259,7 @@ class _PatchContraction(base.Rule):
       return tf.cast(tf.reshape(taps.weighted_sum(c), ctx.param_shape),
                      ctx.param_dtype)
     rates = _spatial(ctx, "dilations", ctx.dz.shape.rank)
-    if all(r == 1 for r in rates):
+    if all(r == 1 for r in rates) and not _grouped_float64(ctx):
       return super().weighted_sum(ctx, c)
     spec, data, dz, to_param = self.operands(ctx,
                                              *self.example_operands(ctx))
