@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tf_pxg import audit
 from tf_pxg.audit import CanaryScoreAuditor
 from tf_pxg.audit import one_run_epsilon
 from tf_pxg.audit import one_run_p_value
@@ -299,3 +300,147 @@ def test_errors_say_what_to_do():
     auditor.tpr_at_fpr(1.5)
   with pytest.raises(ValueError, match="v <= r <= m"):
     one_run_p_value(5, 6, 1, 1.0)
+
+
+# The Gaussian f-DP one-run bound and the threshold strategies -------------------
+#
+# Reference numbers: jax-privacy 2.0.0 (the PyPI wheel; its
+# jax_privacy/auditing.py has sha256 7dfd026f...accd04), computed once on
+# 2026-12-02 by loading that file alone with dp-accounting 0.6.0, NumPy and
+# SciPy (no JAX needed), outside this repository:
+#   * per rule: `auditing._epsilon_one_run_fdp(0, m, r, v, a, delta)`;
+#   * on scores: for our label-independent family, the maximum of that
+#     function over the tie-complete top sets {s >= t} at a = 0.05 / m; for
+#     one threshold t, `CanaryScoreAuditor(s_in, s_out).epsilon_one_run_fdp(
+#     0.05, delta, threshold_strategy=Explicit(t))` and the same with
+#     `epsilon_one_run` (the ε-DP bound).
+# jax-privacy is not a dependency: only these numbers are kept.
+
+_JAXP_RULES = [  # (m, r, v, a, delta) -> bound
+    ((200, 50, 48, 0.05 / 200, 1e-5), 1.6009367650319093),
+    ((1000, 300, 280, 5e-5, 1e-5), 2.039430934421148),
+    ((100, 10, 10, 0.05, 1e-6), 1.8448412802791523),
+    ((500, 250, 200, 0.01, 1e-3), 1.0709136479064636),
+    ((50, 20, 15, 0.05, 1e-5), 0.27936897246080955),
+]
+
+# (seed, n_in, n_out, shift, delta): family f-DP, Explicit(median of s_in)
+# f-DP, Explicit ε-DP.
+_JAXP_SCORES = [
+    ((0, 100, 100, 2.0, 1e-5), 2.608975, 5.120929, 2.779048),
+    ((1, 250, 250, 3.0, 1e-5), 3.368374, 5.776906, 3.248333),
+    ((2, 500, 500, 1.0, 1e-5), 0.989399, 1.34731, 0.803263),
+    ((3, 60, 40, 4.0, 1e-6), 3.401871, 4.820057, 2.253369),
+    ((4, 200, 200, 0.0, 1e-5), 0.0, 0.0, 0.0),
+    ((5, 1000, 1000, 2.5, 1e-5), 4.061275, 6.671836, 3.979841),
+]
+
+
+def _rounded_scores(seed, n_in, n_out, shift):
+  rng = np.random.default_rng(seed)
+  return (np.round(rng.normal(shift, 1.0, n_in), 3),
+          np.round(rng.normal(0.0, 1.0, n_out), 3))
+
+
+@pytest.mark.parametrize("args,want", _JAXP_RULES)
+def test_fdp_rule_equals_jax_privacy(args, want):
+  assert audit.one_run_epsilon_fdp(*args) == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.parametrize("case,family,explicit,explicit_eps", _JAXP_SCORES)
+def test_fdp_on_scores_equals_jax_privacy(case, family, explicit,
+                                          explicit_eps):
+  seed, n_in, n_out, shift, delta = case
+  s_in, s_out = _rounded_scores(seed, n_in, n_out, shift)
+  auditor = CanaryScoreAuditor(s_in, s_out)
+  t = audit.Explicit(float(np.median(s_in)))
+  assert auditor.epsilon_one_run_fdp(0.05, delta) == pytest.approx(
+      family, abs=2e-6)
+  assert auditor.epsilon_one_run_fdp(
+      0.05, delta, threshold_strategy=t) == pytest.approx(explicit, abs=2e-6)
+  assert auditor.epsilon_one_run(
+      0.05, delta, threshold_strategy=t) == pytest.approx(explicit_eps,
+                                                          abs=2e-6)
+
+
+def test_fdp_is_tighter_than_epsilon_dp_for_gaussian_scores():
+  s_in, s_out = _rounded_scores(1, 250, 250, 3.0)
+  auditor = CanaryScoreAuditor(s_in, s_out)
+  assert auditor.epsilon_one_run_fdp(0.05, 1e-5) > auditor.epsilon_one_run(
+      0.05, 1e-5) > 0
+
+
+def test_fdp_bound_holds_for_the_gaussian_mechanism():
+  """The claim is true (scores of a μ(ε, δ)-GDP mechanism, the worst case
+  of the claim): the bound must stay below ε in at least 1 - significance
+  of the runs. 40 seeded runs at significance 0.1: the bound exceeded ε in
+  none of them (Binomial(40, 0.1) would exceed 12 with probability < 1e-3)."""
+  eps, delta = 2.0, 1e-5
+  mu = audit.gaussian_mu(eps, delta)
+  over = 0
+  for seed in range(40):
+    rng = np.random.default_rng(seed)
+    member = rng.random(200) < 0.5
+    scores = rng.standard_normal(200) + mu * member
+    auditor = CanaryScoreAuditor(scores[member], scores[~member])
+    over += auditor.epsilon_one_run_fdp(
+        0.1, delta, threshold_strategy=audit.Split(seed=seed)) > eps
+  assert over <= 12
+
+
+def test_gaussian_mu_and_profile():
+  mu = audit.gaussian_mu(1.0, 1e-5)
+  from tf_pxg.audit import fdp  # noqa: PLC0415
+  assert fdp.gaussian_delta(mu, 1.0) == pytest.approx(1e-5, rel=1e-6)
+  assert audit.gaussian_mu(2.0, 1e-5) > mu
+
+
+def test_gdp_covers():
+  import dp_accounting  # noqa: PLC0415
+  event = dp_accounting.GaussianDpEvent(2.0)       # exactly 0.5-GDP
+  # The Gaussian mechanism's own (ε, δ) claim: covered; a claim of a
+  # smaller ε (a stronger claim than the mechanism meets): not covered.
+  eps_true = dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(
+      1e-5)
+  assert audit.gdp_covers(event, eps_true * 1.01, 1e-5)
+  assert not audit.gdp_covers(event, eps_true * 0.8, 1e-5)
+
+
+def test_split_strategies():
+  s_in, s_out = _rounded_scores(1, 250, 250, 3.0)
+  auditor = CanaryScoreAuditor(s_in, s_out)
+  for bound in (auditor.epsilon_one_run, auditor.epsilon_one_run_fdp):
+    split = bound(0.05, 1e-5, threshold_strategy=audit.Split(seed=3))
+    again = bound(0.05, 1e-5, threshold_strategy=audit.Split(seed=3))
+    multi = bound(0.05, 1e-5, threshold_strategy=audit.MultiSplit(
+        num_samples=5, seed=3))
+    assert split == again > 0 and multi > 0
+  # Scores that carry no information: nothing refuted.
+  s_in, s_out = _rounded_scores(4, 200, 200, 0.0)
+  null = CanaryScoreAuditor(s_in, s_out)
+  assert null.epsilon_one_run_fdp(
+      0.05, 1e-5, threshold_strategy=audit.MultiSplit(num_samples=5,
+                                                      seed=0)) == 0.0
+
+
+def test_partition_is_label_independent():
+  from tf_pxg.audit import thresholds  # noqa: PLC0415
+  a, b = thresholds.partition(10, 0.5, np.random.default_rng(0))
+  assert sorted(np.r_[a, b]) == list(range(10)) and len(a) == 5
+  a, _ = thresholds.partition(3, 0.01, np.random.default_rng(0))
+  assert len(a) == 1       # at least one canary on each side
+
+
+def test_strategy_errors():
+  auditor = CanaryScoreAuditor([1.0, 2.0], [0.0, 0.5])
+  with pytest.raises(ValueError, match="threshold_strategy must be"):
+    auditor.epsilon_one_run(threshold_strategy="split")
+  with pytest.raises(ValueError, match="threshold_estimation_frac"):
+    auditor.epsilon_one_run(threshold_strategy=audit.Split(1.5))
+  with pytest.raises(ValueError, match="num_samples"):
+    auditor.epsilon_one_run(threshold_strategy=audit.MultiSplit(0))
+  with pytest.raises(ValueError, match="Bonferroni"):
+    auditor.epsilon_one_run(one_sided=False,
+                            threshold_strategy=audit.Split())
+  with pytest.raises(ValueError, match="never"):
+    auditor.epsilon_one_run_fdp(0.05, 0.0)

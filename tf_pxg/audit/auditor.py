@@ -64,7 +64,8 @@ labels; K = m is larger, so our bound is at most that much smaller:
 additively about `ln(m / frontier) / r` in q's log-odds.)
 
 **Other threshold strategies** (`tf_pxg.audit.thresholds`: `Explicit`,
-`Split`, `MultiSplit`, each with its validity argument) choose one
+`TopFraction`, `Split`, `MultiSplit`, each with its validity argument)
+choose one
 one-sided rule instead of paying for a family.
 
 **The Gaussian f-DP bound** (`epsilon_one_run_fdp`, Mahloujifar, Melis and
@@ -273,8 +274,9 @@ class CanaryScoreAuditor:
     `one_run_epsilon(m, r, v, significance / K, delta)` over the guess rules
     of the module docstring (one-sided: "in" for the top scores, K = m;
     two-sided: "in" for the top and "out" for the bottom k, K = ⌊m/2⌋).
-    `Explicit`, `Split` and `MultiSplit` (`tf_pxg.audit.thresholds`, each
-    with its validity argument) test one-sided rules. With probability at
+    `Explicit`, `TopFraction`, `Split` and `MultiSplit`
+    (`tf_pxg.audit.thresholds`, each with its validity argument) test
+    one-sided rules. With probability at
     least `1 - significance` over the canaries' inclusion (and the training
     randomness), a mechanism that is (ε, δ)-DP in each canary gives a bound
     ≤ ε.
@@ -349,6 +351,9 @@ class CanaryScoreAuditor:
     if isinstance(strategy, thresholds.Explicit):
       return self._at_threshold(bound, significance, delta,
                                 strategy.threshold)
+    if isinstance(strategy, thresholds.TopFraction):
+      return self._top_fraction(bound, significance, delta,
+                                strategy.fraction)
     frac = strategy.threshold_estimation_frac
     rng = np.random.default_rng(strategy.seed)
     if isinstance(strategy, thresholds.Split):
@@ -389,6 +394,16 @@ class CanaryScoreAuditor:
       if eps > best:
         best, best_threshold = eps, threshold
     return best, best_threshold
+
+  def _top_fraction(self, bound, level, delta, fraction):
+    """The bound of the rule "in for the largest tie-complete top set of
+    at most max(1, floor(fraction m)) canaries" at `level`."""
+    k = max(1, int(math.floor(fraction * self.m)))
+    j = np.searchsorted(self._cuts, k, side="right") - 1
+    if j < 0:  # the top score's ties alone exceed k: no guess
+      return 0.0
+    r, v = int(self._cuts[j]), int(self._top_in[j])
+    return bound(self.m, r, v, level, delta) if v else 0.0
 
   def _at_threshold(self, bound, level, delta, threshold):
     """The bound of the single rule "in if s ≥ threshold" at `level`."""

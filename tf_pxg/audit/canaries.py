@@ -33,16 +33,33 @@ final model (black box), so a canary is an input and a label:
 * `mislabelled`: real inputs with a wrong label. The other examples of the
   true class pull against the canary, so it is memorised only late and
   partly.
-* Gradient ("Dirac") canaries, which put a chosen gradient into one
-  coordinate at every step, give the tightest bounds in Steinke et al.
-  but need access to the training step's gradients, not the model's
-  inputs; they are not offered here.
 
-**Scores.** `score="loss"` scores a canary by minus its loss under the
-final model; `score="loss_change"` by its loss before training minus its
-loss after (removes each canary's own starting point). Higher means
-"looks included". The loss is the model's compiled loss per example
-(`tf_pxg.keras.losses.per_example_losses`).
+**Gradient canaries** (`CanaryCallback.gradient`, white box): per-example
+gradients set directly inside the train step (a Dirac vector on a random
+coordinate, or a random direction, of norm ≥ C), each canary "in" with
+probability 1/2 and then Poisson-sampled into logical steps as an example
+is. They audit the mechanism (clip, noise, sampling, accounting), not the
+model's memorisation: see `tf_pxg.audit.gradient_canaries`. Nothing is
+inserted into the data; the accountant's N and q are the data's. The score
+is the released update's projection on the canary's direction, read from
+the weights after every logical step: with plain SGD (no momentum) the
+weight change is `-lr` times the released noisy mean gradient, so the
+projection is exactly the released gradient's; with another optimizer it is
+a post-processing of it (still a valid score, a weaker one).
+
+**Scores.** Input canaries: `score="loss"` scores a canary by minus its
+loss under the final model; `score="loss_change"` by its loss before
+training minus its loss after (removes each canary's own starting point).
+The loss is the model's compiled loss per example
+(`tf_pxg.keras.losses.per_example_losses`). Gradient canaries:
+`score="sum"` is `Σ_t x_t`, the projections summed over the logical steps;
+`score="likelihood"` is `Σ_t log(1 - q + q exp(μ₁ z_t - μ₁²/2))`, the
+log-likelihood ratio of a Poisson-sampled Gaussian step under the claim
+(μ₁ = 1/σ: a clipped canary of norm C against noise σC; `z_t = x_t` over
+the projections' standard deviation), which weighs the steps where a
+canary stands out. Any score is valid (a function of the released
+updates); the likelihood is the most powerful one against the claimed
+mechanism. Higher means "looks included".
 """
 
 from __future__ import annotations
@@ -52,38 +69,62 @@ from typing import Optional, Sequence
 import keras
 import numpy as np
 
+from tf_pxg.audit import gradient_canaries as gc
 from tf_pxg.audit.auditor import CanaryScoreAuditor
 
 __all__ = ["CanaryCallback"]
 
 _SCORES = ("loss", "loss_change")
+_GRADIENT_SCORES = ("sum", "likelihood")
 
 
 class CanaryCallback(keras.callbacks.Callback):
   """m canaries, each included with probability 1/2, scored after `fit`.
 
   Args:
-    x, y: the m canaries (arrays with the data's structure; `y` labels).
-    score: "loss" (minus the final loss) or "loss_change" (initial minus
-      final loss).
+    x, y: the m input canaries (arrays with the data's structure; `y`
+      labels); or None with `gradient`.
+    gradient: `tf_pxg.audit.gradient_canaries.GradientCanaries` instead of
+      inputs (made by `CanaryCallback.gradient`).
+    score: input canaries: "loss" (minus the final loss) or "loss_change"
+      (initial minus final loss); gradient canaries: "sum" or
+      "likelihood" (module docstring).
     seed: seeds the inclusion coin flips (tests); default OS entropy.
-    batch_size: rows per batch when scoring.
+    batch_size: rows per batch when scoring input canaries.
+    noise_multiplier: σ of the claim, for `score="likelihood"`.
 
   Attributes:
-    included: bool `[m]`, which canaries `insert` adds.
+    included: bool `[m]`, which canaries are in (`insert` adds them, or
+      the train step adds their gradients).
     auditor: the `CanaryScoreAuditor` built at `on_train_end` (None before).
     scores: the scores `[m]` (None before).
+    projections: gradient canaries: `[T, m]`, each logical step's released
+      update projected on each canary's signed direction.
 
   Raises:
-    ValueError: fewer than 2 canaries, an unknown `score`, or `x`/`y`
-      lengths that differ.
+    ValueError: fewer than 2 canaries, an unknown `score`, `x`/`y` lengths
+      that differ, or both or neither of inputs and `gradient`.
   """
 
-  def __init__(self, x, y, *, score: str = "loss",
-               seed: Optional[int] = None, batch_size: int = 512):
+  def __init__(self, x=None, y=None, *, score: Optional[str] = None,
+               seed: Optional[int] = None, batch_size: int = 512,
+               gradient: Optional[gc.GradientCanaries] = None,
+               noise_multiplier: Optional[float] = None):
     super().__init__()
+    self.gradient_canaries = gradient
+    self.scores = None
+    self.auditor = None
+    self.projections = None
+    self._initial_losses = None
+    if gradient is not None:
+      if x is not None or y is not None:
+        raise ValueError("give input canaries (x, y) or gradient canaries, "
+                         "not both.")
+      self._init_gradient(gradient, score or "sum", noise_multiplier)
+      return
     x = np.asarray(x)
     y = np.asarray(y)
+    score = score or "loss"
     if len(x) != len(y) or len(x) < 2:
       raise ValueError(f"need at least 2 canaries with one label each; got "
                        f"{len(x)} inputs and {len(y)} labels.")
@@ -94,13 +135,21 @@ class CanaryCallback(keras.callbacks.Callback):
     self.batch_size = batch_size
     rng = np.random.default_rng(seed)
     self.included = rng.random(len(x)) < 0.5
-    self.scores = None
-    self.auditor = None
-    self._initial_losses = None
+
+  def _init_gradient(self, gradient, score, noise_multiplier):
+    if score not in _GRADIENT_SCORES:
+      raise ValueError(f"gradient canaries' score must be one of "
+                       f"{_GRADIENT_SCORES}; got {score!r}.")
+    if score == "likelihood" and not noise_multiplier:
+      raise ValueError("score='likelihood' needs the claimed "
+                       "noise_multiplier (σ > 0).")
+    self.score = score
+    self.noise_multiplier = noise_multiplier
+    self.included = gradient.included
 
   @property
   def num_canaries(self) -> int:
-    return len(self.x)
+    return len(self.included)
 
   @property
   def num_included(self) -> int:
@@ -135,9 +184,36 @@ class CanaryCallback(keras.callbacks.Callback):
     return cls(np.asarray(x_pool)[pick], y,
                seed=None if seed is None else seed + 1, **kwargs)
 
+  @classmethod
+  def gradient(cls, m: int, norm: float, sampling_probability: float, *,
+               num_bands: int = 1, direction: str = "dirac",
+               score: str = "sum", noise_multiplier: Optional[float] = None,
+               seed: Optional[int] = None) -> "CanaryCallback":
+    """m gradient canaries (`tf_pxg.audit.gradient_canaries`).
+
+    Args:
+      m: the number of canaries.
+      norm: each canary's gradient norm; give more than the clip C (e.g.
+        100 C), so that a run that does not clip shows it.
+      sampling_probability: q per logical step, as the accountant uses it.
+      num_bands: BandMF's b (cyclic sampling), 1 for DP-SGD.
+      direction: "dirac" (a random coordinate each, m ≤ parameters) or
+        "random" (a random unit direction each).
+      score: "sum" or "likelihood" (module docstring).
+      noise_multiplier: the claimed σ, for `score="likelihood"`.
+      seed: seeds everything random (tests); default OS entropy.
+    """
+    return cls(gradient=gc.GradientCanaries(
+        m, norm, sampling_probability, num_bands=num_bands,
+        direction=direction, seed=seed), score=score,
+               noise_multiplier=noise_multiplier)
+
   def insert(self, x, y):
     """`(x, y)` with the included canaries appended (N grows by
     `num_included`; pass the new length to the accountant)."""
+    if self.gradient_canaries is not None:
+      raise ValueError("gradient canaries are not examples: nothing to "
+                       "insert (the train step adds them).")
     keep = self.included
     return (np.concatenate([np.asarray(x), self.x[keep].astype(
         np.asarray(x).dtype)]),
@@ -180,8 +256,72 @@ class CanaryCallback(keras.callbacks.Callback):
     return self.auditor
 
   def on_train_begin(self, logs=None):
-    if self.score == "loss_change":
+    if self.gradient_canaries is not None:
+      self._weights = _flat_weights(self.model)
+      self._iterations = _iterations(self.model)
+      self._steps = []
+    elif self.score == "loss_change":
       self._initial_losses = self.losses(self.model)
 
+  def on_train_batch_end(self, batch, logs=None):
+    if self.gradient_canaries is None:
+      return
+    iterations = _iterations(self.model)
+    if iterations == self._iterations:  # no update (mid logical step)
+      return
+    weights = _flat_weights(self.model)
+    # SGD: w' - w = -lr g / normaliser, so -Δw projects like the gradient;
+    # times the step's canary signs (tf_pxg.audit.gradient_canaries.signs).
+    step_signs = gc.signs(self.gradient_canaries, self._iterations).numpy()
+    self._steps.append(step_signs * self.gradient_canaries.project(
+        self._weights - weights))
+    self._weights, self._iterations = weights, iterations
+
   def on_train_end(self, logs=None):
-    self.audit(self.model)
+    if self.gradient_canaries is None:
+      self.audit(self.model)
+      return
+    gc.detach(self.model)
+    if not self.gradient_canaries.traced:
+      raise RuntimeError(
+          "the gradient canaries never entered a train step: the model must "
+          "be a tf_pxg DP model (DPModel, DPSequential, make_dp_model_class) "
+          "trained with fit, with this callback passed to that fit.")
+    self.projections = np.array(self._steps).reshape(
+        -1, self.num_canaries)
+    self._score_gradient()
+
+  def set_model(self, model):
+    super().set_model(model)
+    if self.gradient_canaries is not None:
+      if not model.trainable_variables:
+        raise ValueError("gradient canaries need a built model (its "
+                         "trainable variables fix the directions): build "
+                         "it, e.g. with keras.Input, before fit.")
+      gc.attach(model, self.gradient_canaries)
+
+  def _score_gradient(self):
+    x = self.projections
+    if self.score == "sum":
+      scores = x.sum(axis=0)
+    else:
+      q = self.gradient_canaries.sampling_probability
+      mu = 1.0 / self.noise_multiplier
+      z = x / max(float(np.std(x)), 1e-30)
+      scores = np.logaddexp(np.log1p(-q) if q < 1 else -np.inf,
+                            np.log(q) + mu * z - mu * mu / 2).sum(axis=0)
+    scores = np.nan_to_num(scores, nan=-1e30, posinf=1e30, neginf=-1e30)
+    self.scores = scores
+    self.auditor = CanaryScoreAuditor(scores[self.included],
+                                      scores[~self.included])
+
+
+def _flat_weights(model) -> np.ndarray:
+  return np.concatenate([np.asarray(v.numpy(), np.float64).ravel()
+                         for v in model.trainable_variables])
+
+
+def _iterations(model) -> int:
+  optimizer = model.optimizer
+  optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+  return int(optimizer.iterations.numpy())

@@ -12,6 +12,8 @@ probability at most `significance`.
 * `Bonferroni()` (the default): every rule of a family fixed before
   looking, each tested at `significance / K`.
 * `Explicit(t)`: one threshold fixed in advance, tested at `significance`.
+* `TopFraction(f)`: "in" for the top f of the scores, one test at
+  `significance`.
 * `Split(frac, seed)`: choose t on a random part of the canaries, test it on
   the rest at `significance`.
 * `MultiSplit(num_samples, frac, seed)`: the median of many splits' bounds,
@@ -28,7 +30,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Bonferroni", "Explicit", "Split", "MultiSplit", "ThresholdStrategy"]
+__all__ = ["Bonferroni", "Explicit", "MultiSplit", "Split",
+           "ThresholdStrategy", "TopFraction"]
 
 
 class ThresholdStrategy:
@@ -64,6 +67,27 @@ class Explicit(ThresholdStrategy):
     threshold: guess "in" for the canaries scoring at least this.
   """
   threshold: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TopFraction(ThresholdStrategy):
+  """One rule fixed by m alone: "in" for the top `fraction` of the scores.
+
+  The largest tie-complete set of top scores with at most
+  `max(1, floor(fraction m))` members, tested once at `significance`.
+
+  Validity: both one-run theorems let the guesses be any function of the
+  run's output, hence of all the scores; only a choice that looks at the
+  labels needs paying for. This rule looks at the scores alone, so one test
+  at `significance` is exact — provided `fraction` is fixed before the
+  labels are seen (e.g. from a simulation of the claimed mechanism, as in
+  `examples/audit_digits.py`). It avoids both the Bonferroni factor K and
+  a split's halving of the canaries.
+
+  Attributes:
+    fraction: the share of the m canaries guessed "in", in (0, 1].
+  """
+  fraction: float = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +152,16 @@ def check(strategy) -> ThresholdStrategy:
     return Bonferroni()
   if not isinstance(strategy, ThresholdStrategy):
     raise ValueError(f"threshold_strategy must be one of Bonferroni(), "
-                     f"Explicit(t), Split(...), MultiSplit(...) (from "
+                     f"Explicit(t), TopFraction(f), Split(...), "
+                     f"MultiSplit(...) (from "
                      f"tf_pxg.audit); got {strategy!r}.")
   frac = getattr(strategy, "threshold_estimation_frac", 0.5)
   if not 0 < frac < 1:
     raise ValueError(f"threshold_estimation_frac must be in (0, 1); got "
                      f"{frac!r}.")
+  if isinstance(strategy, TopFraction) and not 0 < strategy.fraction <= 1:
+    raise ValueError(f"TopFraction needs a fraction in (0, 1]; got "
+                     f"{strategy.fraction!r}.")
   if isinstance(strategy, MultiSplit) and strategy.num_samples < 1:
     raise ValueError(f"MultiSplit needs num_samples >= 1; got "
                      f"{strategy.num_samples!r}.")

@@ -343,6 +343,11 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # its rows inside the fused noise loop (tf_pxg.dp.threefry).
   sums = [tf.zeros_like(v) if s is None else s
           for s, v in zip(sums, variables)]
+  # Audits only: gradient canaries join the clipped sum (none attached:
+  # `sums` unchanged at trace time; tf_pxg.audit.gradient_canaries).
+  from tf_pxg.audit import gradient_canaries  # noqa: PLC0415
+  sums = gradient_canaries.add_gradient_canaries(model, sums, variables, info,
+                                                 clip, clipping)
   replicas = _num_replicas()
   # Data-independent weight regularizers: unclipped, un-noised, once per
   # logical step (divided by R: the all-reduce sums the replicas' copies).
