@@ -362,6 +362,15 @@ def test_unprotected_loss_is_the_mean_over_finite_examples(mode):
   assert hist["unprotected_accuracy"][0] == pytest.approx(acc, rel=1e-6)
 
 
+def test_privacy_callback_warns_about_unprotected_metrics():
+  x, y = _data(32)
+  model = _model(keras.layers.Identity(), unprotected_training_metrics=True)
+  model.compile("sgd", _sce())
+  with pytest.warns(UserWarning, match="NOT covered by the logged epsilon"):
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        dpk.PrivacyCallback(num_examples=32, batch_size=8)])
+
+
 def test_unprotected_setting_round_trips_through_saving(tmp_path):
   model = _model(keras.layers.Identity(), unprotected_training_metrics=True)
   model.compile("sgd", _sce())

@@ -242,6 +242,14 @@ class PrivacyCallback(keras.callbacks.Callback):
     if self.target_epsilon is not None and hasattr(self.model,
                                                    "set_step_limit"):
       self.model.set_step_limit(self.max_steps())
+    if getattr(self.model, "unprotected_training_metrics", False):
+      warnings.warn(
+          f"PrivacyCallback: model {self.model.name!r} logs "
+          "unprotected_training_metrics (the 'unprotected_*' keys): they are "
+          "computed on the private batches without noise and are NOT "
+          f"covered by the logged {self._log_key}; do not publish them or "
+          "let a callback decide on them. NoisyLoss gives a training loss "
+          "inside ε.", stacklevel=2)
 
   def on_train_batch_end(self, batch, logs=None):
     if self._next_step_over_budget():
