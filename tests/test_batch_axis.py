@@ -187,6 +187,9 @@ def test_int_tokens_behind_float_input_spec_train_exactly():
 
 _TABLE = _var((6, 5), 11)
 _CLS = _var((1, 1, 5), 12)
+_FROZEN = tf.constant(np.random.default_rng(14).standard_normal((3, 4)),
+                      tf.float32)
+_W = _var((4, 5), 15)
 COPIES = {
     # KerasHub's PositionEmbedding: keras.ops.shape(x) holds tf.shape(x)[0].
     "broadcast_to_keras_shape": (lambda x: x + keras.ops.broadcast_to(
@@ -197,14 +200,21 @@ COPIES = {
         _TABLE[None, :3], keras.ops.shape(x)[0], axis=0), _TABLE),
     "class_token": (lambda x: tf.concat(
         [keras.ops.tile(_CLS, (keras.ops.shape(x)[0], 1, 1)), x], 1), _CLS),
+    # A frozen table repeated per example, then through a trained kernel
+    # (DeBERTa's relative table under LoRA): the copy is data.
+    "frozen_table_repeated": (lambda x: x * tf.einsum(
+        "btd,de->bte", keras.ops.repeat(
+            _FROZEN[None], keras.ops.shape(x)[0], axis=0), _W), _W),
 }
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("name", sorted(COPIES))
-def test_copies_along_a_dynamic_batch_match_reference(name):
+def test_copies_along_the_batch_match_reference(name, static):
   """In a tf.function traced for any batch size (`[None, T, d]`), a copy's
   count is `tf.shape(x)[0]`: read from the size vector, it is followed as
   exactly as a static one (`tf_pxg.batch_axis.copy_layout`)."""
+  batch = 4 if static else None
   fn, w = COPIES[name]
   x = _x((4, 3, 5), 13)
 
@@ -212,7 +222,7 @@ def test_copies_along_a_dynamic_batch_match_reference(name):
     return tf.reduce_sum(tf.reshape(tf.square(out), [tf.shape(out)[0], -1]),
                          axis=1)
 
-  @tf.function(input_signature=[tf.TensorSpec([None, 3, 5])])
+  @tf.function(input_signature=[tf.TensorSpec([batch, 3, 5])])
   def run(inp):
     with tf_pxg.GradientTape() as tape:
       target = losses(fn(inp))

@@ -210,10 +210,11 @@ class Classifier:
       out_layouts = [batch_axis.AXIS0] * len(entry.outputs)
       copy = batch_axis.copy_layout(entry, batch_size,
                                     self._layout_of_tensor) if (
-                                        st == PARAM) else None
+                                        st in (PARAM, CONST)) else None
       if copy is not None:
-        # A parameter copied along the batch axis: example b's rows are its
-        # own copy, data from here on (the op is the interface).
+        # A parameter (or a constant: a frozen weight) copied along the
+        # batch axis: example b's rows are its own copy, data from here on
+        # (for a parameter, the op is the interface).
         st, values = DATA, True
         out_layouts = [copy] * len(entry.outputs)
       if st == DATA and layouts:
