@@ -1,0 +1,350 @@
+"""KerasHub families under DP: full fine-tuning and LoRA, exact.
+
+Each family's backbone is built offline from constructor arguments (tiny
+sizes, random weights, no preset download) the way users build them, with a
+small classification head (the sequence mean-pooled, plus the pooled output
+where the backbone has one; a ResNet's feature map pooled). One DP `fit`
+step of `tf_pxg.keras.make_private(model)` with `noise_multiplier=0` and
+`SGD(1)` must equal `w - mean_b clip(g_b)` from the plain `tf.GradientTape`
+loop over single examples with the same loss
+(`tf_pxg.testing.reference_per_example_gradients`,
+`expected_dp_sgd_weights`), to 1e-4 of each variable's update; the clip is
+the median global norm, so some examples are clipped and some not.
+
+The same step is also checked under XLA (`jit_compile=True`) for GPT-2,
+Llama, ViT and BERT, and as a causal LM (the backbone's tied token
+embedding as the head; each example's loss the mean over its positions of
+the next-token cross-entropy, padding masked through `sample_weight` as
+KerasHub's CausalLM does) for GPT-2, Llama and Gemma. A noisy `fit` on
+Poisson batches (the default DP data path) runs for six family/mode pairs.
+
+The families exercise the engine's parameter copies along the batch axis
+(`tf_pxg.rules.copies`): KerasHub's `PositionEmbedding` broadcasts its
+table to the batch (BERT, DistilBERT, RoBERTa, ALBERT, ELECTRA, GPT-2, OPT,
+BART), ViT tiles its class token and concatenates it with the patches,
+DeBERTa-v3 repeats its relative table per example. LoRA is
+`backbone.enable_lora(rank)` (base weights frozen), with the zero-initialised
+`lora_kernel_b` randomised so that every LoRA weight has a gradient. ResNet
+(BatchNormalization) is refused by name in full fine-tuning; with LoRA its
+whole backbone is frozen (BN in inference) and the head trains exactly.
+
+Skipped when keras-hub is not installed (`pip install "tf_pxg[hub]"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_pxg.keras as dpk
+from tf_pxg import testing as pxg_testing
+
+keras_hub = pytest.importorskip("keras_hub")
+models = keras_hub.models
+
+B, T, VOCAB, CLASSES = 4, 6, 32, 3
+TEXT = dict(num_layers=1, hidden_dim=8, intermediate_dim=16)
+ENCODER = dict(TEXT, vocabulary_size=VOCAB, num_heads=2, dropout=0.0,
+               max_sequence_length=8)
+DECODER = dict(TEXT, vocabulary_size=VOCAB, num_query_heads=2,
+               num_key_value_heads=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """How to build one family's backbone and a batch of its inputs."""
+  build: Callable[[], keras.Model]
+  inputs: str = "text"  # "text", "seq2seq" or "image".
+
+
+FAMILIES: Dict[str, Family] = {
+    "gemma": Family(lambda: models.GemmaBackbone(
+        **DECODER, head_dim=4)),
+    "gemma3": Family(lambda: models.Gemma3Backbone(
+        **DECODER, head_dim=4, image_size=16)),
+    "llama": Family(lambda: models.LlamaBackbone(**DECODER)),
+    "mistral": Family(lambda: models.MistralBackbone(**DECODER)),
+    "qwen": Family(lambda: models.QwenBackbone(**DECODER)),
+    "qwen3": Family(lambda: models.Qwen3Backbone(**DECODER, head_dim=4)),
+    "phi3": Family(lambda: models.Phi3Backbone(
+        **dict(DECODER, num_key_value_heads=2))),
+    "t5": Family(lambda: models.T5Backbone(
+        vocabulary_size=VOCAB, num_heads=2, dropout=0.0, **TEXT),
+                 inputs="seq2seq"),
+    "bert": Family(lambda: models.BertBackbone(**ENCODER)),
+    "distil_bert": Family(lambda: models.DistilBertBackbone(**ENCODER)),
+    "roberta": Family(lambda: models.RobertaBackbone(**ENCODER)),
+    "albert": Family(lambda: models.AlbertBackbone(
+        **ENCODER, embedding_dim=4)),
+    "electra": Family(lambda: models.ElectraBackbone(
+        **{("vocab_size" if k == "vocabulary_size" else k): v
+           for k, v in ENCODER.items()}, embedding_dim=4)),
+    "gpt2": Family(lambda: models.GPT2Backbone(**ENCODER)),
+    "opt": Family(lambda: models.OPTBackbone(**ENCODER)),
+    "bart": Family(lambda: models.BartBackbone(**ENCODER),
+                   inputs="seq2seq"),
+    "deberta_v3": Family(lambda: models.DebertaV3Backbone(
+        **ENCODER, bucket_size=4)),
+    "vit": Family(lambda: models.ViTBackbone(
+        image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
+        hidden_dim=8, mlp_dim=16), inputs="image"),
+    "resnet": Family(lambda: models.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64], stackwise_num_blocks=[1],
+        stackwise_num_strides=[1], block_type="basic_block",
+        image_shape=(8, 8, 3)), inputs="image"),
+}
+
+
+def _text(rng, prefix=""):
+  """Token ids with padding at the end of some examples (mask 0)."""
+  ids = rng.integers(1, VOCAB, size=(B, T)).astype("int32")
+  lengths = np.array([T, T - 2, T - 1, 3])[:B]
+  mask = np.arange(T)[None, :] < lengths[:, None]
+  return {f"{prefix}token_ids": ids * mask,
+          f"{prefix}padding_mask": mask.astype("int32")}
+
+
+def batch(backbone: keras.Model, kind: str, seed: int = 0):
+  """A batch of B inputs in the structure `backbone` takes."""
+  rng = np.random.default_rng(seed)
+  if kind == "image":
+    shape = backbone.inputs[0].shape[1:]
+    return rng.standard_normal((B, *shape)).astype("float32")
+  if kind == "seq2seq":
+    return {**_text(rng, "encoder_"), **_text(rng, "decoder_")}
+  x = _text(rng)
+  names = {t.name.split(":")[0] for t in tf.nest.flatten(backbone.input)}
+  if any("segment_ids" in n for n in names):
+    x["segment_ids"] = (np.arange(T)[None, :] >= T // 2).astype(
+        "int32").repeat(B, 0)
+  return {k: v for k, v in x.items()
+          if any(n.endswith(k) or k in n for n in names)}
+
+
+def classifier(backbone: keras.Model) -> keras.Model:
+  """A functional classifier over `backbone`: the sequence (or feature
+  map) mean-pooled, plus the pooled output where there is one."""
+  out = backbone(backbone.input)
+  if isinstance(out, dict):
+    seq = out.get("sequence_output", out.get("decoder_sequence_output"))
+    pooled = out.get("pooled_output")
+  else:
+    seq, pooled = out, None
+  pool = (keras.layers.GlobalAveragePooling2D() if len(seq.shape) == 4 else
+          keras.layers.GlobalAveragePooling1D())
+  h = pool(seq)
+  if pooled is not None:
+    h = keras.layers.Add()([h, pooled])
+  logits = keras.layers.Dense(CLASSES, name="head")(h)
+  return keras.Model(backbone.input, logits)
+
+
+def _randomize_lora(model: keras.Model, rng) -> None:
+  """LoRA's `B` factor starts at zero (so `A`'s gradient is zero)."""
+  for v in model.trainable_variables:
+    if v.path.endswith("lora_kernel_b"):
+      v.assign(0.3 * rng.standard_normal(v.shape).astype(v.dtype))
+
+
+def build(name: str, lora: bool):
+  """(model, inputs, labels) for one family and mode, seeded."""
+  keras.utils.set_random_seed(0)
+  family = FAMILIES[name]
+  backbone = family.build()
+  model = classifier(backbone)
+  if lora:
+    backbone.enable_lora(2)
+    _randomize_lora(model, np.random.default_rng(1))
+  x = batch(backbone, family.inputs)
+  y = np.random.default_rng(2).integers(0, CLASSES, size=(B,))
+  return model, x, y
+
+
+_ERRORS: Dict[str, float] = {}
+
+
+def _token_mean_loss(labels, logits):
+  """A causal LM's per-example loss as Keras computes it under DP
+  (`tf_pxg.keras.losses`): the token cross-entropies times the padding
+  mask, averaged over the T positions. `labels` is (ids, mask)."""
+  ids, mask = labels
+  ce = keras.losses.sparse_categorical_crossentropy(ids, logits,
+                                                    from_logits=True)
+  return tf.reduce_mean(ce * tf.cast(mask, ce.dtype), axis=1)
+
+
+def dp_step_error(model: keras.Model, x, y, sample_weight=None,
+                  jit_compile=False) -> float:
+  """One noiseless DP `fit` step of `make_private(model)` against the
+  reference; returns the worst error relative to each variable's update
+  (`assert_dp_step_matches_reference`, which raises above 1e-4).
+
+  The loss is the sparse cross-entropy from logits: of the class for a
+  classifier, of each token weighted by `sample_weight` (the padding mask)
+  and averaged over the positions for a causal LM."""
+  xs = tf.nest.map_structure(tf.constant, x)
+  if sample_weight is None:
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                      reduction=None)
+    labels = tf.constant(y)
+  else:
+    loss, labels = _token_mean_loss, (tf.constant(y),
+                                      tf.constant(sample_weight))
+  ref = pxg_testing.reference_per_example_gradients(
+      loss, model, model.trainable_variables, xs, labels)
+  clip = float(np.median(pxg_testing.per_example_global_norms(ref)))
+  dp = dpk.make_private(model, l2_norm_clip=clip, noise_multiplier=0.0)
+  dp.compile(optimizer=keras.optimizers.SGD(1.0),
+             loss=keras.losses.SparseCategoricalCrossentropy(
+                 from_logits=True), jit_compile=jit_compile)
+  before = [v.numpy() for v in dp.trainable_variables]
+  dp.fit(x, y, sample_weight=sample_weight, batch_size=B, epochs=1,
+         verbose=0, shuffle=False)
+  err = pxg_testing.assert_dp_step_matches_reference(
+      dp.trainable_variables, before,
+      pxg_testing.expected_dp_sgd_weights(before, ref, clip),
+      names=[v.path for v in dp.trainable_variables])
+  return err * 1e-4  # Relative to the update (the bound is 1e-4 of it).
+
+
+TRAINABLE = sorted(set(FAMILIES) - {"resnet"})
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_dp_step_is_exact(name, lora):
+  model, x, y = build(name, lora)
+  _ERRORS[f"{name}-{'lora' if lora else 'full'}"] = dp_step_error(
+      model, x, y)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "vit", "bert"])
+def test_dp_step_is_exact_under_xla(name):
+  """The same step with `jit_compile=True` (Keras' XLA-compiled step)."""
+  model, x, y = build(name, lora=False)
+  _ERRORS[f"{name}-full-xla"] = dp_step_error(model, x, y, jit_compile=True)
+
+
+def causal_lm(name: str, lora: bool):
+  """(model, inputs, next-token labels, padding mask): the backbone's
+  sequence output through its own (tied) token embedding, reversed."""
+  keras.utils.set_random_seed(0)
+  backbone = FAMILIES[name].build()
+  logits = backbone.token_embedding(backbone(backbone.input), reverse=True)
+  model = keras.Model(backbone.input, logits)
+  if lora:
+    backbone.enable_lora(2)
+    _randomize_lora(model, np.random.default_rng(1))
+  x = batch(backbone, "text")
+  ids, mask = x["token_ids"], x["padding_mask"]
+  labels = np.concatenate([ids[:, 1:], np.zeros((B, 1), "int32")], 1)
+  weights = np.concatenate([mask[:, 1:], np.zeros((B, 1), "int32")], 1)
+  return model, x, labels, weights.astype("float32")
+
+
+@pytest.mark.parametrize("name,lora", [("gpt2", False), ("gpt2", True),
+                                       ("llama", False), ("gemma", True)])
+def test_causal_lm_dp_step_is_exact(name, lora):
+  """Next-token loss, each example the mean over its positions with the
+  padding masked (KerasHub's CausalLM passes the mask as sample_weight)."""
+  model, x, y, w = causal_lm(name, lora)
+  _ERRORS[f"{name}-{'lora' if lora else 'full'}-causal_lm"] = dp_step_error(
+      model, x, y, sample_weight=w)
+
+
+@pytest.mark.parametrize("name,lora", [
+    ("bert", False), ("gpt2", True), ("llama", False), ("t5", True),
+    ("vit", False), ("deberta_v3", True)])
+def test_noisy_poisson_fit_trains(name, lora):
+  """`fit` with noise on Poisson batches (the default DP data path) runs
+  and moves the weights to finite values, and ε is accounted."""
+  model, x, y = build(name, lora)
+  x = tf.nest.map_structure(lambda a: np.concatenate([a, a]), x)
+  y = np.concatenate([y, y])
+  dp = dpk.make_private(model, l2_norm_clip=1.0, noise_multiplier=1.0,
+                        seed=0)
+  dp.compile(optimizer=keras.optimizers.SGD(0.1),
+             loss=keras.losses.SparseCategoricalCrossentropy(
+                 from_logits=True))
+  before = [v.numpy() for v in dp.trainable_variables]
+  privacy = dpk.PrivacyCallback(num_examples=len(y), batch_size=B,
+                                delta=1e-5)
+  dp.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[privacy])
+  after = [v.numpy() for v in dp.trainable_variables]
+  assert all(np.isfinite(a).all() for a in after)
+  assert any(not np.array_equal(a, b) for a, b in zip(after, before))
+  assert 0 < privacy.epsilon() < np.inf
+
+
+@pytest.mark.parametrize("policy,rtol", [("mixed_bfloat16", 2e-2),
+                                         ("mixed_float16", 5e-3)])
+def test_mixed_precision_dp_step_matches_float32(policy, rtol):
+  """A GPT-2 classifier built under a mixed policy (float16/bfloat16
+  compute, float32 weights) takes the float32 model's noiseless DP step
+  within the precision: `rtol` of each variable's update, plus float noise
+  at 1e-3 of the largest update (for weights whose exact gradient is 0,
+  e.g. the attention key bias). mixed_float16 runs without loss scaling:
+  a LossScaleOptimizer is refused (`tf_pxg.keras.DPModel.compile`)."""
+  def build_in(dtype_policy):
+    keras.config.set_dtype_policy(dtype_policy)
+    try:
+      keras.utils.set_random_seed(0)
+      backbone = FAMILIES["gpt2"].build()
+      return classifier(backbone), backbone
+    finally:
+      keras.config.set_dtype_policy("float32")
+
+  model, backbone = build_in("float32")
+  mixed, _ = build_in(policy)
+  mixed.set_weights(model.get_weights())
+  x = batch(backbone, "text")
+  y = np.random.default_rng(2).integers(0, CLASSES, size=(B,))
+  ref = pxg_testing.reference_per_example_gradients(
+      keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                 reduction=None),
+      model, model.trainable_variables,
+      tf.nest.map_structure(tf.constant, x), tf.constant(y))
+  clip = float(np.median(pxg_testing.per_example_global_norms(ref)))
+  dp = dpk.make_private(mixed, l2_norm_clip=clip, noise_multiplier=0.0)
+  dp.compile(optimizer=keras.optimizers.SGD(1.0),
+             loss=keras.losses.SparseCategoricalCrossentropy(
+                 from_logits=True))
+  before = [v.numpy() for v in dp.trainable_variables]
+  dp.fit(x, y, batch_size=B, epochs=1, verbose=0, shuffle=False)
+  expected = pxg_testing.expected_dp_sgd_weights(before, ref, clip)
+  largest = max(float(np.max(np.abs(e - b)))
+                for e, b in zip(expected, before))
+  err = pxg_testing.assert_dp_step_matches_reference(
+      dp.trainable_variables, before, expected, rtol=rtol,
+      atol=1e-3 * largest, names=[v.path for v in dp.trainable_variables])
+  _ERRORS[f"gpt2-full-{policy}"] = err * rtol
+
+
+def test_resnet_full_fine_tuning_names_the_batch_norm():
+  model, _, _ = build("resnet", lora=False)
+  with pytest.raises(ValueError) as info:
+    dpk.make_private(model, l2_norm_clip=1.0, noise_multiplier=0.0)
+  msg = str(info.value)
+  assert "BatchNormalization" in msg or "batch_norm" in msg.lower(), msg
+  assert "GroupNormalization" in msg or "LayerNormalization" in msg, msg
+
+
+def test_resnet_frozen_backbone_head_is_exact():
+  model, x, y = build("resnet", lora=True)  # enable_lora freezes it all.
+  assert [v.path.split("/")[-1] for v in model.trainable_variables] == [
+      "kernel", "bias"]
+  _ERRORS["resnet-lora"] = dp_step_error(model, x, y)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_errors():
+  """Prints (pytest -s) each family's error relative to its update."""
+  yield
+  for k in sorted(_ERRORS):
+    print(f"[keras_hub] {k}: {_ERRORS[k]:.2g} of the update")
