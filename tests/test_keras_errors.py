@@ -217,9 +217,13 @@ def test_privacy_callback_argument_errors():
     model.fit(x, y, batch_size=4, verbose=0, callbacks=[cb])
 
 
-def test_loss_scale_optimizer_rejected():
+def test_loss_scale_optimizer_accepted_and_trains():
+  # mixed_float16's LossScaleOptimizer: the DP step scales the losses itself
+  # (tests/test_mixed_precision.py checks it against float32).
   model = dpk.DPSequential(_layers(), l2_norm_clip=1.0, noise_multiplier=1.0)
-  with pytest.raises(ValueError, match="LossScaleOptimizer"):
-    model.compile(
-        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
-        loss=_sce())
+  model.compile(
+      optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+      loss=_sce())
+  x, y = _data()
+  model.train_on_batch(x, y)
+  assert int(model.optimizer.iterations) == 1

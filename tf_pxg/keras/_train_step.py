@@ -264,7 +264,8 @@ class ReplicaGradients(NamedTuple):
 def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
                  noise_multiplier: float, generator: tf.random.Generator,
                  accumulator_for=None,
-                 mechanism: Optional[Mechanism] = None) -> ReplicaGradients:
+                 mechanism: Optional[Mechanism] = None,
+                 loss_scale=None) -> ReplicaGradients:
   """The replica-local part of a DP step: no cross-replica communication.
 
   Forward pass, per-example losses, flat per-example clipping, the logical
@@ -281,6 +282,19 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   `accumulator_for(variables)` must return the model's
   `tf_pxg.dp.accumulation.LogicalStepAccumulator`. Otherwise the batch is
   one logical step, to be divided by its realised global size.
+
+  `loss_scale` (mixed_float16): the `keras.optimizers.LossScaleOptimizer`
+  Keras compiled the model with. The backward pass runs on the per-example
+  losses times its scale S (float16 gradients do not underflow); the
+  norms and clip factors are those of the unscaled losses and the clipped
+  sum is unscaled in the weighted sums (`clipped_gradient_sum`'s
+  `gradient_scale`); the noise is added in float32 to that. An example
+  whose scaled backward pass overflows has a non-finite norm, hence clip
+  factor 0, like any non-finite example. S is read, never updated: Keras'
+  dynamic scaling halves S and skips the step when the summed gradient is
+  non-finite, a decision that here could only come from one example's
+  overflow (the sum of zeroed examples is finite), so neither happens and
+  the step and S are data-independent.
 
   `mechanism` (None: DP-SGD with flat clipping, unchanged) brings a
   clipping policy (automatic; adaptive, whose clip is a variable and whose
@@ -327,6 +341,11 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
       # hence its per-example gradient and norm, are exactly zero.
       mask = tf.cast(info[dp_data.MASK], losses.dtype)
       losses = tf.where(mask > 0, losses, tf.zeros_like(losses))
+    scale = None
+    target = losses
+    if loss_scale is not None:  # mixed_float16: see the docstring
+      scale = tf.cast(loss_scale.scale_loss(1.0), losses.dtype)
+      target = losses * scale
   # Read after the forward pass: a lazily built model (e.g. a Sequential
   # without an Input) creates its variables in its first call.
   variables = list(model.trainable_variables)
@@ -337,8 +356,9 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   clip_variable = None if mechanism is None else mechanism.clip_variable
   clip = l2_norm_clip if clip_variable is None else clip_variable.read_value()
   # A non-finite example's clip factor is 0 there: nothing to check here.
-  sums, norms = tape.clipped_gradient_sum(losses, variables, clip,
-                                          clipping=clipping)
+  sums, norms = tape.clipped_gradient_sum(target, variables, clip,
+                                          clipping=clipping,
+                                          gradient_scale=scale)
   # An embedding's sum stays `IndexedSlices` up to the noise, which adds
   # its rows inside the fused noise loop (tf_pxg.dp.threefry).
   sums = [tf.zeros_like(v) if s is None else s
@@ -642,10 +662,11 @@ def _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
 
 def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
                   noise_multiplier: float, generator: tf.random.Generator,
-                  optimizer, accumulator_for=None, mechanism=None):
+                  optimizer, accumulator_for=None, mechanism=None,
+                  loss_scale=None):
   """One DP-SGD (physical) step: `dp_gradients` then `dp_apply`."""
   result = dp_gradients(model, data, l2_norm_clip, noise_multiplier,
-                        generator, accumulator_for, mechanism)
+                        generator, accumulator_for, mechanism, loss_scale)
   return dp_apply(model, result, optimizer,
                   xla=bool(getattr(model, "jit_compile", False)))
 

@@ -56,6 +56,30 @@ def _check_noisy_loss(noisy_loss, where: str):
   return noisy_loss
 
 
+def _loss_scale_optimizer(optimizer):
+  """`optimizer` if it is a `LossScaleOptimizer` (Keras wraps the compiled
+  optimizer in one under the mixed_float16 policy), else None."""
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    return optimizer
+  return None
+
+
+def _unscaled(optimizer):
+  """The optimizer a `LossScaleOptimizer` wraps, else `optimizer`: where the
+  DP settings (a `DPOptimizer`) are."""
+  scaled = _loss_scale_optimizer(optimizer)
+  return optimizer if scaled is None else scaled.inner_optimizer
+
+
+def _applying(optimizer):
+  """The Keras optimizer that applies the DP step's noisy gradients (both
+  wrappers removed: the step unscales, clips and noises itself)."""
+  optimizer = _unscaled(optimizer)
+  if isinstance(optimizer, DPOptimizer):
+    return optimizer.inner_optimizer
+  return optimizer
+
+
 class _DPTrainingMixin:
   """DP-SGD `train_step` and DP settings for a Keras model class.
 
@@ -226,6 +250,7 @@ class _DPTrainingMixin:
     return self._resolve_dp_params(getattr(self, "optimizer", None))[1]
 
   def _resolve_dp_params(self, optimizer, strict: bool = False):
+    optimizer = _unscaled(optimizer)
     own = (self._dp_l2_norm_clip, self._dp_noise_multiplier)
     if isinstance(optimizer, DPOptimizer):
       opt = (optimizer.l2_norm_clip, optimizer.noise_multiplier)
@@ -256,6 +281,7 @@ class _DPTrainingMixin:
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
     own = (getattr(self, "_dp_clipping", None) or policies.Flat(),
            getattr(self, "_dp_noise_mechanism", None))
+    optimizer = _unscaled(optimizer)
     if isinstance(optimizer, DPOptimizer):
       opt = (optimizer.clipping, optimizer.noise_mechanism)
       if not self._own_mechanism_is_default() and own != opt:
@@ -287,7 +313,7 @@ class _DPTrainingMixin:
     flat clipping (and BandMF with b = 1, which is DP-SGD exactly)."""
     from tf_pxg import accounting  # noqa: PLC0415
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
-    optimizer = self.optimizer
+    optimizer = _unscaled(self.optimizer)
     policy, mech = self._resolve_mechanism(optimizer)
     coefs = None
     if mech is not None and int(mech.num_bands) > 1:
@@ -327,12 +353,7 @@ class _DPTrainingMixin:
         optimizer, noisy_loss)
 
   def _check_trainable_for_dp(self, optimizer):
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-      raise ValueError(
-          f"Model {self.name!r} is compiled with a LossScaleOptimizer "
-          "(mixed_float16): DP training does not scale the loss, so the "
-          "optimizer would unscale unscaled gradients. Use the float32 or "
-          "mixed_bfloat16 dtype policy.")
+    optimizer = _unscaled(optimizer)  # mixed_float16: see dp_gradients
     _, noise = self._resolve_dp_params(optimizer, strict=True)
     if getattr(self, "_dp_noisy_loss", None) is not None and noise:
       self._dp_noisy_loss.gradient_noise_multiplier(noise)  # raises if z <= σ
@@ -355,7 +376,17 @@ class _DPTrainingMixin:
 
   def compile(self, optimizer="rmsprop", *args, **kwargs):
     optimizer = keras.optimizers.get(optimizer)
+    if (_loss_scale_optimizer(optimizer) is not None and
+        not isinstance(_unscaled(optimizer), DPOptimizer) and
+        not self._own_mechanism_is_default()):
+      raise ValueError(
+          f"Model {self.name!r}: its clipping policy or noise mechanism keeps "
+          "state in a DPOptimizer, which must be inside the "
+          "LossScaleOptimizer: pass LossScaleOptimizer(DPOptimizer(...)), or "
+          "the DPOptimizer alone (Keras adds the LossScaleOptimizer under "
+          "mixed_float16).")
     if (not isinstance(optimizer, DPOptimizer) and
+        _loss_scale_optimizer(optimizer) is None and
         not self._own_mechanism_is_default()):
       # The policy's and mechanism's state lives in a DPOptimizer (saved
       # with it), so the model's settings wrap the given optimizer.
@@ -383,12 +414,11 @@ class _DPTrainingMixin:
     self._check_trainable_for_dp(self.optimizer)
     clip, noise = self._resolve_dp_params(self.optimizer, strict=True)
     mechanism = self._dp_step_mechanism(noise)
-    optimizer = self.optimizer
-    if isinstance(optimizer, DPOptimizer):
-      optimizer = optimizer.inner_optimizer
     return dp_train_step(self, data, clip, noise, self._dp_noise_source(),
-                         optimizer, accumulator_for=self._dp_accumulator_for,
-                         mechanism=mechanism)
+                         _applying(self.optimizer),
+                         accumulator_for=self._dp_accumulator_for,
+                         mechanism=mechanism,
+                         loss_scale=_loss_scale_optimizer(self.optimizer))
 
   def dp_gradients(self, data):
     """The replica-local half of `train_step` (no synchronisation).
@@ -404,15 +434,13 @@ class _DPTrainingMixin:
     return _train_step.dp_gradients(self, data, clip, noise,
                                      self._dp_noise_source(),
                                      self._dp_accumulator_for,
-                                     self._dp_step_mechanism(noise))
+                                     self._dp_step_mechanism(noise),
+                                     _loss_scale_optimizer(self.optimizer))
 
   def dp_apply(self, result):
     """The synchronising half of `train_step`: apply (within the step
     limit), metrics."""
-    optimizer = self.optimizer
-    if isinstance(optimizer, DPOptimizer):
-      optimizer = optimizer.inner_optimizer
-    return _train_step.dp_apply(self, result, optimizer,
+    return _train_step.dp_apply(self, result, _applying(self.optimizer),
                                 xla=bool(getattr(self, "jit_compile", False)))
 
   # Step limit (privacy budget) ------------------------------------------------

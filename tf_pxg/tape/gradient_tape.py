@@ -328,7 +328,7 @@ class GradientTape:
       return tf.sqrt(engine.sq_norms())
 
   def clipped_gradient_sum(self, target, sources, l2_norm_clip,
-                           clipping=None):
+                           clipping=None, gradient_scale=None):
     """Sum over examples of per-example gradients clipped to `l2_norm_clip`.
 
     Flat clipping: example b's gradient over all sources together is scaled
@@ -356,6 +356,13 @@ class GradientTape:
       clipping: a `tf_pxg.clipping` policy (default `Flat()`, the factors
         above); `Automatic()` uses `c_b = C / (||g_b|| + gamma)`. Either
         way `c_b ||g_b|| <= C`.
+      gradient_scale: None, or the scalar S that `target` was multiplied by
+        (a loss scale, so that float16 backward passes do not underflow):
+        the norms are divided by S before the clip factors, and the factors
+        by S in the weighted sums, so the results are those of the
+        unscaled target, `sum_b c_b g_b` with `||c_b g_b|| <= C`, whose
+        terms stay at the gradient's own magnitude (no overflow of S
+        times a sum of B examples).
 
     Returns:
       `(sums, norms)`: the structure of `sources` with `sum_b c_b g_b` each
@@ -365,11 +372,15 @@ class GradientTape:
     with self._computing():
       flat_sources, engine = self._per_example(target, sources)
       norms = tf.sqrt(engine.sq_norms())
+      if gradient_scale is not None:
+        norms = norms / tf.cast(gradient_scale, norms.dtype)
       c = (clip_factors(norms, l2_norm_clip) if clipping is None else
            clipping.factors(norms, l2_norm_clip))
       target = tf.convert_to_tensor(target)
       if engine.vector_target and target.dtype.is_floating:
         c = tf.where(tf.math.is_finite(target), c,
                      tf.zeros_like(c))
+      if gradient_scale is not None:
+        c = c / tf.cast(gradient_scale, c.dtype)
       sums = engine.weighted_sums(c)
     return tf.nest.pack_sequence_as(sources, sums), norms
