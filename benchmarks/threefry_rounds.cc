@@ -4,8 +4,9 @@
 //     (one call per Box-Muller pair, so per Gaussian it is half a call);
 //   normal_pairs_ns_per_gaussian: rounds plus the Box-Muller transform;
 //   add_noise_ns_per_gaussian: that plus adding into a 4M-float array.
-// Built and run by `python -m benchmarks.limits` (g++ -O3 -march=native,
-// as tf_pxg.native builds the op).
+// Built and run by `python -m benchmarks.limits` (g++ -O3 at the CPU's
+// instruction-set level, tf_pxg.native.optimization_flags(), as
+// tf_pxg.native builds the op).
 
 #include <algorithm>
 #include <chrono>

@@ -14,9 +14,9 @@
 //
 // The sampling itself is in threefry_normal.h (no TensorFlow dependency,
 // so benchmarks/threefry_rounds.cc times it alone). The loops are written
-// for the compiler's auto-vectoriser (built with
-// -O3 -march=native by tf_pxg/native.py) and split over TF's intra-op
-// threads.
+// for the compiler's auto-vectoriser (built with -O3 at the CPU's
+// instruction-set level, e.g. -march=x86-64-v4, by tf_pxg/native.py) and
+// split over TF's intra-op threads.
 
 #include <algorithm>
 #include <cmath>
