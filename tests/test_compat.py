@@ -38,11 +38,13 @@ def test_moved_access_is_named(monkeypatch):
 
 _INTERNAL = re.compile(
     r"^\s*(from|import)\s+(keras\.src|tensorflow\.python)[\w.]*|"
+    r"\b__internal__\b|"
     r"\._(MockOp|aggregate_grads|SymGrad|gradient_registry|python_function|"
     r"autograph|experimental_autograph_options|flat_metrics|"
     r"flat_weighted_metrics|flatten_y|call_has_training_arg|"
     r"get_regularization_losses|loss_tracker|flatten_layers|flat_losses|"
-    r"compile_loss|compile_metrics|symbolic_build|seed_generators)\b|"
+    r"compile_loss|compile_metrics|symbolic_build|seed_generators|"
+    r"get_own_losses)\b|"
     r"\"_(compile_loss|compile_metrics|flatten_layers|seed_generators|id|"
     r"value)\"")
 

@@ -294,6 +294,18 @@ def regularization_losses(model) -> list:
   return model._get_regularization_losses()  # pylint: disable=protected-access
 
 
+def strategy_supports_no_merge_call() -> bool:
+  # Whether the current strategy's optimizer step may run in replica
+  # context (no merge_call); Keras' LossScaleOptimizer asks the same.
+  return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def composite_tensor_class() -> type:
+  # The base class of composite tensors (SparseTensor, RaggedTensor, ...),
+  # which a tape may watch; tf.Tensor is not one.
+  return tf.__internal__.CompositeTensor
+
+
 def added_losses(layer) -> list:
   # The terms `layer.add_loss` added in its last call (activity
   # regularizers' included), without weight regularizers; `layer.losses`
@@ -408,6 +420,10 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
     "_get_regularization_losses":
         lambda: len(regularization_losses(_probe_keras_model())) == 1
         or _fail(),
+    "strategy_supports_no_merge_call": lambda: isinstance(
+        strategy_supports_no_merge_call(), bool) or _fail(),
+    "CompositeTensor": lambda: isinstance(
+        tf.sparse.from_dense([1.0]), composite_tensor_class()) or _fail(),
     "_get_own_losses": lambda: added_losses(_probe_keras_model()) == []
         or _fail(),
     "_call_has_training_arg":

@@ -150,7 +150,7 @@ def _apply_gated(optimizer, grads, variables, limit, xla=False,
   def when(go, fn):
     tf.cond(go, lambda: fn() and None, lambda: None)
 
-  if tf.__internal__.distribute.strategy_supports_no_merge_call():
+  if _compat.strategy_supports_no_merge_call():
     if xla:
       _apply_then_undo(optimizer, transform(grads), variables,
                        gate(step_end))

@@ -117,7 +117,7 @@ class GradientTape:
     for t in tf.nest.flatten(tensor):
       if _is_variable(t):
         self._watched_vars[id(_tf_variable(t))] = t
-      elif isinstance(t, (tf.Tensor, tf.__internal__.CompositeTensor)):
+      elif isinstance(t, (tf.Tensor, _compat.composite_tensor_class())):
         if not (t.dtype.is_floating or t.dtype.is_complex):
           tf.get_logger().warning(
               "tf_pxg.GradientTape.watch: %s has dtype %s; only floating "
