@@ -118,3 +118,48 @@ def test_gradient_canary_errors():
     c.insert(np.zeros((2, 3)), np.zeros(2))
   with pytest.raises(ValueError, match="distinct"):
     c.gradient_canaries.directions(5)
+
+
+@pytest.mark.parametrize("num_bands,clip", [(1, 1.0), (2, 1.0), (1, 1e9)])
+def test_canary_contributions_are_exact(num_bands, clip):
+  """With every real example weighted 0 and no noise, the released update
+  is the canaries' alone: each projection must be, exactly, the canary's
+  clipped norm at the steps where its coins (replayed here) put it in —
+  through the real clip (1e9: no clipping, the full norm), the Poisson
+  accumulation, BandMF's correlated-noise path (b = 2: cyclic groups) and
+  SGD — and 0 elsewhere."""
+  import tensorflow as tf  # noqa: PLC0415
+  from tf_pxg import mf  # noqa: PLC0415
+  from tf_pxg.audit import gradient_canaries as gc  # noqa: PLC0415
+  n, batch, lr, norm = 64, 8, 0.1, 10.0
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((n, 5)).astype("float32")
+  y = rng.integers(0, 4, n).astype("int32")
+  extra = {} if num_bands == 1 else {"noise_mechanism":
+                                     mf.BandedToeplitz(num_bands)}
+  model = dpk.DPSequential([keras.Input((5,)), keras.layers.Dense(4)],
+                           l2_norm_clip=clip, noise_multiplier=0.0, seed=0,
+                           **extra)
+  model.compile(optimizer=keras.optimizers.SGD(lr),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  q = accounting.sampling_probability(n, batch, num_bands)
+  canaries = audit.CanaryCallback.gradient(20, norm, q, num_bands=num_bands,
+                                           seed=3)
+  model.fit(x, y, sample_weight=np.zeros(n, "float32"), batch_size=batch,
+            epochs=2, verbose=0, sampling_seed=0, callbacks=[canaries])
+  g = canaries.gradient_canaries
+  steps = canaries.projections.shape[0]
+  assert steps == int(model.optimizer.iterations.numpy()) > 0
+  want = np.zeros((steps, g.m))
+  for t in range(steps):
+    coins = tf.random.stateless_uniform(
+        [g.m], seed=tf.constant([g.sampling_seed, t], tf.int64)).numpy()
+    take = (coins < q) & g.included
+    if num_bands > 1:
+      take &= g.groups == t % num_bands
+    want[t] = take * min(norm, clip)
+  # -Δw = lr * (sum) / (q N); the projections are in weight units.
+  got = canaries.projections * (q * n / num_bands) / lr
+  np.testing.assert_allclose(got, want, atol=1e-4)
+  assert want.sum() > 0

@@ -317,7 +317,7 @@ class CanaryCallback(keras.callbacks.Callback):
 
 
 def _flat_weights(model) -> np.ndarray:
-  return np.concatenate([np.asarray(v.numpy(), np.float64).ravel()
+  return np.concatenate([np.asarray(v.value.numpy(), np.float64).ravel()
                          for v in model.trainable_variables])
 
 

@@ -108,13 +108,17 @@ class GradientCanaries:
     self.groups = self._rng.integers(0, num_bands, m)
     self.sampling_seed = int(self._rng.integers(0, 2**31 - 1))
     self.sign_seed = int(self._rng.integers(0, 2**31 - 1))
-    self.indices = self.values = None   # [m, s] each, set by `directions`
+    self.indices = self.values = None   # set by `directions`
     self.traced = False                 # set when a train step includes them
+    self.tf_values = None               # random directions, as a variable
 
   def directions(self, num_params: int):
-    """Draws the directions in a space of `num_params` coordinates (once):
-    `indices` and `values`, `[m, s]`, with `Σ_s values² = 1` per canary."""
-    if self.indices is not None:
+    """Draws the directions in a space of `num_params` coordinates (once).
+
+    Dirac: `indices` and `values` `[m, 1]` (coordinate, sign); random:
+    `indices` None and `values` the `[m, num_params]` unit rows.
+    """
+    if self.values is not None:
       if self._num_params != num_params:
         raise ValueError(f"these canaries were drawn for {self._num_params} "
                          f"parameters; the model has {num_params}.")
@@ -128,10 +132,9 @@ class GradientCanaries:
       self.indices = self._rng.choice(num_params, self.m,
                                       replace=False)[:, None]
       self.values = self._rng.choice([-1.0, 1.0], (self.m, 1))
-    else:
-      self.indices = np.broadcast_to(np.arange(num_params),
-                                     (self.m, num_params))
-      v = self._rng.standard_normal((self.m, num_params))
+    else:  # dense [m, num_params] float32: m d values
+      self.indices = None
+      v = self._rng.standard_normal((self.m, num_params), dtype=np.float32)
       self.values = v / np.linalg.norm(v, axis=1, keepdims=True)
     return self.indices, self.values
 
@@ -141,13 +144,18 @@ class GradientCanaries:
     x = np.asarray(flat_deltas, dtype=np.float64)
     if self.direction == "dirac":
       return x[..., self.indices[:, 0]] * self.values[:, 0]
-    return x @ self.values.T
+    return (x.astype(np.float32) @ self.values.T).astype(np.float64)
 
 
 def attach(model, canaries: GradientCanaries):
   """Makes `model`'s train step add `canaries` (it is re-traced)."""
   num_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
   canaries.directions(num_params)
+  if canaries.direction == "random" and canaries.tf_values is None:
+    import tensorflow as tf  # noqa: PLC0415
+    # A variable, not a constant: m d floats need not live in the graph.
+    canaries.tf_values = tf.Variable(canaries.values, trainable=False,
+                                     name="gradient_canary_directions")
   object.__setattr__(model, _ATTR, canaries)
   _retrace(model)
 
@@ -257,8 +265,8 @@ def _sampled(canaries, step):
 def _scatter(canaries, coef, num_params):
   """`Σ_i coef_i u_i` as a flat `[num_params]` float32 vector."""
   import tensorflow as tf  # noqa: PLC0415
-  values = tf.constant(canaries.values, tf.float32)
   if canaries.direction == "random":
-    return tf.tensordot(coef, values, 1)
+    return tf.tensordot(coef, canaries.tf_values, 1)
+  values = tf.constant(canaries.values[:, 0], tf.float32)
   return tf.scatter_nd(tf.constant(canaries.indices, tf.int64),
-                       values[:, 0] * coef, [num_params])
+                       values * coef, [num_params])
