@@ -275,6 +275,47 @@ def compile_metrics_parts(cm):
   return (cm._flatten_y, cm._flat_metrics, cm._flat_weighted_metrics)  # pylint: disable=protected-access
 
 
+@contextlib.contextmanager
+def metrics_masked(model, mask):
+  """Compiled metrics see `mask` as a sample weight, weighted or not.
+
+  A monkeypatch of the compiled metrics' `update_state` for one call (no
+  public hook), hence here.
+
+  Keras passes sample weights only to `weighted_metrics`; padding rows must
+  not count in `metrics` either, so for the call their `update_state` gets
+  `sample_weight=mask` (weighted metrics get the given weights, which
+  already include the mask).
+  """
+  cm = compile_metrics(model)
+  if cm is None:
+    yield
+    return
+
+  def update_state(y_true, y_pred, sample_weight=None):
+    if not cm.built:
+      cm.build(y_true, y_pred)
+    flatten_y, flat_metrics, flat_weighted = compile_metrics_parts(cm)
+    y_true = flatten_y(y_true)
+    y_pred = flatten_y(y_pred)
+    weights = (flatten_y(sample_weight) if sample_weight is not None
+               else [None])
+    if len(weights) < len(y_true):
+      weights = [weights[0]] * len(y_true)
+    for m, w_m, t, p, w in zip(flat_metrics, flat_weighted,
+                               y_true, y_pred, weights):
+      if m:
+        m.update_state(t, p, sample_weight=mask)
+      if w_m:
+        w_m.update_state(t, p, sample_weight=w)
+
+  cm.update_state = update_state
+  try:
+    yield
+  finally:
+    del cm.update_state
+
+
 def optimizer_own_variables(optimizer) -> list:
   # A Keras optimizer's own variables (iterations, learning rate) without
   # the ones `variables` may add in a subclass (DPOptimizer adds its inner

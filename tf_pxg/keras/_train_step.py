@@ -623,7 +623,7 @@ def _unprotected_metrics(model, result: ReplicaGradients) -> dict:
   if not noisy_loss:
     _compat.loss_tracker(model).update_state(
         losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
-  with _metrics_masked(model, rows):
+  with _compat.metrics_masked(model, rows):
     logs = model.compute_metrics(
         x, y, y_pred, sample_weight=rows if sample_weight is None else
         _rows_times(sample_weight, rows))
@@ -669,44 +669,6 @@ def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
                         generator, accumulator_for, mechanism, loss_scale)
   return dp_apply(model, result, optimizer,
                   xla=bool(getattr(model, "jit_compile", False)))
-
-
-@contextlib.contextmanager
-def _metrics_masked(model, mask):
-  """Compiled metrics see `mask` as a sample weight, weighted or not.
-
-  Keras passes sample weights only to `weighted_metrics`; padding rows must
-  not count in `metrics` either, so for the call their `update_state` gets
-  `sample_weight=mask` (weighted metrics get the given weights, which
-  already include the mask).
-  """
-  cm = _compat.compile_metrics(model)
-  if cm is None:
-    yield
-    return
-
-  def update_state(y_true, y_pred, sample_weight=None):
-    if not cm.built:
-      cm.build(y_true, y_pred)
-    flatten_y, flat_metrics, flat_weighted = _compat.compile_metrics_parts(cm)
-    y_true = flatten_y(y_true)
-    y_pred = flatten_y(y_pred)
-    weights = (flatten_y(sample_weight) if sample_weight is not None
-               else [None])
-    if len(weights) < len(y_true):
-      weights = [weights[0]] * len(y_true)
-    for m, w_m, t, p, w in zip(flat_metrics, flat_weighted,
-                               y_true, y_pred, weights):
-      if m:
-        m.update_state(t, p, sample_weight=mask)
-      if w_m:
-        w_m.update_state(t, p, sample_weight=w)
-
-  cm.update_state = update_state
-  try:
-    yield
-  finally:
-    del cm.update_state
 
 
 def _rows_times(weight, mask):
