@@ -262,6 +262,28 @@ def loss_trackers_suspended(compile_loss_obj):
       del m.update_state
 
 
+@contextlib.contextmanager
+def when_built(obj, fn):
+  # Calls `fn()` once `obj` (a Keras CompileLoss) is built: now if it is,
+  # else right after its build() inside the body (build is patched for the
+  # duration; it has no public hook).
+  if obj.built:
+    fn()
+    yield
+    return
+  original = obj.build
+
+  def build(*args, **kwargs):
+    original(*args, **kwargs)
+    fn()
+
+  obj.build = build
+  try:
+    yield
+  finally:
+    del obj.build
+
+
 def compile_metrics(model):
   # The compiled metrics container, whose update_state is wrapped so padding
   # rows are masked for unweighted metrics too; no public accessor.

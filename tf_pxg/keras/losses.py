@@ -125,24 +125,11 @@ def _per_example_mode(compile_loss):
         entry._replace(loss=_PerExampleLoss(entry.loss))
         for entry in saved["flat"]])
 
-  patched_build = False
-  if compile_loss.built:
-    swap()
-  else:
-    original_build = compile_loss.build
-
-    def build(y_true, y_pred):
-      original_build(y_true, y_pred)
-      swap()
-
-    compile_loss.build = build
-    patched_build = True
   try:
-    yield
+    with _compat.when_built(compile_loss, swap):
+      yield
   finally:
     stack.close()
-    if patched_build:
-      del compile_loss.build
     if "flat" in saved:
       _compat.set_flat_losses(compile_loss, saved["flat"])
 
