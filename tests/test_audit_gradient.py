@@ -22,8 +22,13 @@ Not flaky, by construction and by the theorem:
   no clip 6.05, against the claim 1; the correct run 0.28) leave a wide
   margin: the canaries' per-step signal is 10× (noise / 10) or 100× (no
   clip, norm 100 C) the claimed one, and infinite without noise.
-Four fits of about 10 s each here.
+Four fits of about 10 s each here. The exactness tests (no noise, every
+real example weighted 0) check each canary's contribution through the real
+clip, accumulation, BandMF, SGD and a MirroredStrategy of 2 replicas.
 """
+
+import os
+import textwrap
 
 import numpy as np
 import pytest
@@ -120,29 +125,25 @@ def test_gradient_canary_errors():
     c.gradient_canaries.directions(5)
 
 
-@pytest.mark.parametrize("num_bands,clip", [(1, 1.0), (2, 1.0), (1, 1e9)])
-def test_canary_contributions_are_exact(num_bands, clip):
-  """With every real example weighted 0 and no noise, the released update
-  is the canaries' alone: each projection must be, exactly, the canary's
-  clipped norm at the steps where its coins (replayed here) put it in —
-  through the real clip (1e9: no clipping, the full norm), the Poisson
-  accumulation, BandMF's correlated-noise path (b = 2: cyclic groups) and
-  SGD — and 0 elsewhere."""
+def _exact_contributions(num_bands, clip, strategy=None):
+  """max |projection - expected| of a run where the canaries are the only
+  gradient (module's exactness test), and the number of canary additions."""
+  import contextlib  # noqa: PLC0415
   import tensorflow as tf  # noqa: PLC0415
   from tf_pxg import mf  # noqa: PLC0415
-  from tf_pxg.audit import gradient_canaries as gc  # noqa: PLC0415
   n, batch, lr, norm = 64, 8, 0.1, 10.0
   rng = np.random.default_rng(0)
   x = rng.standard_normal((n, 5)).astype("float32")
   y = rng.integers(0, 4, n).astype("int32")
   extra = {} if num_bands == 1 else {"noise_mechanism":
                                      mf.BandedToeplitz(num_bands)}
-  model = dpk.DPSequential([keras.Input((5,)), keras.layers.Dense(4)],
-                           l2_norm_clip=clip, noise_multiplier=0.0, seed=0,
-                           **extra)
-  model.compile(optimizer=keras.optimizers.SGD(lr),
-                loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True))
+  with (strategy.scope() if strategy else contextlib.nullcontext()):
+    model = dpk.DPSequential([keras.Input((5,)), keras.layers.Dense(4)],
+                             l2_norm_clip=clip, noise_multiplier=0.0,
+                             seed=0, **extra)
+    model.compile(optimizer=keras.optimizers.SGD(lr),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
   q = accounting.sampling_probability(n, batch, num_bands)
   canaries = audit.CanaryCallback.gradient(20, norm, q, num_bands=num_bands,
                                            seed=3)
@@ -159,7 +160,42 @@ def test_canary_contributions_are_exact(num_bands, clip):
     if num_bands > 1:
       take &= g.groups == t % num_bands
     want[t] = take * min(norm, clip)
-  # -Δw = lr * (sum) / (q N); the projections are in weight units.
+  # -Δw = lr * (sum) / (q N / b): the projections are in weight units.
   got = canaries.projections * (q * n / num_bands) / lr
-  np.testing.assert_allclose(got, want, atol=1e-4)
-  assert want.sum() > 0
+  return float(np.abs(got - want).max()), float(want.sum())
+
+
+@pytest.mark.parametrize("num_bands,clip", [(1, 1.0), (2, 1.0), (1, 1e9)])
+def test_canary_contributions_are_exact(num_bands, clip):
+  """With every real example weighted 0 and no noise, the released update
+  is the canaries' alone: each projection must be, exactly, the canary's
+  clipped norm at the steps where its coins (replayed here) put it in —
+  through the real clip (1e9: no clipping, the full norm), the Poisson
+  accumulation, BandMF's correlated-noise path (b = 2: cyclic groups) and
+  SGD — and 0 elsewhere."""
+  err, total = _exact_contributions(num_bands, clip)
+  assert err < 1e-4 and total > 0
+
+
+_MIRRORED = """
+import json, sys
+import tensorflow as tf
+{mirrored}
+sys.path.insert(0, {tests!r})
+import test_audit_gradient as t
+err, total = t._exact_contributions(1, 1.0, strategy)
+print("RESULT", json.dumps(dict(err=err, total=total,
+                                replicas=strategy.num_replicas_in_sync)))
+"""
+
+
+def test_canary_contributions_are_exact_under_mirrored_strategy():
+  """Two replicas: each sampled canary is added once (by replica 0), not
+  once per replica, and the all-reduced update carries it exactly."""
+  import _multi_worker  # noqa: PLC0415  (tests/ is on sys.path)
+  code = textwrap.dedent(_MIRRORED).format(
+      mirrored=_multi_worker.MIRRORED_TWO_CPUS,
+      tests=os.path.dirname(os.path.abspath(__file__)))
+  result = _multi_worker.run_script(code, timeout=240)
+  assert result["replicas"] == 2
+  assert result["err"] < 1e-4 and result["total"] > 0, result
