@@ -121,11 +121,13 @@ def test_gradient_canary_errors():
   c = audit.CanaryCallback.gradient(10, 10.0, 0.1, seed=0)
   with pytest.raises(ValueError, match="nothing to insert"):
     c.insert(np.zeros((2, 3)), np.zeros(2))
+  with pytest.raises(ValueError, match="none has ended"):
+    c.audit()
   with pytest.raises(ValueError, match="distinct"):
     c.gradient_canaries.directions(5)
 
 
-def _exact_contributions(num_bands, clip, strategy=None):
+def _exact_contributions(num_bands, clip, strategy=None, accumulation=1):
   """max |projection - expected| of a run where the canaries are the only
   gradient (module's exactness test), and the number of canary additions."""
   import contextlib  # noqa: PLC0415
@@ -148,7 +150,8 @@ def _exact_contributions(num_bands, clip, strategy=None):
   canaries = audit.CanaryCallback.gradient(20, norm, q, num_bands=num_bands,
                                            seed=3)
   model.fit(x, y, sample_weight=np.zeros(n, "float32"), batch_size=batch,
-            epochs=2, verbose=0, sampling_seed=0, callbacks=[canaries])
+            epochs=2, verbose=0, sampling_seed=0, callbacks=[canaries],
+            accumulation_steps=accumulation)
   g = canaries.gradient_canaries
   steps = canaries.projections.shape[0]
   assert steps == int(model.optimizer.iterations.numpy()) > 0
@@ -165,15 +168,18 @@ def _exact_contributions(num_bands, clip, strategy=None):
   return float(np.abs(got - want).max()), float(want.sum())
 
 
-@pytest.mark.parametrize("num_bands,clip", [(1, 1.0), (2, 1.0), (1, 1e9)])
-def test_canary_contributions_are_exact(num_bands, clip):
+@pytest.mark.parametrize("num_bands,clip,accumulation", [
+    (1, 1.0, 1), (2, 1.0, 1), (1, 1e9, 1), (1, 1.0, 3)])
+def test_canary_contributions_are_exact(num_bands, clip, accumulation):
   """With every real example weighted 0 and no noise, the released update
   is the canaries' alone: each projection must be, exactly, the canary's
   clipped norm at the steps where its coins (replayed here) put it in —
   through the real clip (1e9: no clipping, the full norm), the Poisson
-  accumulation, BandMF's correlated-noise path (b = 2: cyclic groups) and
-  SGD — and 0 elsewhere."""
-  err, total = _exact_contributions(num_bands, clip)
+  accumulation (3 physical batches per logical step: added once, at the
+  last), BandMF's correlated-noise path (b = 2: cyclic groups) and SGD —
+  and 0 elsewhere."""
+  err, total = _exact_contributions(num_bands, clip,
+                                    accumulation=accumulation)
   assert err < 1e-4 and total > 0
 
 

@@ -237,7 +237,13 @@ class CanaryCallback(keras.callbacks.Callback):
 
   def audit(self, model: Optional[keras.Model] = None) -> CanaryScoreAuditor:
     """Scores the canaries under `model` (default: the callback's) and
-    returns (and stores) the auditor."""
+    returns (and stores) the auditor. Gradient canaries: the auditor of
+    the last `fit` (their scores come from its updates, not a model)."""
+    if self.gradient_canaries is not None:
+      if self.projections is None:
+        raise ValueError("gradient canaries are scored from the updates of "
+                         "the fit they were passed to; none has ended yet.")
+      return self.auditor
     model = model if model is not None else self.model
     final = self.losses(model)
     if self.score == "loss":
