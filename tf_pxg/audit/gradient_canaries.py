@@ -23,7 +23,9 @@ under flat clipping, and the full `norm` when clipping is broken), added to
 the sums, and from there follows the real path: logical-step accumulation,
 the noise (independent or BandMF's correlated noise), the division by the
 batch size, the strategy's all-reduce (only replica 0 adds canaries, so each
-is added once per step) and the optimizer. Nothing is copied.
+is added once per step) and the optimizer. Nothing is copied. Under
+adaptive clipping the canaries do not enter the noisy unclipped count
+(their norm is given, not data): they audit the gradient release only.
 
 **Sampling: what the accountant assumes.** DP-SGD's ε is for a unit that
 joins each logical step independently with probability q (Poisson; with
