@@ -21,8 +21,10 @@ setuptools.setup(
         # the lowest pair runs a subset in .ci/run, the newest the full suite.
         "tensorflow>=2.16,<2.22",
         "keras>=3.7,<3.16",
-        # TFP needs tf-keras importable; the [tf] extra pins a compatible one.
-        "tensorflow-probability[tf]>=0.24",
+        # No tensorflow-probability: its [tf] extra pulls tf-keras, whose
+        # releases each pin one TensorFlow minor, so pip would upgrade the
+        # TensorFlow a user installed first (tf_pxg.dp.noise splits seeds
+        # as TFP did, without it).
         "absl-py>=1.0",
         "dp-accounting>=0.4.4",
         "scipy>=1.7",  # root finding in tf_pxg.accounting

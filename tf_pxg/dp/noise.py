@@ -25,12 +25,12 @@ References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
 """
 
+import hashlib
 import math
 from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_probability as tfp
 
 from tf_pxg.dp import threefry
 
@@ -62,7 +62,7 @@ def add_gaussian_noise(
   Either way the tensors' noises are independent of each other: the fused
   kernel gives each tensor its own counter range under one key, and the
   fallback tensors get a fresh draw each (split seeds,
-  `tfp.random.split_seed`, in the stateless case).
+  `_split_seed`, in the stateless case).
 
   Args:
     grads: A list of gradient tensors; `None` entries (variables without a
@@ -123,8 +123,7 @@ def add_gaussian_noise(
         1.0 if scale is None else scale)):
       noisy[i] = out
   if rest and generator is None:
-    seeds = tfp.random.split_seed(
-        _stateless_seed(seed), n=len(rest), salt="add_gaussian_noise")
+    seeds = _split_seed(_stateless_seed(seed), len(rest), "add_gaussian_noise")
   for k, i in enumerate(rest):
     g = tensors[i]
     if generator is not None:
@@ -217,8 +216,8 @@ def _static_shape(shape) -> Optional[List[int]]:
 def _stateless_seed(seed) -> tf.Tensor:
   """`seed` as a shape `[2]` int32 tensor; a scalar `s` becomes `[0, s]`.
 
-  (A Python int must not reach `tfp.random.split_seed` directly: TFP treats
-  an int as a *stateful* seed and returns different seeds on every call.)
+  (Seeds are split as int32 `[2]` tensors, `_split_seed`: a Python int is
+  never taken for a *stateful* seed, as TFP's split would take it.)
   """
   seed = tf.convert_to_tensor(seed)
   if not seed.dtype.is_integer:
@@ -232,11 +231,26 @@ def _stateless_seed(seed) -> tf.Tensor:
         "seed must be an integer tensor of shape [2] (or a scalar integer); "
         f"got shape {seed.shape}.")
   if seed.dtype != tf.int32:
-    # TFP's seed splitting takes int32 seeds: hash the full seed into one.
+    # The seed splitting takes int32 seeds: hash the full seed into one.
     seed = tf.random.stateless_uniform(
         [2], seed=tf.cast(seed, tf.int64), minval=None, maxval=None,
         dtype=tf.int32)
   return seed
+
+
+def _split_seed(seed: tf.Tensor, n: int, salt: str) -> List[tf.Tensor]:
+  """`n` independent stateless seeds derived from the int32 `[2]` `seed`
+  and `salt`: the same seeds as TensorFlow Probability's
+  `tfp.random.split_seed(seed, n=n, salt=salt)` for a stateless seed (the
+  salt's SHA-512 mod 2^31 - 1 xor-ed into the seed's first word, then a
+  stateless uniform `[n, 2]` int32 draw), without depending on TFP, whose
+  tf-keras dependency pins the TensorFlow version a user has installed."""
+  salt_word = int(hashlib.sha512(salt.encode("utf-8")).hexdigest(), 16) % (
+      2**31 - 1)
+  seed = tf.bitwise.bitwise_xor(tf.convert_to_tensor(seed, tf.int32),
+                                tf.constant([salt_word, 0], tf.int32))
+  return tf.unstack(tf.random.stateless_uniform(
+      [n, 2], seed=seed, minval=None, maxval=None, dtype=tf.int32))
 
 
 def replica_noise_stddev(stddev: _Stddev, num_replicas: int) -> _Stddev:
@@ -281,7 +295,7 @@ def replica_seed(seed: tf.Tensor, replica_id: Union[int, tf.Tensor],
                  num_replicas: int) -> tf.Tensor:
   """An independent stateless seed for one replica, derived from `seed`.
 
-  Splits `seed` into `num_replicas` seeds with `tfp.random.split_seed` (a
+  Splits `seed` into `num_replicas` seeds with `_split_seed` (a
   stateless counter-based split: the children are independent streams) and
   returns row `replica_id`. All replicas can call this with the same `seed`
   and their own `replica_id` (e.g.
@@ -307,9 +321,8 @@ def replica_seed(seed: tf.Tensor, replica_id: Union[int, tf.Tensor],
     raise ValueError(
         "num_replicas must be a positive integer (>= 1); "
         f"got {num_replicas!r}.")
-  seeds = tf.stack(
-      tfp.random.split_seed(
-          _stateless_seed(seed), n=num_replicas, salt="replica_seed"))
+  seeds = tf.stack(_split_seed(_stateless_seed(seed), num_replicas,
+                              "replica_seed"))
   return tf.gather(seeds, replica_id)
 
 

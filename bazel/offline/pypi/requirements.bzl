@@ -14,8 +14,6 @@ PACKAGES = [
     "scikit_learn",
     "scipy",
     "tensorflow",
-    "tensorflow_probability",
-    "tf_keras",
 ]
 
 def normalize(name):
