@@ -126,7 +126,34 @@ CASES = {
     "time_major_reshaped_matmul": _time_major_reshaped_matmul,
     "time_major_token_gather": _time_major_tokens,
     "float_tokens_cast_one_hot": _float_tokens_one_hot,
+    "rows_split_into_windows": lambda: _windows(),
+    "fft2d_over_each_example": lambda: _fft2d(),
 }
+
+
+def _windows():
+  """Swin-style: each example's 8 rows of [B*8, d] split into 2 windows of
+  4 ([B*2, 4, d], still merged, the batch major), then a contraction."""
+  w1, w2 = _var((3, 5), 16), _var((5, 2), 17)
+
+  def fn(x):  # [B, 8, 3]
+    rows = tf.matmul(tf.reshape(x, [-1, 3]), w1)            # [B*8, 5]
+    windows = tf.reshape(tf.tanh(rows), [-1, 4, 5])         # [B*2, 4, 5]
+    h = tf.einsum("wsd,de->wse", windows, w2)               # [B*2, 4, 2]
+    return tf.reduce_sum(tf.square(tf.reshape(h, [-1, 16])), axis=1)
+  return Fn(fn, [w1, w2]), _x((B, 8, 3), 18)
+
+
+def _fft2d():
+  """FNet's token mixing: the real part of a 2-D FFT over each example's
+  sequence and hidden axes."""
+  w = _var((3, 4), 19)
+
+  def fn(x):  # [B, 5, 3]
+    h = tf.cast(tf.matmul(x, w), tf.complex64)
+    mixed = tf.math.real(tf.signal.fft2d(h))
+    return tf.reduce_sum(tf.square(mixed), axis=[1, 2])
+  return Fn(fn, [w]), _x((B, 5, 3), 20)
 
 
 @pytest.mark.parametrize("mode", MODES)

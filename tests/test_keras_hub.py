@@ -18,6 +18,12 @@ the next-token cross-entropy, padding masked through `sample_weight` as
 KerasHub's CausalLM does) for GPT-2, Llama and Gemma. A noisy `fit` on
 Poisson batches (the default DP data path) runs for six family/mode pairs.
 
+FNet (token mixing by a 2-D FFT) and Swin (attention windows folded into
+the batch axis, `[B*W*s, d]` rows split into `[B*W, s, d]`) run both modes;
+ten more families (Bloom, Falcon, GPT-NeoX, XLM-RoBERTa, RoFormer-V2,
+ESM-2, Llama 3, Qwen 2, DeiT, DINOv2) full fine-tuning only (`slow`).
+Mixtral's batch-level router loss (`add_loss`) is refused by name.
+
 The families exercise the engine's parameter copies along the batch axis
 (`tf_pxg.rules.copies`): KerasHub's `PositionEmbedding` broadcasts its
 table to the batch (BERT, DistilBERT, RoBERTa, ALBERT, ELECTRA, GPT-2, OPT,
@@ -93,6 +99,14 @@ FAMILIES: Dict[str, Family] = {
     "vit": Family(lambda: models.ViTBackbone(
         image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
         hidden_dim=8, mlp_dim=16), inputs="image"),
+    # Token mixing by a 2-D FFT (FNet), attention windows folded into the
+    # batch axis (Swin: [B*W*s, d] rows split into [B*W, s, d]).
+    "f_net": Family(lambda: models.FNetBackbone(
+        vocabulary_size=VOCAB, dropout=0.0, max_sequence_length=8, **TEXT)),
+    "swin": Family(lambda: models.SwinTransformerBackbone(
+        image_shape=(16, 16, 3), embed_dim=8, depths=[1, 1],
+        num_heads=[2, 2], window_size=2, patch_size=4, drop_path=0.0),
+                   inputs="image"),
     "resnet": Family(lambda: models.ResNetBackbone(
         input_conv_filters=[64], input_conv_kernel_sizes=[3],
         stackwise_num_filters=[64], stackwise_num_blocks=[1],
@@ -213,7 +227,32 @@ def dp_step_error(model: keras.Model, x, y, sample_weight=None,
   return err * 1e-4  # Relative to the update (the bound is 1e-4 of it).
 
 
-TRAINABLE = sorted(set(FAMILIES) - {"resnet"})
+# More families, full fine-tuning only (the engine paths they take are
+# covered above; these guard KerasHub's other variants).
+MORE_FAMILIES: Dict[str, Family] = {
+    "bloom": Family(lambda: models.BloomBackbone(
+        vocabulary_size=VOCAB, num_heads=2, **TEXT)),
+    "falcon": Family(lambda: models.FalconBackbone(
+        vocabulary_size=VOCAB, num_attention_heads=2, **TEXT)),
+    "gpt_neox": Family(lambda: models.GPTNeoXBackbone(
+        **ENCODER, rotary_percentage=0.5)),
+    "xlm_roberta": Family(lambda: models.XLMRobertaBackbone(**ENCODER)),
+    "roformer_v2": Family(lambda: models.RoformerV2Backbone(
+        vocabulary_size=VOCAB, num_heads=2, head_size=4, dropout=0.0,
+        **TEXT)),
+    "esm2": Family(lambda: models.ESM2Backbone(
+        vocabulary_size=VOCAB, num_heads=2, dropout=0.0, **TEXT)),
+    "llama3": Family(lambda: models.Llama3Backbone(**DECODER)),
+    "qwen2": Family(lambda: models.Qwen2Backbone(**DECODER)),
+    "deit": Family(lambda: models.DeiTBackbone(
+        image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
+        hidden_dim=8, intermediate_dim=16), inputs="image"),
+    "dinov2": Family(lambda: models.DINOV2Backbone(
+        image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
+        hidden_dim=8, intermediate_dim=16), inputs="image"),
+}
+FAMILIES.update(MORE_FAMILIES)
+TRAINABLE = sorted(set(FAMILIES) - {"resnet"} - set(MORE_FAMILIES))
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -222,6 +261,28 @@ def test_dp_step_is_exact(name, lora):
   model, x, y = build(name, lora)
   _ERRORS[f"{name}-{'lora' if lora else 'full'}"] = dp_step_error(
       model, x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MORE_FAMILIES))
+def test_more_families_dp_step_is_exact(name):
+  model, x, y = build(name, lora=False)
+  _ERRORS[f"{name}-full"] = dp_step_error(model, x, y)
+
+
+def test_mixture_of_experts_aux_loss_is_refused_by_name():
+  """Mixtral's router adds a batch-level auxiliary loss (`add_loss`): it
+  has no per-example split, so DP training refuses it, naming the layer."""
+  keras.utils.set_random_seed(0)
+  backbone = models.MixtralBackbone(**DECODER, num_experts=2)
+  model, x = classifier(backbone), batch(backbone, "text")
+  dp = dpk.make_private(model, l2_norm_clip=1.0, noise_multiplier=0.0)
+  dp.compile(optimizer=keras.optimizers.SGD(1.0),
+             loss=keras.losses.SparseCategoricalCrossentropy(
+                 from_logits=True))
+  with pytest.raises(ValueError, match="add_loss") as info:
+    dp.fit(x, np.zeros(B), batch_size=B, epochs=1, verbose=0)
+  assert "sparse_moe_block" in str(info.value), info.value
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "vit", "bert"])

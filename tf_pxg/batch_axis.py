@@ -320,6 +320,11 @@ def _reshape(entry, layouts, batch_size=None, layout_of=None):
         (not minor and dpre == pre and dpost > post and dpost % post == 0)):
       if dst[j] is None or dst[j] == batch_size:
         return _all(entry, (j, False)), None
+      if isinstance(batch_size, int) and batch_size and (
+          dst[j] % batch_size == 0):
+        # Still merged: [B*k] split into [B*k/m, m] with m dividing each
+        # example's k rows (Swin's windows: [B*W*s, d] -> [B*W, s, d]).
+        return _all(entry, (j, minor)), None
   if a == 0 and dst.rank and _keeps_leading_dim(entry, lay, layout_of):
     return _all(entry, (0, minor)), None  # reshape(x, [tf.shape(x)[0], ...])
   return _lost(entry, f"reshapes {src} to {dst} across the batch axis {a}")
@@ -737,6 +742,26 @@ def _last_axis(entry, layouts):
   if rank > 0 and lay[0] == rank - 1:
     return _mixes(entry, "compares or normalises along the batch axis (its "
                   "last axis)")
+  return _all(entry, lay), None
+
+
+# Fourier transforms over the last 1, 2 or 3 axes (FNet mixes tokens with
+# an FFT over the sequence and hidden axes of each example).
+_FFT_AXES = {"FFT": 1, "IFFT": 1, "RFFT": 1, "IRFFT": 1, "FFT2D": 2,
+             "IFFT2D": 2, "RFFT2D": 2, "IRFFT2D": 2, "FFT3D": 3,
+             "IFFT3D": 3, "RFFT3D": 3, "IRFFT3D": 3}
+
+
+@_rule(*_FFT_AXES)
+def _fft(entry, layouts):
+  """A transform over the last n axes: the examples must be on another."""
+  lay, rank = layouts.get(0), _rank(entry.inputs[0])
+  if lay is None:
+    return _all(entry, None), None
+  if rank is None:
+    return _lost(entry, "transforms a tensor of unknown rank")
+  if lay[0] >= rank - _FFT_AXES[entry.op_type]:
+    return _mixes(entry, f"transforms along the batch axis {lay[0]}")
   return _all(entry, lay), None
 
 
