@@ -12,7 +12,8 @@ loop over single examples with the same loss
 the median global norm, so some examples are clipped and some not.
 
 The same step is also checked under XLA (`jit_compile=True`) for GPT-2,
-Llama, ViT and BERT, and as a causal LM (the backbone's tied token
+Llama, ViT and BERT, eagerly (`run_eagerly=True`) for GPT-2 and DeBERTa-v3,
+and as a causal LM (the backbone's tied token
 embedding as the head; each example's loss the mean over its positions of
 the next-token cross-entropy, padding masked through `sample_weight` as
 KerasHub's CausalLM does) for GPT-2, Llama and Gemma. A noisy `fit` on
@@ -194,7 +195,7 @@ def _token_mean_loss(labels, logits):
 
 
 def dp_step_error(model: keras.Model, x, y, sample_weight=None,
-                  jit_compile=False) -> float:
+                  jit_compile=False, run_eagerly=False) -> float:
   """One noiseless DP `fit` step of `make_private(model)` against the
   reference; returns the worst error relative to each variable's update
   (`assert_dp_step_matches_reference`, which raises above 1e-4).
@@ -216,7 +217,8 @@ def dp_step_error(model: keras.Model, x, y, sample_weight=None,
   dp = dpk.make_private(model, l2_norm_clip=clip, noise_multiplier=0.0)
   dp.compile(optimizer=keras.optimizers.SGD(1.0),
              loss=keras.losses.SparseCategoricalCrossentropy(
-                 from_logits=True), jit_compile=jit_compile)
+                 from_logits=True), jit_compile=jit_compile,
+             run_eagerly=run_eagerly)
   before = [v.numpy() for v in dp.trainable_variables]
   dp.fit(x, y, sample_weight=sample_weight, batch_size=B, epochs=1,
          verbose=0, shuffle=False)
@@ -285,11 +287,15 @@ def test_mixture_of_experts_aux_loss_is_refused_by_name():
   assert "sparse_moe_block" in str(info.value), info.value
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "vit", "bert"])
-def test_dp_step_is_exact_under_xla(name):
-  """The same step with `jit_compile=True` (Keras' XLA-compiled step)."""
+@pytest.mark.parametrize("name,mode", [
+    ("gpt2", "xla"), ("llama", "xla"), ("vit", "xla"), ("bert", "xla"),
+    ("gpt2", "eager"), ("deberta_v3", "eager")])
+def test_dp_step_is_exact_under_xla_and_eagerly(name, mode):
+  """The same step with `jit_compile=True` (Keras' XLA-compiled step) or
+  `run_eagerly=True`."""
   model, x, y = build(name, lora=False)
-  _ERRORS[f"{name}-full-xla"] = dp_step_error(model, x, y, jit_compile=True)
+  _ERRORS[f"{name}-full-{mode}"] = dp_step_error(
+      model, x, y, jit_compile=mode == "xla", run_eagerly=mode == "eager")
 
 
 def causal_lm(name: str, lora: bool):
