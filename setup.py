@@ -35,6 +35,11 @@ setuptools.setup(
         # tf_pxg.data.beam: Poisson sampling of data beyond memory. The
         # [tfrecord] extra brings the CRC32C that TFRecord files need.
         "beam": ["apache-beam[tfrecord]>=2.50"],
+        # KerasHub models (tests/test_keras_hub.py,
+        # examples/dp_finetune_text.py). keras-hub 0.32 needs keras>=3.15
+        # and tensorflow-text, whose releases each pin one TF minor
+        # (2.21.x: tensorflow>=2.21,<2.22).
+        "hub": ["keras-hub>=0.32"],
     },
     entry_points={"console_scripts": ["tf-pxg=tf_pxg.cli:run"]},
 )
