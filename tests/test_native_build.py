@@ -266,8 +266,11 @@ def test_the_library_name_keys_level_flags_compiler_and_cpu(
   monkeypatch.setattr(native, "_cpu_info", lambda: ("cpu B", frozenset()))
   assert native.library_name(cxx, "x86-64-v3") == v3
   assert native.library_name(cxx, "native") != native_a
-  monkeypatch.setenv("TF_PXG_NATIVE_FLAGS", "-mtune=znver4")
-  assert native.library_name(cxx, "x86-64-v3") != v3
+  monkeypatch.setenv("TF_PXG_NATIVE_FLAGS", "-mtune=native")
+  tuned = native.library_name(cxx, "x86-64-v3")
+  assert tuned != v3
+  monkeypatch.setattr(native, "_cpu_info", lambda: ("cpu C", frozenset()))
+  assert native.library_name(cxx, "x86-64-v3") != tuned  # extra flags: CPU
   monkeypatch.delenv("TF_PXG_NATIVE_FLAGS")
   pathlib.Path(cxx).write_text(pathlib.Path(cxx).read_text() + "\n# new\n")
   assert native.library_name(cxx, "x86-64-v3") != v3  # an upgraded compiler

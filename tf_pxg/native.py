@@ -53,7 +53,7 @@ the same guard) for a library that need not leave its machine.
 Cache. The library goes into a cache directory, named by a digest of the
 sources, TensorFlow's version, the compiler (its path, size and date), the
 full command (flags included) and the level (the CPU's model and features
-too for `native`), then is loaded with `tf.load_op_library`. Building
+too for `native` or extra flags), then is loaded with `tf.load_op_library`. Building
 takes a minute or two of one core; the first use logs a WARNING that it
 is compiling and how long it took. `tf-pxg build-native` builds ahead of
 time (for container images: run it in the image, with the cache directory
@@ -358,11 +358,14 @@ def _compiler_identity(cxx: str) -> str:
 def library_name(cxx: str, level: Optional[str] = None) -> str:
   """The library's file name: the level and a digest of the sources,
   TensorFlow's version, the compiler and the command (plus the CPU's model
-  and features for `native`, whose code depends on them)."""
+  and features for `native` or extra `$TF_PXG_NATIVE_FLAGS`, whose code
+  may depend on them)."""
   level = level or isa()
   digest = hashlib.sha256()
   files = sorted(KERNELS.glob("*.[ch]*"))  # the ops and their headers
-  model, flags = _cpu_info() if level == "native" else ("", frozenset())
+  cpu_specific = level == "native" or os.environ.get(
+      "TF_PXG_NATIVE_FLAGS", "").strip()
+  model, flags = _cpu_info() if cpu_specific else ("", frozenset())
   command = [cxx, *optimization_flags(level)] + (
       tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
   for part in (*(f.read_bytes() for f in files), tf.__version__.encode(),
