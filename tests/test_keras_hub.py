@@ -356,8 +356,9 @@ def test_mixed_precision_dp_step_matches_float32(policy, rtol):
   compute, float32 weights) takes the float32 model's noiseless DP step
   within the precision: `rtol` of each variable's update, plus float noise
   at 1e-3 of the largest update (for weights whose exact gradient is 0,
-  e.g. the attention key bias). mixed_float16 runs without loss scaling:
-  a LossScaleOptimizer is refused (`tf_pxg.keras.DPModel.compile`)."""
+  e.g. the attention key bias). The model is compiled under float32, so
+  mixed_float16 runs without a LossScaleOptimizer here (with one:
+  tests/test_mixed_precision.py)."""
   def build_in(dtype_policy):
     keras.config.set_dtype_policy(dtype_policy)
     try:
