@@ -55,7 +55,7 @@ def _define_flags():
       batch_size=flags.DEFINE_integer("batch_size", 0,
                                       "0: the model's default."),
       seq_len=flags.DEFINE_integer("seq_len", 0, "0: the model's default."),
-      size=flags.DEFINE_enum("size", "full", ["full", "tiny"],
+      size=flags.DEFINE_enum("size", "full", ["full", "small", "tiny"],
                              "Model size (tiny: the smoke test's)."),
       steps=flags.DEFINE_integer("steps", 3, "Steps measured after warm-up."))
 

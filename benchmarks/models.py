@@ -13,7 +13,17 @@ Two groups of models:
   `convnext` (`keras.applications.ConvNeXtTiny` at 32x32x3), `wrn_gn`
   (WRN-16-4 with GroupNorm, De et al. 2022), `vit` (a ViT-S/4-style
   encoder at 32x32), `bert` (a BERT-style text encoder, T = 128) and
-  `lstm`.
+  `lstm`;
+* the fine-tuning models of issue 28 (`FINETUNE_MODELS`), KerasHub
+  backbones built from constructor arguments with random weights (no
+  preset download), batch 8: `gpt2_ft` (a GPT-2-small-like causal LM, 12
+  layers, d = 768, T = 256, its tied token embedding as the LM head; every
+  weight trains), `gpt2_lora` (the same with `backbone.enable_lora(4)`:
+  only the query and value projections' LoRA factors and biases train) and
+  `bert_ft` (a BERT-base-like classifier, 12 layers, d = 768, T = 128,
+  Dense 2 on the pooled output; every weight trains). Their `Spec.small`
+  is 4 of the 12 layers at d = 768 (GPT-2: with a 16384-token vocabulary,
+  which keeps the LM head's share of the FLOPs), for 2-core machines.
 
 Every real model's sizes are keyword arguments of its builder; `Spec.tiny`
 holds a tiny size of each (a few channels, short sequences) that builds and
@@ -209,12 +219,70 @@ def bert(k, seq_len=128, vocab=VOCAB_BERT, dim=256, depth=4, heads=4,
   return k.Model(inp, L.Dense(CLASSES)(h))
 
 
+# The fine-tuning models (issue 28): KerasHub backbones (keras-hub 0.32,
+# the [hub] extra), Keras 3 only.
+
+VOCAB_GPT2 = 50_257
+VOCAB_BERT_BASE = 30_522
+
+
+def gpt2(k, seq_len=256, vocab=VOCAB_GPT2, dim=768, depth=12, heads=12,
+         lora_rank=0):
+  """GPT-2-small-like causal LM: `keras_hub.models.GPT2Backbone` (12
+  layers, d = 768, 12 heads, FFN 3072, dropout 0.1, 1024 positions), its
+  token embedding reversed as the LM head (tied, as `GPT2CausalLM`); one
+  input, the token ids (the padding mask all ones). Logits `[B, T, vocab]`;
+  the labels are the next tokens (`Spec.lm`). `lora_rank` > 0:
+  `backbone.enable_lora(lora_rank)` (everything else frozen)."""
+  import keras_hub  # noqa: PLC0415
+  backbone = keras_hub.models.GPT2Backbone(
+      vocabulary_size=vocab, num_layers=depth, num_heads=heads,
+      hidden_dim=dim, intermediate_dim=4 * dim,
+      max_sequence_length=max(1024, seq_len))
+  ids = k.Input((seq_len,), dtype="int32", name="token_ids")
+  h = backbone({"token_ids": ids, "padding_mask": k.ops.ones_like(ids)})
+  model = k.Model(ids, backbone.token_embedding(h, reverse=True))
+  if lora_rank:
+    backbone.enable_lora(lora_rank)
+  return model
+
+
+def gpt2_lora(k, seq_len=256, lora_rank=4, **kwargs):
+  """`gpt2` with LoRA of rank 4 (query and value projections)."""
+  return gpt2(k, seq_len, lora_rank=lora_rank, **kwargs)
+
+
+def bert_base(k, seq_len=128, vocab=VOCAB_BERT_BASE, dim=768, depth=12,
+              heads=12, classes=2):
+  """BERT-base-like classifier: `keras_hub.models.BertBackbone` (12
+  layers, d = 768, 12 heads, FFN 3072, dropout 0.1, 512 positions), Dense
+  `classes` on its pooled output (as `BertTextClassifier` without its
+  dropout); one input, the token ids (one segment, no padding).
+
+  The segment ids are `minimum(ids, 0)` (all 0), not `zeros_like(ids)`:
+  TF folds the latter into a constant `[B, T]`, and tf_pxg then refuses
+  the segment embedding's rows gathered by it (`AddV2 ... could not trace
+  them to a copy of a shared parameter along the batch axis`)."""
+  import keras_hub  # noqa: PLC0415
+  backbone = keras_hub.models.BertBackbone(
+      vocabulary_size=vocab, num_layers=depth, num_heads=heads,
+      hidden_dim=dim, intermediate_dim=4 * dim,
+      max_sequence_length=max(512, seq_len))
+  ids = k.Input((seq_len,), dtype="int32", name="token_ids")
+  out = backbone({"token_ids": ids, "segment_ids": k.ops.minimum(ids, 0),
+                  "padding_mask": k.ops.ones_like(ids)})
+  return k.Model(ids, k.layers.Dense(classes)(out["pooled_output"]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
   """A benchmark model: builder, default batch, input kind and length.
 
   `tiny`: keyword arguments of the builder for the smoke test's tiny size
-  (`seq_len` and `vocab` among them apply to the batch too).
+  (`seq_len` and `vocab` among them apply to the batch too); `small`: those
+  of a smaller size that still measures something (`--size=small`).
+  `lm`: a causal LM, whose labels are the next tokens `[B, T]` (the last
+  position's label token 0) and whose classes are its vocabulary.
   """
   build: Callable
   batch: int
@@ -223,6 +291,8 @@ class Spec:
   seq_len: int = 0
   classes: int = CLASSES
   tiny: Dict[str, object] = dataclasses.field(default_factory=dict)
+  small: Dict[str, object] = dataclasses.field(default_factory=dict)
+  lm: bool = False
 
 
 SPECS = {
@@ -248,16 +318,32 @@ SPECS = {
                  tiny=dict(seq_len=8, vocab=50, dim=16, depth=1, heads=2,
                            ffn=32)),
 }
+_TINY_HUB = dict(seq_len=8, vocab=50, dim=16, depth=1, heads=2)
+# 4 layers at d = 768 with a 16384-token vocabulary: the tied LM head's
+# share of the step's FLOPs (2 d V per token against 24 d^2 per layer) as
+# in GPT-2 small's 12 layers and 50257 tokens (0.44 against 0.45).
+_SMALL_GPT2 = dict(depth=4, vocab=16_384)
+SPECS.update({
+    "gpt2_ft": Spec(gpt2, 8, lambda t: (t,), VOCAB_GPT2, 256,
+                    classes=VOCAB_GPT2, tiny=_TINY_HUB, small=_SMALL_GPT2,
+                    lm=True),
+    "gpt2_lora": Spec(gpt2_lora, 8, lambda t: (t,), VOCAB_GPT2, 256,
+                      classes=VOCAB_GPT2, tiny=_TINY_HUB,
+                      small=_SMALL_GPT2, lm=True),
+    "bert_ft": Spec(bert_base, 8, lambda t: (t,), VOCAB_BERT_BASE, 128,
+                    classes=2, tiny=_TINY_HUB, small=dict(depth=4)),
+})
+FINETUNE_MODELS = ("gpt2_ft", "gpt2_lora", "bert_ft")
 SMALL_MODELS = ("mlp", "cnn", "embed", "transformer", "lstm")
 REAL_MODELS = ("convnext", "wrn_gn", "vit", "bert", "lstm")
-SIZES = ("full", "tiny")
+SIZES = ("full", "small", "tiny")
 
 
 def _kwargs(name: str, seq_len: int, size: str) -> dict:
   spec = SPECS[name]
   if size not in SIZES:
     raise ValueError(f"size {size!r}: one of {SIZES}")
-  kwargs = dict(spec.tiny) if size == "tiny" else {}
+  kwargs = dict({"tiny": spec.tiny, "small": spec.small}.get(size, {}))
   if seq_len:
     kwargs["seq_len"] = seq_len
   elif spec.seq_len and "seq_len" not in kwargs:
@@ -283,5 +369,8 @@ def batch(name: str, batch_size: int, seq_len: int = 0, seed: int = 0,
     x = rng.integers(0, vocab, size=shape).astype("int32")
   else:
     x = rng.normal(size=shape).astype("float32")
-  y = rng.integers(0, spec.classes, size=(batch_size,)).astype("int32")
+  if spec.lm:
+    y = np.concatenate([x[:, 1:], np.zeros_like(x[:, :1])], 1)
+  else:
+    y = rng.integers(0, spec.classes, size=(batch_size,)).astype("int32")
   return x, y

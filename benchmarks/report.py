@@ -144,6 +144,7 @@ def markdown(result: dict) -> str:
       lines += ["", "Not run: " + "; ".join(errors) + "."]
     lines.append("")
   lines += _real_lines(result)
+  lines += _finetune_lines(result)
   lines += _profile_lines(result)
   lines += _floor_lines(result)
   lines += _target_lines(result)
@@ -182,6 +183,81 @@ def markdown(result: dict) -> str:
                    " | " + " | ".join(cells) + " |")
     lines.append("")
   return "\n".join(lines)
+
+
+# Issue 28: DP / non-private step of the fine-tuning models; memory 1.2x.
+FINETUNE_MEMORY_TARGET = 1.2
+FINETUNE_TARGETS = {"gpt2_ft": 1.15, "gpt2_lora": 1.1, "bert_ft": 1.15}
+FINETUNE_LABELS = {"gpt2_ft": "GPT-2 causal LM, full",
+                   "gpt2_lora": "GPT-2 causal LM, LoRA",
+                   "bert_ft": "BERT classifier, full"}
+
+
+def _finetune_rows(result: dict) -> List[dict]:
+  """(model, T, batch, timing modes, memory modes, load) of each
+  fine-tuning model's measurement: its `time` entry, its growth points."""
+  rows = []
+  for model, res in result.get("time", {}).items():
+    if model in FINETUNE_TARGETS:
+      rows.append(dict(model=model, seq_len=res.get("seq_len"),
+                       batch_size=res.get("batch_size"),
+                       modes=res.get("modes", {}),
+                       memory=result.get("memory", {}).get(model, {}),
+                       load=(res.get("load_before"), res.get("load_after"))))
+  for g in result.get("growth", []):
+    if g["model"] in FINETUNE_TARGETS and g["axis"] == "seq_len":
+      rows.append(dict(model=g["model"], seq_len=g["size"],
+                       batch_size=g.get("batch_size"), modes=g["modes"],
+                       memory=g.get("memory", {}),
+                       load=(g.get("load_before"), g.get("load_after"))))
+  return sorted(rows, key=lambda r: (list(FINETUNE_TARGETS).index(
+      r["model"]), r["seq_len"] or 0))
+
+
+def _finetune_lines(result: dict) -> List[str]:
+  """Issue 28's table: each fine-tuning model and T, the DP step's time
+  and peak memory against Keras' non-private step, and the targets."""
+  rows = _finetune_rows(result)
+  if not rows:
+    return []
+  size = result.get("settings", {}).get("size", "full")
+  lines = [
+      "**Fine-tuning** (KerasHub backbones, random weights; "
+      f"size `{size}`): tf_pxg's DP `fit` step / Keras 3's non-private "
+      "`fit` step of the same model in the same process, median of "
+      "per-round wall-time ratios (CPU-time ratio; min–max over rounds); "
+      "peak memory: TF allocator peak over a step, DP / non-private (RSS "
+      f"growth ratio); targets ≤ {', '.join(f'{k} {v}×' for k, v in FINETUNE_TARGETS.items())}, "
+      f"memory ≤ {FINETUNE_MEMORY_TARGET}× (✓ met, ✗ missed):", "",
+      "| model | B | T | Keras step | DP step | time ratio (CPU) [min–max] "
+      "| memory ratio (RSS growth) | Keras alloc peak | load before → after |",
+      "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    base, dp = r["modes"].get("keras", {}), r["modes"].get("pxg", {})
+    target = FINETUNE_TARGETS[r["model"]]
+    if dp.get("status") == "ok" and base.get("status") == "ok":
+      lo, hi = dp.get("ratio_min_max", [None, None])
+      time_cell = (f"{_met(dp.get('ratio'), target)} "
+                   f"({_fmt(dp.get('cpu_ratio'))}) "
+                   f"[{_fmt(lo)}–{_fmt(hi)}]")
+    else:
+      time_cell = "; ".join(f"{k}: {v.get('status')} {v.get('error', '')}"
+                            for k, v in (("keras", base), ("pxg", dp))
+                            if v.get("status") != "ok") or "–"
+    mem, mbase = r["memory"].get("pxg", {}), r["memory"].get("keras", {})
+    if mem.get("status") == "ok":
+      mem_cell = (f"{_met(mem.get('alloc_ratio'), FINETUNE_MEMORY_TARGET)} "
+                  f"({_fmt(mem.get('rss_growth_ratio'))})")
+    else:
+      mem_cell = mem.get("status", "–")
+    lines.append(
+        f"| {FINETUNE_LABELS[r['model']]} (`{r['model']}`) | "
+        f"{r['batch_size']} | {r['seq_len']} | "
+        f"{_fmt(base.get('ms'), 0, ' ms')} | {_fmt(dp.get('ms'), 0, ' ms')} "
+        f"| {time_cell} | {mem_cell} | "
+        f"{_fmt(mbase.get('alloc_peak_mb'), 0, ' MB')} | "
+        f"{r['load'][0]} → {r['load'][1]} |")
+  return lines + [""]
 
 
 TARGETS = {"mlp": 1.15, "cnn": 1.4, "embed": 1.2, "transformer": 1.15}

@@ -7,6 +7,9 @@ From the repository root, with tf_pxg's venv:
   .venv/bin/python -m benchmarks --quick    # a subset
   .venv/bin/python -m benchmarks --models=convnext,wrn_gn,vit,bert,lstm
                                             # the real architectures only
+  .venv/bin/python -m benchmarks --no_venv --models=gpt2_ft,gpt2_lora,bert_ft \
+      --skip=time,memory,limits,profile --seq_lens=128,256,512,1024 --size=small
+                                            # fine-tuning (issue 28)
 
 It creates `benchmarks/.venv-tfp` on first use (see `benchmarks.venv`),
 re-runs itself there, and then:
@@ -19,7 +22,11 @@ re-runs itself there, and then:
    also jax-privacy's Keras API against Keras 3 on JAX, in the same way in
    a process of `benchmarks/.venv-jaxp` (`benchmarks.jax_anchor`).
 2. **Cost growth**: the same DP / non-private ratios at batch 32, 128, 512
-   (mlp, cnn) and sequence length 32, 128, 512 (transformer).
+   (mlp, cnn) and sequence length 32, 128, 512 (transformer); for the
+   fine-tuning models (`models.FINETUNE_MODELS`: KerasHub GPT-2 full and
+   LoRA, BERT; Keras 3 and tf_pxg only, not in the default model list) at
+   T = 128 to 1024 (`--seq_lens`), each point in a timing process of its
+   own, with both modes' peak memory at that T.
 3. **Memory**: each mode in a subprocess of its own (`benchmarks.memory`,
    `benchmarks.jax_anchor`): peak RSS and, where the allocator keeps
    statistics, the TF allocator's peak over a step.
@@ -64,7 +71,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 0, "Timing rounds (0: 5, quick 3).")
 _ROUND_SECONDS = flags.DEFINE_float(
     "round_seconds", 0, "Wall time of one mode per round (0: 0.6, quick 0.3).")
 _SKIP = flags.DEFINE_list(
-    "skip", [], "Parts to skip: time, growth, limits, memory, profile.")
+    "skip", [], "Parts to skip: time, growth, limits, memory, profile, "
+    "growth_memory (the fine-tuning models' memory at each growth point).")
 _OUT = flags.DEFINE_string("output_dir", "", "Default benchmarks/results.")
 _MEMORY_JOBS = flags.DEFINE_integer(
     "memory_jobs", 2, "Memory subprocesses run at once.")
@@ -78,8 +86,13 @@ _JAX = flags.DEFINE_bool(
     "jax", True, "Run jax-privacy's Keras API on the real architectures "
     "(creates benchmarks/.venv-jaxp on first use).")
 _SIZE = flags.DEFINE_enum(
-    "size", "full", ["full", "tiny"], "Model size: tiny runs every model "
-    "at the smoke test's size (checks the suite, measures nothing real).")
+    "size", "full", ["full", "small", "tiny"], "Model size: tiny runs every "
+    "model at the smoke test's size (checks the suite, measures nothing "
+    "real); small: `Spec.small` where a model has one (the fine-tuning "
+    "models: 4 of 12 layers at d = 768), else full.")
+_SEQ_LENS = flags.DEFINE_list(
+    "seq_lens", [], "Sequence lengths of the cost growth of sequence models "
+    "(default: each model's, `GROWTH`).")
 _PROFILE_STEPS = flags.DEFINE_integer(
     "profile_steps", 0, "Steps profiled per model and mode (0: 5, quick 3).")
 _JAX_MEMORY_LIMIT = flags.DEFINE_float(
@@ -96,12 +109,17 @@ QUICK_MEMORY_MODES = ("keras", "pxg")
 # B x 28M floats for ConvNeXt).
 REAL_MODES = ("keras", "pxg", "noise", "tf_keras", "tfp_dpmodel")
 REAL_MEMORY_MODES = ("keras", "pxg", "tf_keras", "tfp_dpmodel")
+# The fine-tuning models (KerasHub, Keras 3 only): Keras' step and tf_pxg's.
+FINETUNE_MODES = ("keras", "pxg")
 # Models with grouped convolutions: also Keras' step with TF's grouped conv
 # kernels (`modes.tf_grouped_conv`), the like-for-like baseline of tf_pxg.
 EXTRA_MODES = {"convnext": ("keras_tfconv",)}
 QUICK_GROWTH_SIZES = (32, 512)
 GROWTH = {"mlp": ("batch", (32, 128, 512)), "cnn": ("batch", (32, 128, 512)),
-          "transformer": ("seq_len", (32, 128, 512))}
+          "transformer": ("seq_len", (32, 128, 512)),
+          "gpt2_ft": ("seq_len", (128, 256, 512, 1024)),
+          "gpt2_lora": ("seq_len", (128, 256, 512, 1024)),
+          "bert_ft": ("seq_len", (128, 256, 512))}
 GROWTH_MODES = ("keras", "pxg", "tf_keras", "tfp_dpmodel")
 QUICK_GROWTH_MODES = ("keras", "pxg")
 
@@ -184,7 +202,8 @@ def _clear():
 
 def _real(model: str) -> bool:
   from benchmarks import models  # noqa: PLC0415
-  return model in models.REAL_MODELS and model not in models.SMALL_MODELS
+  return ((model in models.REAL_MODELS and model not in models.SMALL_MODELS)
+          or model in models.FINETUNE_MODELS)
 
 
 def output_name(settings) -> str:
@@ -193,6 +212,8 @@ def output_name(settings) -> str:
     return _OUTPUT_NAME.value
   if settings["quick"]:
     return "quick"
+  if all(m in models.FINETUNE_MODELS for m in settings["models"]):
+    return "finetune"
   if all(m in models.REAL_MODELS for m in settings["models"]):
     return "real"
   return "full"
@@ -220,12 +241,16 @@ def _settings():
   def model_modes(model):
     if chosen:
       return chosen
+    if model in models.FINETUNE_MODELS:
+      return list(FINETUNE_MODES)
     if quick:
       return list(QUICK_MODES)
     return list(REAL_MODES if real(model) else modes.ALL_MODES) + list(
         EXTRA_MODES.get(model, ()))
 
   def model_memory_modes(model):
+    if model in models.FINETUNE_MODELS and not chosen:
+      return list(FINETUNE_MODES)
     if quick:
       return list(QUICK_MEMORY_MODES)
     if chosen:
@@ -233,18 +258,21 @@ def _settings():
     return list(REAL_MEMORY_MODES if real(model) else modes.ALL_MODES) + list(
         EXTRA_MODES.get(model, ()))
 
+  memory_wanted = "growth_memory" not in _SKIP.value
   jax_wanted = _JAX.value and (not _MODES.value or any(
       m in jax_anchor.JAX_MODES for m in _MODES.value))
   return dict(
       quick=quick,
       models=model_list,
       growth_sizes=list(QUICK_GROWTH_SIZES) if quick else None,
+      seq_lens=[int(t) for t in _SEQ_LENS.value] or None,
       modes={m: model_modes(m) for m in model_list},
       jax_models=[m for m in model_list
                   if jax_wanted and m in models.REAL_MODELS],
       rounds=_ROUNDS.value or (3 if quick else 5),
       round_seconds=_ROUND_SECONDS.value or (0.3 if quick else 0.6),
       growth_modes=list(QUICK_GROWTH_MODES if quick else GROWTH_MODES),
+      growth_memory=memory_wanted,
       memory_modes={m: model_memory_modes(m) for m in model_list},
       size=_SIZE.value,
       profile_models=[m for m in model_list if m in models.REAL_MODELS],
@@ -314,26 +342,58 @@ def _log_modes(res: dict) -> None:
 
 
 def run_growth(settings) -> list:
+  """DP / non-private step time along a batch or sequence axis. The
+  fine-tuning models: each point's modes in a timing process of their own
+  (`benchmarks.time_group`), and their peak memory at that point (unless
+  `--skip=growth_memory`)."""
   from benchmarks import models  # noqa: PLC0415
+  from benchmarks import time_group  # noqa: PLC0415
   out = []
   for model, (axis, sizes) in GROWTH.items():
     if model not in settings["models"]:
       continue
-    for size in settings["growth_sizes"] or sizes:
+    finetune = model in models.FINETUNE_MODELS
+    if axis == "seq_len" and settings.get("seq_lens"):
+      sizes = settings["seq_lens"]
+    elif settings["growth_sizes"]:
+      sizes = settings["growth_sizes"]
+    for size in sizes:
       batch_size = size if axis == "batch" else models.SPECS[model].batch
       seq_len = size if axis == "seq_len" else 0
-      _log(f"[growth] {model} {axis}={size}")
-      res = _time_group(model, batch_size, seq_len, settings["growth_modes"],
-                        settings)
+      _log(f"[growth] {model} {axis}={size}, load {_load()}")
+      load_before = _load()
+      if finetune:
+        res = time_group.run(model, list(FINETUNE_MODES), batch_size,
+                             seq_len, settings["rounds"],
+                             settings["round_seconds"],
+                             size=settings["size"], log=_log)
+      else:
+        res = _time_group(model, batch_size, seq_len,
+                          settings["growth_modes"], settings)
       row = {"model": model, "axis": axis, "size": size,
-             "batch_size": batch_size, "modes": res}
+             "batch_size": batch_size, "modes": res,
+             "load_before": load_before, "load_after": _load()}
+      _log_modes(res)
+      if finetune and settings.get("growth_memory", True):
+        # One step after the two of warm-up: the step's peak (they take
+        # seconds each).
+        mem = {mode: _memory_one(mode, model, batch_size, seq_len,
+                                 settings["size"], steps=1)
+               for mode in FINETUNE_MODES}
+        _memory_ratios(mem)
+        row["memory"] = mem
+        _log("  memory: " + ", ".join(
+            f"{k} alloc {r.get('alloc_peak_mb') or 0:.0f} MB "
+            f"{r.get('status')} {r.get('error', '')}"
+            for k, r in mem.items()) + (
+                f", ratio {mem['pxg']['alloc_ratio']:.2f}x"
+                if mem["pxg"].get("alloc_ratio") else ""))
       out.append(row)
-      _log("  " + ", ".join(f"{k} {r['ratio']:.2f}x" for k, r in res.items()
-                            if "ratio" in r))
   return out
 
 
-def _memory_one(mode, model, batch_size=0, seq_len=0, size="full") -> dict:
+def _memory_one(mode, model, batch_size=0, seq_len=0, size="full",
+                steps=3) -> dict:
   from benchmarks import jax_anchor  # noqa: PLC0415
   from benchmarks import models  # noqa: PLC0415
   timeout = 1800 if model in models.REAL_MODELS else 900
@@ -343,7 +403,7 @@ def _memory_one(mode, model, batch_size=0, seq_len=0, size="full") -> dict:
         timeout=timeout, memory_limit_gb=_JAX_MEMORY_LIMIT.value, log=_log)
   cmd = [sys.executable, "-m", "benchmarks.memory", f"--mode={mode}",
          f"--model={model}", f"--batch_size={batch_size}",
-         f"--seq_len={seq_len}", f"--size={size}"]
+         f"--seq_len={seq_len}", f"--size={size}", f"--steps={steps}"]
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **memory.ALLOCATOR_ENV)
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,

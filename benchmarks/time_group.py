@@ -35,7 +35,7 @@ def _define_flags():
       modes=flags.DEFINE_list("modes", ["keras", "pxg"], "Modes to time."),
       batch_size=flags.DEFINE_integer("batch_size", 0, "0: the model's."),
       seq_len=flags.DEFINE_integer("seq_len", 0, "0: the model's."),
-      size=flags.DEFINE_enum("size", "full", ["full", "tiny"], "Model size."),
+      size=flags.DEFINE_enum("size", "full", ["full", "small", "tiny"], "Model size."),
       rounds=flags.DEFINE_integer("rounds", 5, "Timing rounds."),
       round_seconds=flags.DEFINE_float("round_seconds", 0.6,
                                        "Wall time per mode and round."))

@@ -24,7 +24,8 @@ from benchmarks import report
 from benchmarks import timing
 
 
-@pytest.mark.parametrize("name", sorted(models.SPECS))
+@pytest.mark.parametrize("name", sorted(
+    set(models.SPECS) - set(models.FINETUNE_MODELS)))
 def test_models_build_for_keras3_and_take_their_batch(name):
   import keras  # pylint: disable=g-import-not-at-top
   model = models.build(keras, name, 8 if models.SPECS[name].seq_len else 0)
@@ -257,6 +258,55 @@ def test_real_models_train_a_dp_step_and_a_plain_step_at_tiny_size(name):
     changed = sum(not np.array_equal(a, b) for a, b in zip(before, after))
     least = len(variables) if mode == "pxg" else 0.9 * len(variables)
     assert changed >= least, (name, mode, changed, len(variables))
+
+
+@pytest.mark.parametrize("name", models.FINETUNE_MODELS)
+def test_finetune_models_train_a_dp_step_and_a_plain_step_at_tiny_size(
+    name):
+  """The KerasHub fine-tuning models (issue 28) at the tiny size: Keras'
+  step and tf_pxg's DP step run; the DP step changes every trainable
+  weight (the noise). LoRA trains only query and value; the causal LM's
+  labels are the next tokens."""
+  pytest.importorskip("keras_hub")
+  x, y = models.batch(name, 4, size="tiny")
+  if models.SPECS[name].lm:
+    np.testing.assert_array_equal(y[:, :-1], x[:, 1:])
+  for mode in ("keras", "pxg"):
+    step = modes.make(mode, name, 4, size="tiny")
+    variables = step.model.trainable_variables
+    if name == "gpt2_lora":
+      # enable_lora: the LoRA factors and the biases of query and value.
+      assert any("lora_kernel" in v.path for v in variables)
+      assert all(v.path.split("/")[-2] in ("query", "value")
+                 for v in variables), [v.path for v in variables]
+    before = [v.numpy().copy() for v in variables]
+    modes.sync(step.fn())
+    after = [v.numpy() for v in variables]
+    assert all(np.isfinite(a).all() for a in after), (name, mode)
+    if mode == "pxg":
+      assert all(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_report_renders_the_finetune_table():
+  ok = lambda ms, **kw: dict(  # noqa: E731
+      {"status": "ok", "ms": ms, "cpu_ms": ms}, **kw)
+  growth = [{"model": "gpt2_lora", "axis": "seq_len", "size": 256,
+             "batch_size": 8, "load_before": [3.0], "load_after": [4.0],
+             "modes": {"keras": ok(1000.0),
+                       "pxg": ok(1050.0, ratio=1.05, cpu_ratio=1.04,
+                                 ratio_min_max=[1.0, 1.2])},
+             "memory": {"keras": {"status": "ok", "alloc_peak_mb": 900.0},
+                        "pxg": {"status": "ok", "alloc_ratio": 1.3,
+                                "rss_growth_ratio": 1.1}}},
+            {"model": "gpt2_ft", "axis": "seq_len", "size": 128,
+             "batch_size": 8, "modes": {"keras": ok(10.0), "pxg": {
+                 "status": "unsupported", "error": "NotImplementedError"}}}]
+  md = report.markdown({"settings": {"size": "small"}, "growth": growth})
+  assert ("| GPT-2 causal LM, LoRA (`gpt2_lora`) | 8 | 256 | 1000 ms | "
+          "1050 ms | 1.05 ✓ (1.04×) [1.00×–1.20×] | 1.30 ✗ (1.10×) | "
+          "900 MB | [3.0] → [4.0] |") in md
+  assert "pxg: unsupported NotImplementedError" in md
+  assert md.index("`gpt2_ft`") < md.index("`gpt2_lora`")
 
 
 def test_keras_tfconv_runs_grouped_convs_on_tfs_kernels_with_equal_loss():
