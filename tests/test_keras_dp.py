@@ -308,7 +308,9 @@ def test_example_script_runs_and_prints_summary():
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.strip().splitlines()
-  assert re.fullmatch(r"epoch 2: test_accuracy=\S+ epsilon=\S+", lines[-2])
+  # train_loss: the NoisyLoss release (noised, inside ε).
+  assert re.fullmatch(r"epoch 2: test_accuracy=\S+ epsilon=\S+ "
+                      r"train_loss=\S+", lines[-2]), lines[-2]
   match = re.fullmatch(
       r"final: test_accuracy=(\S+) epsilon=(\S+) delta=1e-05", lines[-1])
   assert match, lines[-1]
