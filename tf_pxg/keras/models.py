@@ -25,12 +25,17 @@ from tf_pxg.keras.optimizers import DPOptimizer
 _DP_CONFIG_KEYS = ("l2_norm_clip", "noise_multiplier")
 
 
+def _check_bool(value, name: str, where: str) -> bool:
+  if not isinstance(value, bool):
+    raise TypeError(f"{where}: {name} must be True or False; got "
+                    f"{value!r}.")
+  return value
+
+
 def _check_secure_mode(secure_mode, seed, where: str) -> bool:
   """`secure_mode` as a bool; raises if it is not one or comes with a
   seed."""
-  if not isinstance(secure_mode, bool):
-    raise TypeError(f"{where}: secure_mode must be True or False; got "
-                    f"{secure_mode!r}.")
+  _check_bool(secure_mode, "secure_mode", where)
   if secure_mode and seed is not None:
     raise ValueError(
         f"{where}: secure_mode=True draws every noise key (and the "
@@ -38,13 +43,6 @@ def _check_secure_mode(secure_mode, seed, where: str) -> bool:
         f"reproducible; got seed={seed!r}. Drop the seed, or use "
         "secure_mode=False for reproducible tests.")
   return secure_mode
-
-
-def _check_bool(value, name: str, where: str) -> bool:
-  if not isinstance(value, bool):
-    raise TypeError(f"{where}: {name} must be True or False; got "
-                    f"{value!r}.")
-  return value
 
 
 def _check_noisy_loss(noisy_loss, where: str):
