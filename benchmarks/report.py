@@ -187,6 +187,8 @@ def markdown(result: dict) -> str:
 
 # Issue 28: DP / non-private step of the fine-tuning models; memory 1.2x.
 FINETUNE_MEMORY_TARGET = 1.2
+FINETUNE_SIZES = {"full": "12 × 768", "small": "4 × 768",
+                  "tiny": "tiny"}  # layers x d (`benchmarks.models`)
 FINETUNE_TARGETS = {"gpt2_ft": 1.15, "gpt2_lora": 1.1, "bert_ft": 1.15}
 FINETUNE_LABELS = {"gpt2_ft": "GPT-2 causal LM, full",
                    "gpt2_lora": "GPT-2 causal LM, LoRA",
@@ -200,6 +202,7 @@ def _finetune_rows(result: dict) -> List[dict]:
   for model, res in result.get("time", {}).items():
     if model in FINETUNE_TARGETS:
       rows.append(dict(model=model, seq_len=res.get("seq_len"),
+                       model_size=res.get("model_size"),
                        batch_size=res.get("batch_size"),
                        modes=res.get("modes", {}),
                        memory=result.get("memory", {}).get(model, {}),
@@ -207,11 +210,13 @@ def _finetune_rows(result: dict) -> List[dict]:
   for g in result.get("growth", []):
     if g["model"] in FINETUNE_TARGETS and g["axis"] == "seq_len":
       rows.append(dict(model=g["model"], seq_len=g["size"],
+                       model_size=g.get("model_size"),
                        batch_size=g.get("batch_size"), modes=g["modes"],
                        memory=g.get("memory", {}),
                        load=(g.get("load_before"), g.get("load_after"))))
-  return sorted(rows, key=lambda r: (list(FINETUNE_TARGETS).index(
-      r["model"]), r["seq_len"] or 0))
+  return sorted(rows, key=lambda r: (
+      list(FINETUNE_TARGETS).index(r["model"]),
+      FINETUNE_SIZES.get(r["model_size"] or "", ""), r["seq_len"] or 0))
 
 
 def _finetune_lines(result: dict) -> List[str]:
@@ -222,16 +227,17 @@ def _finetune_lines(result: dict) -> List[str]:
     return []
   size = result.get("settings", {}).get("size", "full")
   lines = [
-      "**Fine-tuning** (KerasHub backbones, random weights; "
-      f"size `{size}`): tf_pxg's DP `fit` step / Keras 3's non-private "
+      "**Fine-tuning** (KerasHub backbones, random weights; layers × d: "
+      "12 × 768 is GPT-2 small (vocabulary 50257) and BERT base (30522), "
+      "4 × 768 the `small` size (GPT-2's vocabulary 16384)): tf_pxg's DP `fit` step / Keras 3's non-private "
       "`fit` step of the same model in the same process, median of "
       "per-round wall-time ratios (CPU-time ratio; min–max over rounds); "
       "peak memory: TF allocator peak over a step, DP / non-private (RSS "
       f"growth ratio); targets ≤ {', '.join(f'{k} {v}×' for k, v in FINETUNE_TARGETS.items())}, "
       f"memory ≤ {FINETUNE_MEMORY_TARGET}× (✓ met, ✗ missed):", "",
-      "| model | B | T | Keras step | DP step | time ratio (CPU) [min–max] "
+      "| model | layers × d | B | T | Keras step | DP step | time ratio (CPU) [min–max] "
       "| memory ratio (RSS growth) | Keras alloc peak | load before → after |",
-      "|---|---|---|---|---|---|---|---|---|"]
+      "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     base, dp = r["modes"].get("keras", {}), r["modes"].get("pxg", {})
     target = FINETUNE_TARGETS[r["model"]]
@@ -252,6 +258,7 @@ def _finetune_lines(result: dict) -> List[str]:
       mem_cell = mem.get("status", "–")
     lines.append(
         f"| {FINETUNE_LABELS[r['model']]} (`{r['model']}`) | "
+        f"{FINETUNE_SIZES.get(r['model_size'] or size, '?')} | "
         f"{r['batch_size']} | {r['seq_len']} | "
         f"{_fmt(base.get('ms'), 0, ' ms')} | {_fmt(dp.get('ms'), 0, ' ms')} "
         f"| {time_cell} | {mem_cell} | "
@@ -440,7 +447,7 @@ def _real_lines(result: dict) -> List[str]:
       "2.0 Keras API (Keras 3, JAX) | memory tf_pxg | memory TF Privacy | "
       "memory jax-privacy | target (tf_pxg wall; ConvNeXt: against Keras "
       "with TF's grouped convs) | load |",
-      "|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+      "|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
   if errors:
     lines += ["Not measured: " + "; ".join(errors) + ".", ""]
   return lines

@@ -310,6 +310,7 @@ def run_time(settings) -> dict:
                          settings["rounds"], settings["round_seconds"],
                          size=settings["size"], log=_log)
     record = {"batch_size": spec.batch, "seq_len": seq_len or None,
+              "model_size": settings["size"],
               "modes": res, "load_before": load_before, "load_after": None,
               "seconds": None}
     _log_modes(res)
@@ -372,6 +373,7 @@ def run_growth(settings) -> list:
                           settings["growth_modes"], settings)
       row = {"model": model, "axis": axis, "size": size,
              "batch_size": batch_size, "modes": res,
+             "model_size": settings["size"],
              "load_before": load_before, "load_after": _load()}
       _log_modes(res)
       if finetune and settings.get("growth_memory", True):

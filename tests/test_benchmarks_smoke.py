@@ -302,7 +302,7 @@ def test_report_renders_the_finetune_table():
              "batch_size": 8, "modes": {"keras": ok(10.0), "pxg": {
                  "status": "unsupported", "error": "NotImplementedError"}}}]
   md = report.markdown({"settings": {"size": "small"}, "growth": growth})
-  assert ("| GPT-2 causal LM, LoRA (`gpt2_lora`) | 8 | 256 | 1000 ms | "
+  assert ("| GPT-2 causal LM, LoRA (`gpt2_lora`) | 4 × 768 | 8 | 256 | 1000 ms | "
           "1050 ms | 1.05 ✓ (1.04×) [1.00×–1.20×] | 1.30 ✗ (1.10×) | "
           "900 MB | [3.0] → [4.0] |") in md
   assert "pxg: unsupported NotImplementedError" in md
