@@ -95,10 +95,14 @@ def step_limit_variable(model) -> tf.Variable:
   return var
 
 
-def _within_limit(optimizer, limit) -> tf.Tensor:
-  """Whether another optimizer step is allowed: `iterations < limit`."""
-  return tf.less(tf.cast(optimizer.iterations, tf.int64),
-                 tf.cast(limit, tf.int64))
+def _within_limit(optimizer, limit, step_end=None) -> tf.Tensor:
+  """Whether this physical batch's update is applied: another optimizer
+  step is allowed (`iterations < limit`) and, unless `step_end` is None (a
+  plain batch), the batch ends a logical step. Data-independent; read it
+  before the apply moves `iterations`."""
+  go = tf.less(tf.cast(optimizer.iterations, tf.int64),
+               tf.cast(limit, tf.int64))
+  return go if step_end is None else tf.logical_and(step_end, go)
 
 
 def _apply_then_undo(optimizer, grads, variables, keep):
@@ -143,19 +147,15 @@ def _apply_gated(optimizer, grads, variables, limit, xla=False,
     optimizer.build(variables)
   transform = transform or (lambda g: g)
 
-  def gate(step_end):
-    go = _within_limit(optimizer, limit)
-    return go if step_end is None else tf.logical_and(step_end, go)
-
   def when(go, fn):
     tf.cond(go, lambda: fn() and None, lambda: None)
 
   if _compat.strategy_supports_no_merge_call():
     if xla:
       _apply_then_undo(optimizer, transform(grads), variables,
-                       gate(step_end))
+                       _within_limit(optimizer, limit, step_end))
     else:
-      when(gate(step_end),
+      when(_within_limit(optimizer, limit, step_end),
            lambda: optimizer.apply(transform(grads), variables))
     return
   grads = transform(grads)
@@ -168,7 +168,7 @@ def _apply_gated(optimizer, grads, variables, limit, xla=False,
       distribution.extended.call_for_each_replica(
           lambda g: optimizer.apply(g, variables), args=(grads,))
 
-    when(gate(step_end), apply)
+    when(_within_limit(optimizer, limit, step_end), apply)
 
   tf.distribute.get_replica_context().merge_call(
       cross_replica, args=(grads, step_end))
@@ -457,17 +457,17 @@ def _restored_on_error(state):
     raise
 
 
-def _noisy_scalar(count, stddev, generator, replicas, draw):
-  """`count + N(0, stddev^2 / R)`: this replica's share of a noisy released
+def _noisy_scalar(value, stddev, generator, replicas, draw):
+  """`value + N(0, stddev^2 / R)`: this replica's share of a noisy released
   scalar, e.g. the count (drawn only when `draw` is true or None)."""
   if not stddev:
-    return count
+    return value
   share = dp_noise.replica_noise_stddev(stddev, replicas)
   add = lambda: dp_noise.add_gaussian_noise(  # noqa: E731
-      [tf.reshape(count, [1])], share, generator=generator)[0][0]
+      [tf.reshape(value, [1])], share, generator=generator)[0][0]
   if draw is None:
     return add()
-  return tf.cond(draw, add, lambda: tf.identity(count))
+  return tf.cond(draw, add, lambda: tf.identity(value))
 
 
 def _correlated_noise(model, mechanism, sums, clip, noise_multiplier,
@@ -479,9 +479,7 @@ def _correlated_noise(model, mechanism, sums, clip, noise_multiplier,
   """
   from tf_pxg.dp import correlated  # noqa: PLC0415
   optimizer = mechanism.optimizer
-  write = _within_limit(optimizer, step_limit_variable(model))
-  if step_end is not None:
-    write = tf.logical_and(write, step_end)
+  write = _within_limit(optimizer, step_limit_variable(model), step_end)
   stddev = dp_noise.replica_noise_stddev(
       noise_multiplier * tf.cast(clip, tf.float64), replicas)
   scale = (None if normalizer is None else
@@ -507,8 +505,9 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
   model's step limit (`step_limit_variable`), applies `result.grads` with
   `optimizer` (whose all-reduce sums the replicas' noisy shares). Returns
   the logs: nothing computed from the private batch by default (see
-  `_unprotected_metrics` for why, and for the opt-in), the adaptive clip
-  (a function of noisy counts) when there is one. Nothing here depends on
+  `_unprotected_metrics` for why, and for the opt-in): the learning rate,
+  the `NoisyLoss` release as `loss` when there is one, and the adaptive
+  clip (a function of noisy counts) when there is one. Nothing here depends on
   whether an example was non-finite (its clip factor was 0).
   """
   variables = list(model.trainable_variables)
@@ -566,23 +565,14 @@ def _released_scalar(value, n, result, ctx, replicas):
   return value, n
 
 
-def _applied(result, optimizer, limit):
-  """Whether this physical batch's update is applied (a logical step's end,
-  within the step limit): data-independent; read before the apply moves
-  `iterations`."""
-  go = _within_limit(optimizer, limit)
-  if result.step_end is not None:
-    go = tf.logical_and(go, result.step_end)
-  return go
-
-
 def _track_noisy_loss(model, result, optimizer, limit, ctx, replicas):
   """Adds the step's noisy mean loss to Keras' loss tracker (logged as
   `loss`, averaged over the epoch's steps) at an applied step; other
   physical batches weigh 0 (no conditional)."""
   loss_sum, n = _released_scalar(result.loss_sum, result.count_normalizer,
                                  result, ctx, replicas)
-  weight = tf.cast(_applied(result, optimizer, limit), tf.float32)
+  weight = tf.cast(_within_limit(optimizer, limit, result.step_end),
+                   tf.float32)
   _compat.loss_tracker(model).update_state(
       loss_sum / tf.cast(n, tf.float32), sample_weight=weight)
 
@@ -654,7 +644,7 @@ def _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
   """
   count, n = _released_scalar(result.count, result.count_normalizer, result,
                               ctx, replicas)
-  go = _applied(result, optimizer, limit)
+  go = _within_limit(optimizer, limit, result.step_end)
   new = result.mechanism.clipping.next_clip(clip_variable.read_value(), count,
                                             n)
   clip_variable.assign(tf.where(go, new, clip_variable.read_value()))
