@@ -357,8 +357,7 @@ class _DPTrainingMixin:
       self._dp_noisy_loss.gradient_noise_multiplier(noise)  # raises if z <= σ
     self._resolve_mechanism(optimizer)
     self._adopt_secure_mode(optimizer)
-    inner = (optimizer.inner_optimizer if isinstance(optimizer, DPOptimizer)
-             else optimizer)
+    inner = _applying(optimizer)
     if getattr(inner, "gradient_accumulation_steps", None):
       raise ValueError(
           f"Model {self.name!r} is compiled with an optimizer that has "
