@@ -1,0 +1,306 @@
+"""DP-AdaFEST / DP-FEST (tf_pxg.dp.sparse_selection): closed forms.
+
+The selection against its definition (counts of clipped 0/1 maps; every
+row noised and thresholded), the untouched rows' selection against its
+Binomial closed form, the capacity against scipy's exact binomial tail,
+the noise on the selected rows against sigma C, the accounting against
+dp-accounting's composition of the two Gaussians, and the Keras step
+(bit-for-bit untouched rows, eager / tf.function / XLA, accumulation).
+"""
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from scipy import stats
+import tensorflow as tf
+
+from tf_pxg import accounting
+from tf_pxg.dp import sparse_selection as ss
+
+
+def _counts_reference(ids_per_table, vocab, clip, mask):
+  """NumPy: per table, the dense `[V]` sum of clipped 0/1 row maps."""
+  b = ids_per_table[0].shape[0]
+  sets = [[set(t[i].tolist()) for i in range(b)] for t in ids_per_table]
+  out = [np.zeros(v) for v in vocab]
+  for i in range(b):
+    n = sum(len(s[i]) for s in sets)
+    w = min(1.0, clip / math.sqrt(n)) * mask[i]
+    for k, s in enumerate(sets):
+      for r in s[i]:
+        out[k][r] += w
+  return out
+
+
+def test_touched_rows_are_the_clipped_maps_summed():
+  rng = np.random.default_rng(0)
+  vocab = [50, 7]
+  ids = [rng.integers(0, 50, size=(6, 5)), rng.integers(0, 7, size=(6, 3))]
+  mask = np.array([1, 1, 0, 1, 1, 1], np.float32)
+  clip = 1.5
+  got = ss.touched_rows([[tf.constant(ids[0][:, :2]),
+                          tf.constant(ids[0][:, 2:])],
+                         [tf.constant(ids[1])]], vocab, clip, mask)
+  want = _counts_reference(ids, vocab, clip, mask)
+  for t, w, v, i in zip(got, want, vocab, ids):
+    num = int(t.num)
+    rows = t.rows.numpy()
+    assert num == len(np.unique(i))
+    np.testing.assert_array_equal(rows[:num], np.unique(i))
+    np.testing.assert_array_equal(rows[num:], v + np.arange(num, rows.size))
+    dense = np.zeros(v)
+    dense[rows[:num]] = t.counts.numpy()[:num]
+    np.testing.assert_allclose(dense, w, rtol=1e-6, atol=1e-7)
+    assert np.all(t.counts.numpy()[num:] == 0)
+
+
+def test_false_positive_rate_closed_form():
+  assert ss.false_positive_rate(0.0, 1.0) == 0.5
+  assert ss.false_positive_rate(2.0, 1.0) == pytest.approx(
+      stats.norm.sf(2.0), rel=1e-12)
+  assert ss.false_positive_rate(3.0, 0.5) == pytest.approx(
+      stats.norm.sf(6.0), rel=1e-10)
+  assert ss.false_positive_rate(0.0, 0.0) == 0.0
+  assert ss.false_positive_rate(-1.0, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("n,p", [(10**5, 1e-3), (10**7, 2e-5), (1000, 0.3),
+                                 (10**9, 1e-9)])
+def test_capacity_bounds_the_binomial_tail(n, p):
+  k = ss.false_positive_capacity(n, p)
+  # scipy's exact tail: the Chernoff capacity is conservative...
+  assert stats.binom.sf(k, n, p) <= ss.TAIL_PROBABILITY
+  # ... and not absurdly so (within the Chernoff slack of the mean).
+  assert k <= n * p + 20 * math.sqrt(n * p) + 60
+  assert ss.false_positive_capacity(n, 0.0) == 0
+
+
+def test_untouched_selection_matches_the_binomial_and_is_uniform():
+  """Noising every untouched row and thresholding selects each with
+  probability p = Q(tau / s), independently: the count is Binomial(M, p)
+  and the rows are uniform over the untouched ones."""
+  vocab, tau, s = 2000, 1.0, 0.8
+  ids = tf.constant([[3, 17, 17, 1999], [4, 5, 6, 3]], tf.int64)
+  touched = ss.touched_rows([[ids]], [vocab], 1.0)[0]
+  p = ss.false_positive_rate(tau, s)
+  cap = ss.false_positive_capacity(vocab, p)
+  m = vocab - int(touched.num)
+
+  @tf.function
+  def draw(seed):
+    return ss.sample_untouched_rows(touched, vocab, p, cap, seed)
+
+  trials = 300
+  hits = np.zeros(vocab)
+  counts = []
+  for i in range(trials):
+    rows, valid = draw(tf.constant([i, 11], tf.int64))
+    rows = rows.numpy()[valid.numpy()]
+    assert len(np.unique(rows)) == len(rows)
+    counts.append(len(rows))
+    hits[rows] += 1
+  touched_set = set(ids.numpy().ravel().tolist())
+  assert not any(hits[r] for r in touched_set)
+  total = sum(counts)
+  mean, sd = trials * m * p, math.sqrt(trials * m * p * (1 - p))
+  assert abs(total - mean) < 5 * sd, (total, mean, sd)
+  # The per-trial count's variance is the Binomial's (not Poisson-like
+  # clumping): within 30 % for 300 trials (chi-square, ~5 sd).
+  assert np.var(counts) == pytest.approx(m * p * (1 - p), rel=0.3)
+  # Uniform over the untouched rows: chi-square on 20 bins of rows.
+  free = np.array([r for r in range(vocab) if r not in touched_set])
+  binned = np.add.reduceat(hits[free], np.arange(0, free.size, 100))
+  expected = np.diff(np.append(np.arange(0, free.size, 100), free.size))
+  expected = expected * total / free.size
+  assert stats.chisquare(binned, expected).pvalue > 1e-4
+
+
+def test_selection_equals_noising_every_row():
+  """The touched rows' selection rate against Q((tau - count) / s), and
+  with tau = 0 and no selection noise exactly the rows with a positive
+  count (the real examples' rows)."""
+  vocab = 100
+  ids = tf.constant([[1, 2, 2], [2, 5, 7], [9, 9, 9]], tf.int64)
+  mask = tf.constant([1.0, 1.0, 0.0])
+  touched = ss.touched_rows([[ids]], [vocab], 1.0, mask)[0]
+  sel = ss.select_rows(touched, vocab, 0.0, 0.0, 0, tf.constant([1, 2]))
+  chosen = sel.rows.numpy()[sel.selected.numpy()]
+  np.testing.assert_array_equal(chosen, [1, 2, 5, 7])  # not 9: padding
+  tau, s = 1.0, 0.5
+  counts = touched.counts.numpy()
+  picks = np.zeros(int(touched.num))
+  trials = 400
+  for i in range(trials):
+    sel = ss.select_rows(touched, vocab, tau, s, 0, tf.constant([i, 3]))
+    picks += sel.selected.numpy()[:int(touched.num)]
+  want = stats.norm.sf((tau - counts[:int(touched.num)]) / s)
+  sd = np.sqrt(want * (1 - want) / trials)
+  np.testing.assert_array_less(np.abs(picks / trials - want), 5 * sd + 1e-9)
+
+
+def _sum_slices(ids, width, seed=0):
+  rng = np.random.default_rng(seed)
+  flat = np.asarray(ids).reshape(-1)
+  values = rng.normal(size=(flat.size, width)).astype(np.float32)
+  return tf.IndexedSlices(tf.constant(values), tf.constant(flat),
+                          tf.constant([100, width], tf.int64)), values
+
+
+def test_threshold_zero_no_selection_noise_is_dense_restricted_to_touched():
+  ids = np.array([[1, 2, 2], [2, 5, 7]])
+  clipped, values = _sum_slices(ids, 4)
+  dense = np.zeros((100, 4), np.float32)
+  np.add.at(dense, ids.reshape(-1), values)
+  touched = ss.touched_rows([[tf.constant(ids, tf.int64)]], [100], 1.0)[0]
+  sel = ss.select_rows(touched, 100, 0.0, 0.0, 0, tf.constant([1, 2]))
+  for compact in (True, False):
+    out = ss.noisy_selected_rows(clipped, sel, 0.0, tf.constant([5, 6]),
+                                 scale=0.5, compact=compact)
+    got = tf.convert_to_tensor(out).numpy()
+    np.testing.assert_allclose(got, 0.5 * dense, rtol=1e-6, atol=1e-6)
+  out = ss.noisy_selected_rows(clipped, sel, 0.0, tf.constant([5, 6]))
+  assert sorted(out.indices.numpy().tolist()) == [1, 2, 5, 7]
+
+
+def test_noise_std_on_selected_rows_is_sigma_c():
+  ids = np.arange(400).reshape(20, 20)
+  clipped, values = _sum_slices(ids, 64)
+  touched = ss.touched_rows([[tf.constant(ids, tf.int64)]], [1000], 1.0)[0]
+  sel = ss.select_rows(touched, 1000, 0.0, 0.0, 0, tf.constant([1, 2]))
+  stddev = 0.7
+  out = ss.noisy_selected_rows(clipped, sel, stddev, tf.constant([8, 9]))
+  order = np.argsort(out.indices.numpy())
+  noise = out.values.numpy()[order] - values
+  n = noise.size
+  assert np.mean(noise) == pytest.approx(0.0, abs=5 * stddev / math.sqrt(n))
+  # The sample std's sd is about s / sqrt(2n).
+  assert np.std(noise) == pytest.approx(stddev,
+                                        abs=5 * stddev / math.sqrt(2 * n))
+
+
+def test_fixed_selection_keeps_only_its_rows():
+  ids = np.array([[1, 2, 2], [2, 5, 7]])
+  clipped, values = _sum_slices(ids, 3)
+  dense = np.zeros((100, 3), np.float32)
+  np.add.at(dense, ids.reshape(-1), values)
+  fixed = [0, 2, 7, 50]
+  sel = ss.fixed_selection(np.array(fixed, np.int64))
+  out = ss.noisy_selected_rows(clipped, sel, 0.0, tf.constant([1, 1]))
+  np.testing.assert_array_equal(out.indices.numpy(), fixed)
+  np.testing.assert_allclose(out.values.numpy(), dense[fixed], rtol=1e-6,
+                             atol=1e-6)
+
+
+def test_eager_function_and_xla_agree():
+  """One selection and noise in three execution modes: equal draws in
+  eager and tf.function (stateless seeds); XLA's Philox streams differ
+  from TF's kernels, so there the noiseless step is compared exactly and
+  the noisy one against the closed forms."""
+  vocab = 10**6
+  ids = tf.constant(np.random.default_rng(1).integers(0, 500, size=(8, 6)),
+                    tf.int64)
+  clipped, _ = _sum_slices(ids.numpy(), 8)
+  clipped = tf.IndexedSlices(clipped.values, clipped.indices,
+                             tf.constant([vocab, 8], tf.int64))
+  config = ss.DPAdaFEST(threshold=2.0, selection_noise_multiplier=1.0)
+  cap = config.capacity(vocab)
+  n = ids.shape.num_elements()
+
+  def step(seed, stddev, gradient_stddev):
+    touched = ss.touched_rows([[ids]], [vocab], 1.0)[0]
+    sel = ss.select_rows(touched, vocab, config.threshold, stddev, cap, seed)
+    out = ss.noisy_selected_rows(clipped, sel, gradient_stddev, seed,
+                                 compact=False)
+    return out.indices, out.values, sel.selected
+
+  seed = tf.constant([4, 2], tf.int64)
+  modes = {"function": tf.function(step),
+           "xla": tf.function(step, jit_compile=True)}
+  for stddev, gstd in ((config.selection_stddev, 0.3), (0.0, 0.0)):
+    want = step(seed, stddev, gstd)
+    for name, fn in modes.items():
+      got = fn(seed, stddev, gstd)
+      if name == "xla" and stddev:
+        fp = int(np.sum(got[2].numpy()[n:]))
+        p = config.false_positive_rate
+        assert abs(fp - vocab * p) < 6 * math.sqrt(vocab * p)
+        continue
+      np.testing.assert_array_equal(got[2].numpy(), want[2].numpy())
+      np.testing.assert_array_equal(got[0].numpy(), want[0].numpy())
+      np.testing.assert_allclose(got[1].numpy(), want[1].numpy(), rtol=1e-6,
+                                 atol=1e-6)
+  # About V p false positives among the slots (p = Q(2) = 2.3 %).
+  want = step(seed, config.selection_stddev, 0.3)
+  p = config.false_positive_rate
+  fp = int(np.sum(want[2].numpy()[n:]))
+  assert abs(fp - vocab * p) < 6 * math.sqrt(vocab * p)
+
+
+def test_sigma_split_matches_dp_accounting_composition():
+  """The pair (selection, gradient) accounted as one Gaussian with
+  sigma^-2 = sigma_g^-2 + sigma_sel^-2 equals dp-accounting's composition
+  of the two Gaussians (RDP curves, unsampled); the reported epsilon is
+  dp-accounting's for the Poisson-sampled pair. Composing two
+  independently sampled Gaussians instead would under-count (both see the
+  same batch): it gives less, and each part alone less still."""
+  sigma, sigma_sel = 1.1, 4.0
+  config = ss.DPAdaFEST(threshold=3.0, selection_noise_multiplier=sigma_sel)
+  sigma_g = config.gradient_noise_multiplier(sigma, sigma_sel)
+  assert sigma_g**-2 + sigma_sel**-2 == pytest.approx(sigma**-2, rel=1e-12)
+  orders = list(accounting.RDP_ORDERS)
+  pair = dp_accounting.rdp.RdpAccountant(orders).compose(
+      dp_accounting.ComposedDpEvent([
+          dp_accounting.GaussianDpEvent(sigma_g),
+          dp_accounting.GaussianDpEvent(sigma_sel)]))
+  single = dp_accounting.rdp.RdpAccountant(orders).compose(
+      dp_accounting.GaussianDpEvent(sigma))
+  assert pair.get_epsilon(1e-5) == pytest.approx(single.get_epsilon(1e-5),
+                                                 rel=1e-9)
+  n, b, steps, delta = 60000, 256, 2000, 1e-5
+  q = b / n
+  ours = accounting.compute_epsilon(n, b, sigma, steps=steps, delta=delta,
+                                    accountant="rdp")
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent(sigma)), steps)
+  assert ours == pytest.approx(
+      dp_accounting.rdp.RdpAccountant(orders).compose(event).get_epsilon(
+          delta), rel=1e-9)
+  separate = dp_accounting.SelfComposedDpEvent(dp_accounting.ComposedDpEvent([
+      dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent(sigma_g)),
+      dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent(sigma_sel))]), steps)
+  separate_epsilon = dp_accounting.rdp.RdpAccountant(orders).compose(
+      separate).get_epsilon(delta)
+  assert ours > separate_epsilon
+  alone = dp_accounting.rdp.RdpAccountant(orders).compose(
+      dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent(sigma_g)), steps)).get_epsilon(delta)
+  assert alone < separate_epsilon
+
+
+def test_sigma_split_refuses_a_selection_that_uses_the_budget():
+  config = ss.DPAdaFEST(threshold=3.0, selection_noise_multiplier=1.0)
+  with pytest.raises(ValueError, match="selection_noise_multiplier"):
+    config.gradient_noise_multiplier(1.0, 1.0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"threshold": float("nan"), "selection_noise_multiplier": 1.0},
+    {"threshold": 1.0, "selection_noise_multiplier": -1.0},
+    {"threshold": 1.0, "selection_noise_multiplier": 1.0,
+     "selection_l2_norm_clip": 0.0},
+])
+def test_bad_settings_raise(kwargs):
+  with pytest.raises(ValueError):
+    ss.DPAdaFEST(**kwargs)
+
+
+def test_fixed_rows_must_be_integers():
+  with pytest.raises(ValueError, match="integer row ids"):
+    ss.DPFEST({"t": [0.5, 1.5]})
+  with pytest.raises(ValueError, match="non-empty"):
+    ss.DPFEST({"t": []})
