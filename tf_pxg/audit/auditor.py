@@ -65,8 +65,8 @@ additively about `ln(m / frontier) / r` in q's log-odds.)
 
 **Other threshold strategies** (`tf_pxg.audit.thresholds`: `Explicit`,
 `TopFraction`, `Split`, `MultiSplit`, each with its validity argument)
-choose one
-one-sided rule instead of paying for a family.
+choose one rule instead of paying for a family (one-sided, or for
+`TopFraction(f, two_sided=True)` the top and bottom sets).
 
 **The Gaussian f-DP bound** (`epsilon_one_run_fdp`, Mahloujifar, Melis and
 Chaudhuri 2024) tests the trade-off curve of a Gaussian mechanism that is
@@ -276,7 +276,8 @@ class CanaryScoreAuditor:
     two-sided: "in" for the top and "out" for the bottom k, K = ⌊m/2⌋).
     `Explicit`, `TopFraction`, `Split` and `MultiSplit`
     (`tf_pxg.audit.thresholds`, each with its validity argument) test
-    one-sided rules. With probability at
+    one-sided rules (`TopFraction(f, two_sided=True)`: the top and bottom
+    sets). With probability at
     least `1 - significance` over the canaries' inclusion (and the training
     randomness), a mechanism that is (ε, δ)-DP in each canary gives a bound
     ≤ ε.
@@ -353,7 +354,7 @@ class CanaryScoreAuditor:
                                 strategy.threshold)
     if isinstance(strategy, thresholds.TopFraction):
       return self._top_fraction(bound, significance, delta,
-                                strategy.fraction)
+                                strategy.fraction, strategy.two_sided)
     frac = strategy.threshold_estimation_frac
     rng = np.random.default_rng(strategy.seed)
     if isinstance(strategy, thresholds.Split):
@@ -395,14 +396,20 @@ class CanaryScoreAuditor:
         best, best_threshold = eps, threshold
     return best, best_threshold
 
-  def _top_fraction(self, bound, level, delta, fraction):
+  def _top_fraction(self, bound, level, delta, fraction, two_sided):
     """The bound of the rule "in for the largest tie-complete top set of
-    at most max(1, floor(fraction m)) canaries" at `level`."""
+    at most k = max(1, floor(fraction m)) canaries" (two-sided: and "out"
+    for the largest tie-complete bottom set of at most k) at `level`."""
     k = max(1, int(math.floor(fraction * self.m)))
-    j = np.searchsorted(self._cuts, k, side="right") - 1
-    if j < 0:  # the top score's ties alone exceed k: no guess
-      return 0.0
-    r, v = int(self._cuts[j]), int(self._top_in[j])
+    cuts, top_in = np.r_[0, self._cuts], np.r_[0, self._top_in]
+    j = np.searchsorted(cuts, k, side="right") - 1     # top size <= k
+    r, v = int(cuts[j]), int(top_in[j])
+    if two_sided:
+      # A bottom set {s < t} is the complement of a top set of size c:
+      # the smallest c >= m - k (c >= k >= r as fraction <= 1/2: disjoint).
+      i = np.searchsorted(cuts, self.m - k, side="left")
+      r += self.m - int(cuts[i])
+      v += self._n_out - (int(cuts[i]) - int(top_in[i]))
     return bound(self.m, r, v, level, delta) if v else 0.0
 
   def _at_threshold(self, bound, level, delta, threshold):

@@ -98,8 +98,8 @@ class CanaryCallback(keras.callbacks.Callback):
       the train step adds their gradients).
     auditor: the `CanaryScoreAuditor` built at `on_train_end` (None before).
     scores: the scores `[m]` (None before).
-    projections: gradient canaries: `[T, m]`, each logical step's released
-      update projected on each canary's signed direction.
+    projections: gradient canaries: float32 `[T, m]`, each logical step's
+      released update projected on each canary's signed direction.
 
   Raises:
     ValueError: fewer than 2 canaries, an unknown `score`, `x`/`y` lengths
@@ -278,9 +278,11 @@ class CanaryCallback(keras.callbacks.Callback):
     weights = _flat_weights(self.model)
     # SGD: w' - w = -lr g / normaliser, so -Δw projects like the gradient;
     # times the step's canary signs (tf_pxg.audit.gradient_canaries.signs).
+    # float32 storage: [T, m] is 200 MB for m = 54 410 canaries over 899
+    # steps (float64 would double it); the difference is taken in float64.
     step_signs = gc.signs(self.gradient_canaries, self._iterations).numpy()
-    self._steps.append(step_signs * self.gradient_canaries.project(
-        self._weights - weights))
+    self._steps.append((step_signs * self.gradient_canaries.project(
+        self._weights - weights)).astype(np.float32))
     self._weights, self._iterations = weights, iterations
 
   def on_train_end(self, logs=None):
@@ -293,8 +295,9 @@ class CanaryCallback(keras.callbacks.Callback):
           "the gradient canaries never entered a train step: the model must "
           "be a tf_pxg DP model (DPModel, DPSequential, make_dp_model_class) "
           "trained with fit, with this callback passed to that fit.")
-    self.projections = np.array(self._steps).reshape(
+    self.projections = np.array(self._steps, dtype=np.float32).reshape(
         -1, self.num_canaries)
+    self._steps = []
     self._score_gradient()
 
   def set_model(self, model):
@@ -309,13 +312,16 @@ class CanaryCallback(keras.callbacks.Callback):
   def _score_gradient(self):
     x = self.projections
     if self.score == "sum":
-      scores = x.sum(axis=0)
+      scores = x.sum(axis=0, dtype=np.float64)
     else:
       q = self.gradient_canaries.sampling_probability
       mu = 1.0 / self.noise_multiplier
-      z = x / max(float(np.std(x)), 1e-30)
-      scores = np.logaddexp(np.log1p(-q) if q < 1 else -np.inf,
-                            np.log(q) + mu * z - mu * mu / 2).sum(axis=0)
+      scale = max(float(np.std(x, dtype=np.float64)), 1e-30)
+      scores = np.zeros(x.shape[1])
+      for step in x:   # one step at a time: no [T, m] float64 temporaries
+        z = step.astype(np.float64) / scale
+        scores += np.logaddexp(np.log1p(-q) if q < 1 else -np.inf,
+                               np.log(q) + mu * z - mu * mu / 2)
     scores = np.nan_to_num(scores, nan=-1e30, posinf=1e30, neginf=-1e30)
     self.scores = scores
     self.auditor = CanaryScoreAuditor(scores[self.included],

@@ -12,8 +12,8 @@ probability at most `significance`.
 * `Bonferroni()` (the default): every rule of a family fixed before
   looking, each tested at `significance / K`.
 * `Explicit(t)`: one threshold fixed in advance, tested at `significance`.
-* `TopFraction(f)`: "in" for the top f of the scores, one test at
-  `significance`.
+* `TopFraction(f, two_sided)`: "in" for the top f of the scores (and
+  "out" for the bottom f), one test at `significance`.
 * `Split(frac, seed)`: choose t on a random part of the canaries, test it on
   the rest at `significance`.
 * `MultiSplit(num_samples, frac, seed)`: the median of many splits' bounds,
@@ -71,23 +71,45 @@ class Explicit(ThresholdStrategy):
 
 @dataclasses.dataclass(frozen=True)
 class TopFraction(ThresholdStrategy):
-  """One rule fixed by m alone: "in" for the top `fraction` of the scores.
+  """One rule fixed by m alone: "in" for the top `fraction` of the scores
+  (and, two-sided, "out" for the bottom `fraction`).
 
-  The largest tie-complete set of top scores with at most
-  `max(1, floor(fraction m))` members, tested once at `significance`.
+  One-sided: the largest tie-complete set of top scores with at most
+  `k = max(1, floor(fraction m))` members guesses "in", the rest abstain.
+  Two-sided: also the largest tie-complete set of bottom scores with at
+  most k members guesses "out" (r = both sets' sizes, v = the in-canaries
+  on top plus the out-canaries at the bottom). One test at `significance`.
 
   Validity: both one-run theorems let the guesses be any function of the
   run's output, hence of all the scores; only a choice that looks at the
   labels needs paying for. This rule looks at the scores alone, so one test
-  at `significance` is exact — provided `fraction` is fixed before the
-  labels are seen (e.g. from a simulation of the claimed mechanism, as in
-  `examples/audit_digits.py`). It avoids both the Bonferroni factor K and
-  a split's halving of the canaries.
+  at `significance` is exact — provided `fraction` (and `two_sided`) is
+  fixed before the labels are seen (e.g. from a simulation of the claimed
+  mechanism, as in `examples/audit_digits.py`). It avoids both the
+  Bonferroni factor K and a split's halving of the canaries.
+
+  Two-sided guesses are covered by both theorems:
+  * the ε-DP bound: Steinke, Nasr and Jagielski's guesses are any
+    `T ∈ {-1, 0, +1}^m` (their k₊ "in" and k₋ "out" guesses);
+  * the f-DP bound (`tf_pxg.audit.fdp`): its test needs, for each canary
+    given the others, that the guess's wrong-mass w and right-mass h obey
+    `w ≥ ψ(h)`, `ψ(x) = Φ(Φ⁻¹(x) - μ)`. Write P_in, P_out for the output's
+    laws with the canary in and out, A = {guess "in"}, B = {guess "out"}:
+    `h = (P_in(A) + P_out(B)) / 2`, `w = (P_out(A) + P_in(B)) / 2`.
+    f-DP under add/remove adjacency holds for both orders of a neighbouring
+    pair, and G_μ is symmetric, so `P_out(A) ≥ ψ(P_in(A))` and
+    `P_in(B) ≥ ψ(P_out(B))`; ψ is convex, so `w ≥ ψ(h)`. (`gdp_covers`
+    checks both orders: `dp_accounting`'s PLD profile is the maximum of
+    its remove and add directions.)
 
   Attributes:
-    fraction: the share of the m canaries guessed "in", in (0, 1].
+    fraction: the share of the m canaries guessed "in" (and, two-sided,
+      "out"), in (0, 1] (in (0, 1/2] two-sided, so that the sets are
+      disjoint).
+    two_sided: also guess "out" for the bottom scores.
   """
   fraction: float = 0.05
+  two_sided: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +181,13 @@ def check(strategy) -> ThresholdStrategy:
   if not 0 < frac < 1:
     raise ValueError(f"threshold_estimation_frac must be in (0, 1); got "
                      f"{frac!r}.")
-  if isinstance(strategy, TopFraction) and not 0 < strategy.fraction <= 1:
-    raise ValueError(f"TopFraction needs a fraction in (0, 1]; got "
-                     f"{strategy.fraction!r}.")
+  if isinstance(strategy, TopFraction):
+    top = 0.5 if strategy.two_sided else 1.0
+    if not 0 < strategy.fraction <= top:
+      raise ValueError(f"TopFraction(two_sided={strategy.two_sided}) needs a "
+                       f"fraction in (0, {top:g}] (two-sided: the top and "
+                       f"bottom sets must not overlap); got "
+                       f"{strategy.fraction!r}.")
   if isinstance(strategy, MultiSplit) and strategy.num_samples < 1:
     raise ValueError(f"MultiSplit needs num_samples >= 1; got "
                      f"{strategy.num_samples!r}.")
