@@ -24,7 +24,9 @@ it with an error naming the op and its Keras layer. A rule that cannot
 prove where the examples go (a permutation that is not static, say) reports
 that too, rather than guessing. Users add their own row-wise ops with
 `register_row_wise`; an op type with a per-example rule (`tf_pxg.register`)
-counts as elementwise unless it has a rule here.
+and no entry here is row-wise by that rule's contract, and moves the batch
+axis as its `Rule.layouts` says (default `elementwise`), so a rule author
+states both in the rule's file.
 
 This module also moves the examples where a per-example rule expects them
 (`normalise_batch_axis`: axis 0 of the data operand and the output).
@@ -963,8 +965,11 @@ def _gather_nd(entry, layouts):
 # Contractions ----------------------------------------------------------------
 
 
-def _contract(entry, subs: Sequence[str], out: str, layouts) -> Result:
-  """Layouts for an einsum-like op `subs[0],subs[1]->out`."""
+def contract(entry, subs: Sequence[str], out: str, layouts) -> Result:
+  """Layouts for an einsum-like op `subs[0],subs[1]->out` (e.g. a
+  contraction's `Rule.layouts`: `contract(entry, ["ij", "jk"], "ik",
+  layouts)`): the batch letter of each data operand must reach the output,
+  the same letter for all."""
   found = set()
   for i, lay in layouts.items():
     if lay is None:
@@ -989,7 +994,7 @@ def _contract(entry, subs: Sequence[str], out: str, layouts) -> Result:
 def _matmul(entry, layouts):
   a = "ji" if _attr(entry, "transpose_a", False) else "ij"
   b = "kj" if _attr(entry, "transpose_b", False) else "jk"
-  return _contract(entry, [a, b], "ik", layouts)
+  return contract(entry, [a, b], "ik", layouts)
 
 
 @_rule("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
@@ -1001,7 +1006,7 @@ def _batch_matmul(entry, layouts):
   letters = "abcdefgh"[:ro - 2]
   x = letters[ro - rx:] + ("ji" if _attr(entry, "adj_x", False) else "ij")
   y = letters[ro - ry:] + ("kj" if _attr(entry, "adj_y", False) else "jk")
-  return _contract(entry, [x, y], letters + "ik", layouts)
+  return contract(entry, [x, y], letters + "ik", layouts)
 
 
 def einsum_subscripts(equation: str, ranks: Sequence[Optional[int]]):
@@ -1029,7 +1034,7 @@ def _einsum(entry, layouts):
   parsed = einsum_subscripts(eq or "", [_rank(t) for t in entry.inputs])
   if not eq or parsed is None:
     return _lost(entry, "has an equation whose ellipsis cannot be expanded")
-  return _contract(entry, parsed[0], parsed[1], layouts)
+  return contract(entry, parsed[0], parsed[1], layouts)
 
 
 # Other ops --------------------------------------------------------------------
@@ -1071,75 +1076,35 @@ def propagate(entry, layouts: Dict[int, Layout],
     return rule(entry, layouts)
   from tf_pxg import registry  # noqa: PLC0415
   import tf_pxg.rules  # noqa: F401, PLC0415  (registers the built-in rules)
-  if registry.lookup(entry.op_type) is not None:
-    return elementwise(entry, layouts)  # A per-example rule: row-wise.
+  per_example_rule = registry.lookup(entry.op_type)
+  if per_example_rule is not None:  # Row-wise by a per-example rule's contract.
+    return (per_example_rule.layouts or elementwise)(entry, layouts)
   return _mixes(entry, "is not on tf_pxg's allowlist of ops known to keep "
                 "the rows of different examples apart, so it may mix them")
 
 
 # Batch axis at the interface -------------------------------------------------
 
-# Ops for which moving the batch axis of the data operand and of the output
-# to 0 gives the same op on permuted tensors (the parameter is broadcast
-# along every axis that moves), and the checks that make it so.
-_ELEMENTWISE_INTERFACES = ("AddV2", "Add", "Sub", "Mul")
-_PERMUTABLE = _ELEMENTWISE_INTERFACES + (
-    "BiasAdd", "BatchMatMulV2", "BatchMatMulV3", "GatherV2", "ResourceGather")
-
-
-def expected_axes(itf):
-  """(data axis, output axis) where the rule expects the examples."""
-  entry = itf.entry
-  if entry.op_type == "MatMul":
-    ta = gradient_functions.get_attr(entry, "transpose_a") or False
-    tb = gradient_functions.get_attr(entry, "transpose_b") or False
-    if itf.param_index == 1:
-      return (1 if ta else 0), 0
-    return (0 if tb else 1), 1
-  if entry.op_type == "Einsum":
-    return 0, None  # The rule finds the output's batch letter itself.
-  return 0, 0
-
-
 def _move_to_front(t, axis: int):
   perm = [axis] + [a for a in range(t.shape.rank) if a != axis]
   return tf.transpose(t, perm)
-
-
-def _permutable(itf, axis: int) -> bool:
-  entry = itf.entry
-  out_rank = entry.outputs[0].shape.rank
-  p_rank = itf.param.shape.rank
-  if out_rank is None or p_rank is None or entry.op_type not in _PERMUTABLE:
-    return False
-  if entry.op_type in ("GatherV2", "ResourceGather"):
-    return itf.param_index == 0
-  if entry.op_type == "BiasAdd":
-    fmt = gradient_functions.get_attr(entry, "data_format") or b"NHWC"
-    return fmt in (b"NHWC", "NHWC") and axis < out_rank - 1
-  if entry.op_type.startswith("BatchMatMul"):
-    return p_rank == 2 and axis < out_rank - 2
-  # Elementwise: the parameter is broadcast (size 1 or absent) on the batch
-  # axis; size-1 axes move with it (a reshape of the parameter).
-  padded = [1] * (out_rank - p_rank) + itf.param.shape.as_list()
-  return p_rank <= out_rank and padded[axis] == 1 and all(
-      entry.inputs[i].shape.rank == out_rank for i in itf.data_indices)
 
 
 def normalise_batch_axis(itf, layout_of: Callable[[int], Layout]):
   """`itf` (a `tf_pxg.interface.Interface`) with the examples where its
   rule expects them.
 
-  Rules take the examples on axis 0 of the data operand and the output (a
-  MatMul's on the rows of the matrix that holds them). Where the tracked
-  batch axis differs — time-major data, say — the data operand, the
-  outputs and their gradients are transposed to put it first, for ops that
-  stay the same op under that permutation. A parameter copied along the
+  Rules take the examples where their `batch_axes` says (default axis 0 of
+  the data operand and the output; a MatMul's on the rows of the matrix
+  that holds them). Where the tracked batch axis differs — time-major data,
+  say — the rule's `batch_first` rewrites the op (an Einsum's equation) or,
+  for ops the rule declares `permutable`, the data operand, the outputs and
+  their gradients are transposed to put it first. A parameter copied along the
   batch axis (no data operand) keeps its op; `copy_axis` says where the
   examples are in its output.
 
   Args:
-    itf: the interface.
+    itf: the interface, its `rule` chosen (`tf_pxg.rules.base.Rule`).
     layout_of: tensor id -> layout of that data tensor.
 
   Raises:
@@ -1160,16 +1125,20 @@ def normalise_batch_axis(itf, layout_of: Callable[[int], Layout]):
         "gradient is undefined. Compute that value from each example alone.")
   outs = [layout_of(t) for t in entry.output_ids]
   minor = any(l[1] for l in lays)
-  want_data, want_out = expected_axes(itf)
+  rule = itf.rule
+  want_data, want_out = rule.batch_axes(itf)
   if (all(l[0] == want_data for l in lays) and
       all(l is None or want_out is None or l[0] == want_out for l in outs)):
     itf.batch_minor = itf.batch_minor or minor
     return itf
   axis = lays[0][0] if lays else None
-  if entry.op_type == "Einsum" and len(lays) == 1:
-    return _batch_letter_first(itf, axis, minor)
+  if len(lays) == 1:
+    rewritten = rule.batch_first(itf, axis, minor)
+    if rewritten is not None:
+      return rewritten
   if (len({l[0] for l in lays}) != 1 or want_data != 0 or
-      not _permutable(itf, axis)):
+      entry.outputs[0].shape.rank is None or itf.param.shape.rank is None or
+      not rule.permutable(itf, axis)):
     raise ValueError(
         f"{entry.describe()} consumes a parameter with the examples on axis "
         f"{axis} of its data operand, which its per-example rule cannot take "
@@ -1186,7 +1155,7 @@ def normalise_batch_axis(itf, layout_of: Callable[[int], Layout]):
   original_id = original_shape = None
   p = itf.param
   out_rank = entry.outputs[0].shape.rank
-  if (entry.op_type in _ELEMENTWISE_INTERFACES and p.shape.rank == out_rank
+  if (rule.broadcasts_param and p.shape.rank == out_rank
       and p.shape.rank and p.shape[axis] == 1 and axis):
     original_id, original_shape = itf.param_id, p.shape
     moved_shape = [p.shape[axis]] + [n for a, n in enumerate(p.shape)
@@ -1197,28 +1166,3 @@ def normalise_batch_axis(itf, layout_of: Callable[[int], Layout]):
   return dataclasses.replace(
       itf, entry=moved, output_grads=grads, batch_minor=minor,
       original_param_id=original_id, original_param_shape=original_shape)
-
-
-def _batch_letter_first(itf, axis: int, minor: bool):
-  """An Einsum whose data operand has the examples on `axis`: the operand is
-  transposed to put them first and the equation rewritten to match."""
-  entry = itf.entry
-  eq = gradient_functions.get_attr(entry, "equation")
-  eq = eq.decode() if isinstance(eq, bytes) else eq
-  parsed = einsum_subscripts(eq, [t.shape.rank for t in entry.inputs])
-  if parsed is None or len(entry.inputs) != 2:
-    raise ValueError(
-        f"{entry.describe()}: the examples are on axis {axis} of its data "
-        "operand and the equation could not be rewritten; put the batch "
-        "letter first.")
-  subs, out = parsed
-  d = itf.data_indices[0]
-  sub = subs[d]
-  subs = list(subs)
-  subs[d] = sub[axis] + sub[:axis] + sub[axis + 1:]
-  inputs = list(entry.inputs)
-  inputs[d] = _move_to_front(inputs[d], axis)
-  rewritten = Entry(entry.op_type, tuple(inputs), entry.outputs, entry.attrs,
-                    entry.op, entry.scope, entry.index,
-                    attr_overrides={"equation": f"{','.join(subs)}->{out}"})
-  return dataclasses.replace(itf, entry=rewritten, batch_minor=minor)

@@ -31,25 +31,17 @@ from typing import Callable, Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.batch_axis import expected_axes
 from tf_pxg.interface import Classifier, Interface
 from tf_pxg.rules import base
 from tf_pxg.tape.recording import Entry
 
-# Op types whose rules act row by row on their data, with no input that
-# encodes the batch size (unlike Conv2DBackpropInput's `input_sizes`).
-MERGEABLE = frozenset({
-    "MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "BiasAdd", "AddV2",
-    "Add", "Sub", "Mul", "Conv2D", "Conv3D", "DepthwiseConv2dNative",
-    "GatherV2", "ResourceGather"})
-
-# Op types whose merged uses are split into chunks of steps
-# (`_CHUNKS` of them, from `_MIN_CHUNKED_USES` uses): rules whose norms of a
-# sum over chunks need no concatenation of the chunks' rows (contractions'
-# `chunked_sq_norm`; elementwise rules' per-example gradients are
-# parameter-sized and add up).
-CHUNKED = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
-                     "BiasAdd", "AddV2", "Add", "Sub", "Mul"})
+# The uses of op types whose rule is `mergeable` (it acts row by row on its
+# data, with no input that encodes the batch size, unlike
+# Conv2DBackpropInput's `input_sizes`) are merged; those whose rule is also
+# `chunked` (norms of a sum over chunks need no concatenation of the chunks'
+# rows: contractions' `chunked_sq_norm`; elementwise rules' per-example
+# gradients are parameter-sized and add up) are split into chunks of steps
+# (`_CHUNKS` of them, from `_MIN_CHUNKED_USES` uses).
 _CHUNKS = 4
 _MIN_CHUNKED_USES = 8
 
@@ -116,8 +108,8 @@ def _fully_defined_tail(t) -> bool:
 
 def _group_key(itf: Interface, keys: ValueKeys):
   entry = itf.entry
-  if (entry.op_type not in MERGEABLE or itf.batch_minor or
-      expected_axes(itf) != (0, 0)):
+  if (not itf.rule.mergeable or itf.batch_minor or
+      itf.rule.batch_axes(itf) != (0, 0)):
     return None  # Rows are merged on axis 0 of the data and the outputs.
   data = set(itf.data_indices)
   tensors = [entry.inputs[i] for i in data] + list(entry.outputs)
@@ -182,7 +174,7 @@ def merge(interfaces: List[Interface], keys: ValueKeys,
   Returns:
     The interfaces, each group of mergeable uses replaced by one interface
     (on the first use's parameter tensor) whose rows are all the uses'
-    rows; or, for `CHUNKED` op types with at least `_MIN_CHUNKED_USES`
+    rows; or, for rules that are `chunked`, with at least `_MIN_CHUNKED_USES`
     uses, by `_CHUNKS` such interfaces over consecutive runs of the uses
     (recording order), sharing the first use's parameter tensor and a
     `chunk_set`. Chunks bound the memory of the rows: a concatenation holds
@@ -207,8 +199,7 @@ def merge(interfaces: List[Interface], keys: ValueKeys,
     b = batch_size(group[0])
     rows = shared.setdefault(id(b) if tf.is_tensor(b) else b,
                              _SharedRows(b))
-    if (len(group) < _MIN_CHUNKED_USES or
-        group[0].entry.op_type not in CHUNKED):
+    if len(group) < _MIN_CHUNKED_USES or not group[0].rule.chunked:
       out.append(_merged(group, rows))
       continue
     for piece in np.array_split(np.arange(len(group)), _CHUNKS):

@@ -140,10 +140,11 @@ class PerExampleBackprop:
     check_examples_independent(path, classifier, self.vector_target)
     imperative_grad(self._producer, {target_id: [output_gradient]}, param_ids,
                     backward)
+    for itf in found:  # The rule says where it takes the examples.
+      itf.rule = registry.lookup(itf.entry.op_type) or _FALLBACK
     found = [batch_axis.normalise_batch_axis(itf, classifier.layout)
              for itf in found]
     for itf in found:
-      itf.rule = registry.lookup(itf.entry.op_type) or _FALLBACK
       try:
         itf.rule.check(self._context(itf))
       except NotImplementedError:  # This instance is outside the rule's scope.

@@ -507,10 +507,62 @@ class Rule:
   `dz` is NaN). A rule whose gradient reads neither turns them off (in a
   `tf.function` the unused selects are pruned anyway; eagerly they cost a
   pass).
+
+  What the engine must know about the op, beside the three forms, is here
+  too, with defaults, so that adding an op touches its rule's file alone:
+
+  * `layouts`: how the op moves the batch axis (`tf_pxg.batch_axis`'s rule
+    signature `layouts(entry, layouts) -> (output layouts, Mixing)`), used
+    when the op type is not on the row-wise allowlist; None (default): the
+    op is elementwise (`tf_pxg.batch_axis.elementwise`). Only for ops whose
+    output rows of example b depend on example b's input rows alone.
+  * `batch_axes(itf)`: where the rule takes the examples, `(axis of the data
+    operands, axis of the outputs or None)`; default `(0, 0)`.
+  * `permutable(itf, axis)`: whether moving the batch axis `axis` of the
+    data operands and outputs to 0 gives the same op on permuted tensors
+    (the engine then does so, `tf_pxg.normalise`); default False (the op
+    must see the examples where `batch_axes` says).
+  * `broadcasts_param`: the parameter is broadcast against the data
+    (elementwise ops), so a size-1 parameter axis moves with the batch axis
+    (a reshape of the parameter); default False.
+  * `batch_first(itf, axis, minor)`: an op-specific rewrite that puts the
+    examples of the data operand first (an Einsum's equation), or None.
+  * `mergeable`: the rule acts row by row on its data, with no input that
+    encodes the batch size, so the uses of one parameter by this op (the T
+    steps of a loop) may be merged into one interface of `[B*K]` rows
+    (`tf_pxg.merge_uses`); default False.
+  * `chunked`: merged uses may be split into chunks of steps, because the
+    rule adds up per-chunk results without concatenating the chunks' rows
+    (a `chunked_sq_norm`, or per-example gradients the size of the
+    parameter); default False.
   """
 
   drop_inputs = True
   drop_outputs = True
+
+  layouts: Optional[Callable] = None
+  broadcasts_param = False
+  mergeable = False
+  chunked = False
+
+  def batch_axes(self, itf) -> tuple:
+    """`(data axis, output axis or None)` where this rule expects the
+    examples of interface `itf` (a `tf_pxg.interface.Interface`); None for
+    the output: the rule finds it itself."""
+    del itf
+    return 0, 0
+
+  def permutable(self, itf, axis: int) -> bool:
+    """Whether interface `itf` stays the same op with the batch axis `axis`
+    of its data operands and outputs moved to 0 (ranks are static)."""
+    del itf, axis
+    return False
+
+  def batch_first(self, itf, axis: int, minor: bool):
+    """`itf` rewritten with the examples of its data operand (on `axis`)
+    first, or None where the rule has no such rewrite."""
+    del itf, axis, minor
+    return None
 
   def per_example(self, ctx: Context):
     """`[B, *param.shape]`: example b's gradient of the target's entry b."""

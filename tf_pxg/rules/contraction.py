@@ -29,8 +29,10 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_pxg.backprop import gradient_functions
 from tf_pxg.rules import base
 from tf_pxg.rules.base import register
+from tf_pxg.tape.recording import Entry
 
 _LETTERS = string.ascii_letters
 
@@ -364,6 +366,9 @@ def _sum_of_squares(t, sub: str, keep: str):
 class _Contraction(base.Rule):
   """Per-example/ghost-norm/weighted-sum rules for einsum-like ops."""
 
+  mergeable = True
+  chunked = True  # `chunked_sq_norm`.
+
   def spec(self, ctx) -> Spec:
     raise NotImplementedError
 
@@ -422,6 +427,15 @@ class MatMulRule(_Contraction):
   def spec(self, ctx):
     return _matmul_spec(ctx)
 
+  def batch_axes(self, itf):
+    """The examples are the rows of the matrix that holds them (`i` of
+    `ij,jk->ik`, or `k` when the parameter is the left operand)."""
+    ta = gradient_functions.get_attr(itf.entry, "transpose_a") or False
+    tb = gradient_functions.get_attr(itf.entry, "transpose_b") or False
+    if itf.param_index == 1:
+      return (1 if ta else 0), 0
+    return (0 if tb else 1), 1
+
 
 @register("BatchMatMulV2")
 @register("BatchMatMulV3")
@@ -431,6 +445,12 @@ class BatchMatMulRule(_Contraction):
   def spec(self, ctx):
     return _batch_matmul_spec(ctx)
 
+  def permutable(self, itf, axis):
+    """A matrix parameter broadcast over the leading (batch) axes, one of
+    which holds the examples."""
+    return (itf.param.shape.rank == 2 and
+            axis < itf.entry.outputs[0].shape.rank - 2)
+
 
 @register("Einsum")
 class EinsumRule(_Contraction):
@@ -438,3 +458,38 @@ class EinsumRule(_Contraction):
 
   def spec(self, ctx):
     return _einsum_spec(ctx)
+
+  def batch_axes(self, itf):
+    """Axis 0 of the data operand; the output's batch letter is found from
+    the equation (`_einsum_spec`)."""
+    del itf
+    return 0, None
+
+  def batch_first(self, itf, axis, minor):
+    """The data operand transposed to put the examples (on `axis`) first,
+    and the equation rewritten to match.
+
+    Raises:
+      ValueError: the equation's ellipsis cannot be expanded (unknown
+        ranks) or the op does not have two operands.
+    """
+    entry = itf.entry
+    eq = gradient_functions.get_attr(entry, "equation")
+    eq = eq.decode() if isinstance(eq, bytes) else eq
+    ranks = [t.shape.rank for t in entry.inputs]
+    if len(entry.inputs) != 2 or ("." in eq and None in ranks):
+      raise ValueError(
+          f"{entry.describe()}: the examples are on axis {axis} of its data "
+          "operand and the equation could not be rewritten; put the batch "
+          "letter first.")
+    subs, out = _expand_ellipsis(eq, ranks)
+    d = itf.data_indices[0]
+    sub = subs[d]
+    subs[d] = sub[axis] + sub[:axis] + sub[axis + 1:]
+    inputs = list(entry.inputs)
+    perm = [axis] + [a for a in range(ranks[d]) if a != axis]
+    inputs[d] = tf.transpose(inputs[d], perm)
+    rewritten = Entry(entry.op_type, tuple(inputs), entry.outputs,
+                      entry.attrs, entry.op, entry.scope, entry.index,
+                      attr_overrides={"equation": f"{','.join(subs)}->{out}"})
+    return dataclasses.replace(itf, entry=rewritten, batch_minor=minor)

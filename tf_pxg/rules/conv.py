@@ -379,6 +379,8 @@ def _grouped(ctx, x, filt, dz):
 class ConvRule(_PatchContraction):
   """`Conv2D`/`Conv3D` (any strides, padding, dilations, groups)."""
 
+  mergeable = True
+
   def example_operands(self, ctx):
     return ctx.inputs[0], ctx.dz
 
@@ -633,6 +635,8 @@ def _native_depthwise_sq_norm(ctx, x, dz):
 @register("DepthwiseConv2dNative")
 class DepthwiseConvRule(_PatchContraction):
   """`DepthwiseConv2dNative`: filter [kh, kw, C, M], output channel c*M+m."""
+
+  mergeable = True
 
   def example_operands(self, ctx):
     return ctx.inputs[0], ctx.dz

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_pxg.backprop import gradient_functions
 from tf_pxg.rules import base
 from tf_pxg.rules.base import register
 
@@ -36,6 +37,19 @@ class _Broadcasting(base.Rule):
   # The parameter gradient reads dz (and, for Mul, the other operand).
   drop_inputs = False
   drop_outputs = False
+  broadcasts_param = True
+  mergeable = True
+  chunked = True  # Per-example gradients are parameter-sized: they add up.
+
+  def permutable(self, itf, axis):
+    """The parameter is broadcast (size 1 or absent) on the batch axis and
+    the data operands have the output's rank; size-1 parameter axes move
+    with the batch axis (`broadcasts_param`)."""
+    out_rank = itf.entry.outputs[0].shape.rank
+    p_rank = itf.param.shape.rank
+    padded = [1] * (out_rank - p_rank) + itf.param.shape.as_list()
+    return p_rank <= out_rank and padded[axis] == 1 and all(
+        itf.entry.inputs[i].shape.rank == out_rank for i in itf.data_indices)
 
   def partial(self, ctx):
     """df/dp times dz, shaped like the output."""
@@ -87,6 +101,14 @@ class BiasAddRule(base.Rule):
 
   drop_inputs = False  # the bias gradient reads dz only
   drop_outputs = False
+  mergeable = True
+  chunked = True
+
+  def permutable(self, itf, axis):
+    """NHWC: the bias is on the last axis, which the batch axis must not be."""
+    fmt = gradient_functions.get_attr(itf.entry, "data_format") or b"NHWC"
+    return (fmt in (b"NHWC", "NHWC") and
+            axis < itf.entry.outputs[0].shape.rank - 1)
 
   def check(self, ctx):
     if ctx.param_index != 1:

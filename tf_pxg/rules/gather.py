@@ -28,6 +28,13 @@ class _GatherRule(base.Rule):
   # for a zero factor) is all a non-finite example needs.
   drop_inputs = False
   drop_outputs = False
+  mergeable = True
+
+  def permutable(self, itf, axis):
+    """The table is gathered on its axis 0 whatever axis holds the
+    examples of the indices."""
+    del axis
+    return itf.param_index == 0
 
   def check(self, ctx):
     if ctx.param_index != 0:
