@@ -125,11 +125,11 @@ def test_xla_raises_and_says_what_to_do():
 
 
 def test_make_noise_source():
-  assert isinstance(dp.noise.make_noise_source(secure_mode=True),
+  assert isinstance(secure.make_noise_source(secure_mode=True),
                     secure.SecureNoiseSource)
-  assert isinstance(dp.noise.make_noise_source(seed=1), tf.random.Generator)
+  assert isinstance(secure.make_noise_source(seed=1), tf.random.Generator)
   with pytest.raises(ValueError, match="cannot be reproducible.*Drop the"):
-    dp.noise.make_noise_source(seed=1, secure_mode=True)
+    secure.make_noise_source(seed=1, secure_mode=True)
 
 
 # Replicas: a MirroredStrategy over 2 logical CPUs, in a subprocess -----------

@@ -45,7 +45,7 @@ import tensorflow as tf
 from tf_pxg.dp import noise as dp_noise
 
 
-def _buffer_dtype(dtype: tf.DType) -> tf.DType:
+def buffer_dtype(dtype: tf.DType) -> tf.DType:
   """float32 for half-precision variables, else theirs."""
   return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
@@ -72,7 +72,7 @@ class NoiseBuffers:
     self._keys = [id(v) for v in variables]
     self.buffers = [
         tf.Variable(tf.zeros([num_bands - 1] + list(v.shape),
-                             _buffer_dtype(v.dtype)),
+                             buffer_dtype(v.dtype)),
                     trainable=False,
                     synchronization=tf.VariableSynchronization.ON_READ,
                     aggregation=tf.VariableAggregation.SUM,

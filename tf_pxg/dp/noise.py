@@ -15,11 +15,14 @@ tensors come from the fused Threefry kernels of `tf_pxg.dp.threefry` (the
 native op about 9x, the XLA loop about 3x cheaper on CPU than TF's normal
 kernels); float64 tensors and tensors of dynamic shape use TF's kernels.
 
-Secure mode (`make_noise_source(secure_mode=True)`, `secure_mode=True` on
-the DP models and `DPOptimizer`): a `tf_pxg.dp.secure.SecureNoiseSource`
-in place of the generator draws every key from the OS CSPRNG and sums four
-Gaussians per coordinate against floating-point attacks (see
-`tf_pxg.dp.secure`); `add_gaussian_noise` dispatches on it.
+Secure mode (`tf_pxg.dp.secure.make_noise_source(secure_mode=True)`,
+`secure_mode=True` on the DP models and `DPOptimizer`): a
+`tf_pxg.dp.secure.SecureNoiseSource` in place of the generator draws every
+key from the OS CSPRNG and sums four Gaussians per coordinate against
+floating-point attacks (see `tf_pxg.dp.secure`). `add_gaussian_noise`
+hands the draw to any source that has its own `add_gaussian_noise`
+method (duck typing: this module does not import `secure`, which imports
+it).
 
 References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
@@ -39,7 +42,6 @@ __all__ = [
     "box_muller_normal",
     "densify",
     "make_generator",
-    "make_noise_source",
     "replica_noise_stddev",
     "replica_seed",
 ]
@@ -99,9 +101,8 @@ def add_gaussian_noise(
         "generator= (a tf.random.Generator, e.g. from make_generator()) or "
         "seed= (a shape [2] integer tensor); got "
         f"generator={generator!r}, seed={seed!r}.")
-  from tf_pxg.dp import secure  # noqa: PLC0415  (secure imports this)
-  if isinstance(generator, secure.SecureNoiseSource):
-    return secure.add_secure_gaussian_noise(grads, stddev, scale, generator)
+  if hasattr(generator, "add_gaussian_noise"):  # e.g. SecureNoiseSource
+    return generator.add_gaussian_noise(grads, stddev, scale)
   grads = list(grads)
   noisy = list(grads)
   present = [i for i, g in enumerate(grads) if g is not None]
@@ -344,22 +345,3 @@ def make_generator(seed: Optional[int] = None) -> tf.random.Generator:
   if seed is None:
     return tf.random.Generator.from_non_deterministic_state()
   return tf.random.Generator.from_seed(seed)
-
-
-def make_noise_source(seed: Optional[int] = None, secure_mode: bool = False):
-  """The noise source of a DP model or loop: `make_generator(seed)`, or a
-  `tf_pxg.dp.secure.SecureNoiseSource` with `secure_mode=True`.
-
-  Raises:
-    ValueError: `secure_mode=True` with a `seed` (a reproducible seed is
-      what secure mode exists to rule out).
-  """
-  if secure_mode:
-    if seed is not None:
-      raise ValueError(
-          f"secure_mode=True draws every noise key from the OS CSPRNG and "
-          f"cannot be reproducible; got seed={seed!r}. Drop the seed (or "
-          "use secure_mode=False for reproducible tests).")
-    from tf_pxg.dp import secure  # noqa: PLC0415
-    return secure.SecureNoiseSource()
-  return make_generator(seed)

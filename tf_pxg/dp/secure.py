@@ -84,10 +84,11 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg import xla
+from tf_pxg.dp import noise as dp_noise
 from tf_pxg.dp import threefry
 
 __all__ = ["NUM_SUMMANDS", "SecureNoiseSource", "add_secure_gaussian_noise",
-           "os_random_uint32"]
+           "make_noise_source", "os_random_uint32"]
 
 #: 2n with n = 2: the number of Gaussians summed per coordinate.
 NUM_SUMMANDS = 4
@@ -141,6 +142,11 @@ class SecureNoiseSource:
     """`[count, 3]` uint32 Threefry keys, fresh from the OS."""
     return os_random_uint32([count, 3])
 
+  def add_gaussian_noise(self, grads, stddev, scale=None):
+    """`add_secure_gaussian_noise(grads, stddev, scale, self)`: what
+    `tf_pxg.dp.add_gaussian_noise(..., generator=self)` calls."""
+    return add_secure_gaussian_noise(grads, stddev, scale, self)
+
   def __repr__(self):
     return f"SecureNoiseSource(num_summands={self.num_summands})"
 
@@ -163,7 +169,6 @@ def add_secure_gaussian_noise(grads: Sequence[Optional[tf.Tensor]], stddev,
   Raises:
     ValueError: inside XLA-compiled code (see the module docstring).
   """
-  from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415  (cycle)
   source = source or SecureNoiseSource()
   k = source.num_summands
   grads = list(grads)
@@ -198,3 +203,21 @@ def add_secure_gaussian_noise(grads: Sequence[Optional[tf.Tensor]], stddev,
       y = g + tf.cast(stddev, g.dtype) / math.sqrt(k) * total
       out[i] = y if scale is None else y * tf.cast(scale, g.dtype)
   return out
+
+
+def make_noise_source(seed: Optional[int] = None, secure_mode: bool = False):
+  """The noise source of a DP model or loop: `tf_pxg.dp.make_generator(
+  seed)`, or a `SecureNoiseSource` with `secure_mode=True`.
+
+  Raises:
+    ValueError: `secure_mode=True` with a `seed` (a reproducible seed is
+      what secure mode exists to rule out).
+  """
+  if secure_mode:
+    if seed is not None:
+      raise ValueError(
+          f"secure_mode=True draws every noise key from the OS CSPRNG and "
+          f"cannot be reproducible; got seed={seed!r}. Drop the seed (or "
+          "use secure_mode=False for reproducible tests).")
+    return SecureNoiseSource()
+  return dp_noise.make_generator(seed)

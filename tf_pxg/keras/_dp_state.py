@@ -10,9 +10,11 @@ optimizer, in the strategy scope Keras builds optimizers in:
   clipping (initialised to `l2_norm_clip`; `ONLY_FIRST_REPLICA`
   aggregation: every replica computes the same update from the all-reduced
   noisy count);
-- `noise`: `tf_pxg.dp.correlated.NoiseBuffers` for BandMF with b > 1
-  (`ON_READ`/`SUM`: each replica holds its share);
-- `group_seed`: int64, for b > 1, drawn from OS entropy when the optimizer
+- `noise`: the noise mechanism's state (`NoiseMechanism.init_state`, e.g.
+  `tf_pxg.dp.correlated.NoiseBuffers` for BandMF with b > 1, `ON_READ`/
+  `SUM`: each replica holds its share), None for a stateless mechanism;
+- `group_seed`: int64, for a mechanism whose event needs cyclic
+  participation in b > 1 groups (`participation_groups`), drawn from OS entropy when the optimizer
   is created: it keys cyclic Poisson sampling's assignment of examples to
   the b groups (`tf_pxg.data.PoissonSampler(group_seed=...)`), which must
   stay the same for the whole run, resumed fits included. It is read in
@@ -21,13 +23,12 @@ optimizer, in the strategy scope Keras builds optimizers in:
 
 from __future__ import annotations
 
-import importlib
 import secrets
-from typing import Optional
+from typing import Any, Optional
 
 import tensorflow as tf
 
-from tf_pxg.dp import correlated
+from tf_pxg.dp import mechanisms
 
 
 class DPState(tf.Module):
@@ -36,12 +37,14 @@ class DPState(tf.Module):
   def __init__(self):
     super().__init__(name="dp_state")
     self.clip: Optional[tf.Variable] = None
-    self.noise: Optional[correlated.NoiseBuffers] = None
-    self._noise_buffers = []  # tracked list of the buffers' variables
+    self.noise: Any = None  # the noise mechanism's state
+    self._noise_keys = None  # ids of the variables `noise` was made for
+    self._noise_buffers = []  # tracked list of the state's variables
     self.group_seed: Optional[tf.Variable] = None
 
   def init_group_seed(self, noise_mechanism):
-    """Creates `group_seed` (OS entropy) for BandMF with b > 1."""
+    """Creates `group_seed` (OS entropy) for cyclic participation in
+    b > 1 groups (BandMF)."""
     if num_bands(noise_mechanism) > 1 and self.group_seed is None:
       with tf.init_scope():
         self.group_seed = tf.Variable(
@@ -55,38 +58,26 @@ class DPState(tf.Module):
           float(l2_norm_clip), dtype=tf.float32, trainable=False,
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
           name="dp_l2_norm_clip")
-    bands = num_bands(noise_mechanism)
-    if bands > 1 and (self.noise is None or
-                      not self.noise.matches(var_list)):
-      self.noise = correlated.NoiseBuffers(var_list, bands)
-      self._noise_buffers = list(self.noise.buffers)
+    keys = [id(v) for v in var_list]
+    if self._noise_keys != keys:
+      mech = mechanisms.from_setting(noise_mechanism)
+      self.noise = mech.init_state(var_list)
+      self._noise_keys = keys
+      self._noise_buffers = mech.state_variables(self.noise)
 
   @property
   def variables(self) -> list:
     out = [] if self.clip is None else [self.clip]
     out += [] if self.group_seed is None else [self.group_seed]
-    return out + ([] if self.noise is None else list(self.noise.buffers))
+    return out + list(self._noise_buffers)
 
 
 def num_bands(noise_mechanism) -> int:
-  """b of a BandMF mechanism; 1 for None (DP-SGD)."""
-  return 1 if noise_mechanism is None else int(noise_mechanism.num_bands)
+  """b of the cyclic participation the mechanism's ε needs (BandMF's
+  bands); 1 for None (DP-SGD)."""
+  return int(mechanisms.from_setting(noise_mechanism).participation_groups)
 
 
-def serialize_mechanism(noise_mechanism) -> Optional[dict]:
-  if noise_mechanism is None:
-    return None
-  return {"class_name": type(noise_mechanism).__name__,
-          "config": noise_mechanism.get_config()}
-
-
-def deserialize_mechanism(config):
-  """The mechanism of `serialize_mechanism`'s dict (or an instance/None)."""
-  if config is None or not isinstance(config, dict):
-    return config
-  mf = importlib.import_module("tf_pxg.mf")
-  cls = getattr(mf, config.get("class_name", ""), None)
-  if cls is None:
-    raise ValueError(f"Unknown noise mechanism {config!r}; expected a "
-                     "tf_pxg.mf class such as BandedToeplitz.")
-  return cls.from_config(config["config"])
+#: Saved-config (de)serialisation of a noise mechanism setting.
+serialize_mechanism = mechanisms.serialize
+deserialize_mechanism = mechanisms.deserialize

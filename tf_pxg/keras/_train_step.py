@@ -62,6 +62,7 @@ import keras
 import tensorflow as tf
 
 from tf_pxg import _compat
+from tf_pxg.dp import mechanisms as dp_mechanisms
 from tf_pxg.dp import noise as dp_noise
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
@@ -186,7 +187,7 @@ def _regularization(model, variables):
 
 
 class Mechanism(NamedTuple):
-  """What a step needs beyond DP-SGD's flat clip and independent noise.
+  """The parts of the DP plan a step composes beyond the clip value.
 
   Attributes:
     clipping: the `tf_pxg.clipping` policy.
@@ -197,8 +198,10 @@ class Mechanism(NamedTuple):
       the accounted `noise_multiplier` sigma, or with adaptive clipping
       `(sigma^-2 - (2 count_stddev)^-2)^-1/2` (Andrew et al., Theorem 1),
       less the noisy loss's share `z^-2` too when there is one.
-    coefs: BandMF's `[b]` strategy coefficients for b > 1, else None.
-    noise_state: the `tf_pxg.dp.correlated.NoiseBuffers` (b > 1), else None.
+    noise: the `tf_pxg.dp.mechanisms.NoiseMechanism` (independent, BandMF,
+      secure, ...); the step calls its `add` and nothing else about it.
+    noise_state: its state (`noise.init_state(...)`, held by the
+      `DPOptimizer`), or None.
     optimizer: the optimizer whose `iterations` index the steps.
     noisy_loss: the `tf_pxg.dp.noisy_loss.NoisyLoss` released and logged
       as `loss`, else None.
@@ -207,7 +210,7 @@ class Mechanism(NamedTuple):
   clip_variable: Optional[tf.Variable]
   count_stddev: float
   gradient_noise_multiplier: float
-  coefs: Any
+  noise: Any
   noise_state: Any
   optimizer: Any
   noisy_loss: Any = None
@@ -296,15 +299,17 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   overflow (the sum of zeroed examples is finite), so neither happens and
   the step and S are data-independent.
 
-  `mechanism` (None: DP-SGD with flat clipping, unchanged) brings a
-  clipping policy (automatic; adaptive, whose clip is a variable and whose
-  unclipped count is accumulated with the sums and noised with them) and
-  BandMF's correlated noise (`tf_pxg.dp.correlated`: the step index is
-  `optimizer.iterations`; a step that will not be applied, past the step
-  limit, writes no noise buffer).
+  `mechanism` (None: DP-SGD with flat clipping and independent noise)
+  brings a clipping policy (automatic; adaptive, whose clip is a variable
+  and whose unclipped count is accumulated with the sums and noised with
+  them) and the `tf_pxg.dp.mechanisms.NoiseMechanism` with its state. The
+  step composes clip -> `noise.add` -> normalise and never asks which
+  mechanism it has: the step index is `optimizer.iterations`, and a step
+  that will not be applied (not a logical step's end, past the step
+  limit) passes `write=False`, so a stateful mechanism (BandMF's buffers)
+  keeps its state.
   """
   from tf_pxg import data as dp_data  # noqa: PLC0415
-  from tf_pxg.dp import accumulation  # noqa: PLC0415
 
   # Under the model's XLA compilation, selects replace the conditionals and
   # the noise is drawn at every physical batch (used only at a step's end):
@@ -400,33 +405,27 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     if row_mask is not None:
       mask = (mask, info[dp_data.ROW_MASK])  # per unit, per row (metrics)
   draw = None if xla else step_end
+  noise = dp_mechanisms.IndependentGaussian() if mechanism is None else \
+      mechanism.noise
+  source = noise.noise_source(generator)
   released = {}
   if scalars:
     sums, tail = sums[:-len(scalars)], sums[-len(scalars):]
-    released = {name: _noisy_scalar(value, stddev, generator, replicas, draw)
+    released = {name: _noisy_scalar(value, stddev, source, replicas, draw)
                 for (name, (_, stddev)), value in zip(scalars.items(), tail)}
   if mechanism is not None and noise_multiplier:
     # The gradient's share of the accounted noise (adaptive clipping keeps
     # the rest for the count), times the clip in use.
     noise_multiplier = mechanism.gradient_noise_multiplier
-  if mechanism is not None and mechanism.coefs is not None:
-    # Divided in the noise's pass when the divisor is known here (as below).
-    divide = info is not None or replicas == 1
-    noisy = _correlated_noise(model, mechanism, sums, clip, noise_multiplier,
-                              normalizer if divide else None, generator,
-                              replicas, step_end, draw)
-    normalizer = None if divide else normalizer
-  elif noise_multiplier and (info is not None or replicas == 1):
-    # The divisor is known here (qN, or the only replica's batch): the
-    # noise kernel divides in its own pass, one pass over the weights fewer.
-    noisy = accumulation.noisy_mean(sums, clip, noise_multiplier,
-                                    normalizer, generator, replicas, draw)
-    normalizer = None
-  else:
-    noisy = accumulation.step_noise(sums, clip, noise_multiplier,
-                                    generator, replicas, draw)
-  # sigma = 0 leaves IndexedSlices.
-  noisy = [dp_noise.densify(g) for g in noisy]
+  # clip -> mechanism -> normalise. The divisor is known here for a Poisson
+  # step (qN) or the only replica's batch: the mechanism divides in its
+  # noise pass (one pass over the weights fewer); otherwise `dp_apply`
+  # divides by the all-reduced batch size.
+  divide = info is not None or replicas == 1
+  noisy = _add_noise(model, noise, mechanism, sums, clip, noise_multiplier,
+                     normalizer if divide else None, source, replicas,
+                     step_end, draw)
+  normalizer = None if divide else normalizer
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
   count_normalizer = None
   if released:
@@ -470,31 +469,30 @@ def _noisy_scalar(value, stddev, generator, replicas, draw):
   return tf.cond(draw, add, lambda: tf.identity(value))
 
 
-def _correlated_noise(model, mechanism, sums, clip, noise_multiplier,
-                      normalizer, generator, replicas, step_end, draw):
-  """BandMF: `(sums + x_i) / normalizer` (None: not divided) with `x_i`
-  streamed from the
-  buffers (`tf_pxg.dp.correlated`), written only if this step is applied:
-  at a logical step's end and within the step limit (both data-independent).
-  """
-  from tf_pxg.dp import correlated  # noqa: PLC0415
-  optimizer = mechanism.optimizer
-  write = _within_limit(optimizer, step_limit_variable(model), step_end)
-  stddev = dp_noise.replica_noise_stddev(
-      noise_multiplier * tf.cast(clip, tf.float64), replicas)
-  scale = (None if normalizer is None else
-           1.0 / tf.cast(normalizer, tf.float64))
-  sums = [dp_noise.densify(g) for g in sums]
+def _add_noise(model, noise, mechanism, sums, clip, noise_multiplier,
+               normalizer, source, replicas, step_end, draw):
+  """`noise.add(...)`: this replica's noisy sums (divided by `normalizer`
+  unless None), drawn only when `draw` is true or None (a physical batch
+  that does not end its logical step discards them). The mechanism's state
+  is written only if this step is applied: at a logical step's end and
+  within the step limit (both data-independent)."""
+  state = None if mechanism is None else mechanism.noise_state
+  optimizer = None if mechanism is None else mechanism.optimizer
+  step = write = None
+  if optimizer is not None:
+    step = optimizer.iterations
+    write = _within_limit(optimizer, step_limit_variable(model), step_end)
 
   def noisy():
-    return correlated.correlated_noisy_sums(
-        sums, mechanism.coefs, mechanism.noise_state, optimizer.iterations,
-        stddev, generator, scale=scale, write=write)
+    return noise.add(sums, state, step, noise_multiplier=noise_multiplier,
+                     l2_norm_clip=clip, num_replicas=replicas, source=source,
+                     normalizer=normalizer, write=write)[0]
 
   if draw is None:
     return noisy()
-  return tf.cond(draw, noisy, lambda: [tf.cast(g, b.dtype) for g, b in zip(
-      sums, mechanism.noise_state.buffers)])
+  return tf.cond(draw, noisy, lambda: [
+      tf.cast(dp_noise.densify(g), noise.noise_dtype(g.dtype))
+      for g in sums])
 
 
 def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,

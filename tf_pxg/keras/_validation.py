@@ -60,8 +60,9 @@ def validate_mechanism(l2_norm_clip, noise_multiplier, clipping,
   Raises:
     ValueError: an unknown policy; `Automatic`/`QuantileAdaptive` with an
       infinite `l2_norm_clip` (automatic clipping's sensitivity, the
-      adaptive clip's start); a mechanism that is not a `tf_pxg.mf`
-      strategy.
+      adaptive clip's start).
+    TypeError: a mechanism that is neither a `tf_pxg.mf` strategy nor a
+      `tf_pxg.dp.mechanisms.NoiseMechanism`.
   """
   from tf_pxg.dp import clipping as policies  # noqa: PLC0415
   policy = policies.get(clipping)
@@ -71,13 +72,11 @@ def validate_mechanism(l2_norm_clip, noise_multiplier, clipping,
         f"{where}: clipping={policy!r} needs a finite l2_norm_clip (the "
         "sensitivity R of automatic clipping, the initial clip of adaptive "
         f"clipping); got {l2_norm_clip}.")
-  if noise_mechanism is not None and not (
-      hasattr(noise_mechanism, "num_bands") and
-      hasattr(noise_mechanism, "coefs")):
-    raise TypeError(
-        f"{where}: noise_mechanism must be None (DP-SGD) or a "
-        "tf_pxg.mf.BandedToeplitz(num_bands=b); got "
-        f"{noise_mechanism!r}.")
+  from tf_pxg.dp import mechanisms  # noqa: PLC0415
+  try:
+    mechanisms.from_setting(noise_mechanism)
+  except TypeError as e:
+    raise TypeError(f"{where}: {e}") from None
   del noise_multiplier
   return policy, noise_mechanism
 

@@ -224,11 +224,8 @@ class _DPTrainingMixin:
       self.train_function = None
 
   def _dp_noise_source(self):
-    """The noise source of the train step: the model's generator, or a
-    `SecureNoiseSource` in secure mode (fresh OS keys at every draw)."""
-    if self.secure_mode:
-      from tf_pxg.dp import secure  # noqa: PLC0415
-      return secure.SecureNoiseSource()
+    """The model's generator; the noise mechanism picks the source it draws
+    from (`NoiseMechanism.noise_source`: OS keys in secure mode)."""
     return self._dp_generator
 
   def _adopt_secure_mode(self, optimizer):
@@ -307,32 +304,29 @@ class _DPTrainingMixin:
     return _dp_state.num_bands(self.noise_mechanism)
 
   def _dp_step_mechanism(self, noise_multiplier):
-    """The train step's `_train_step.Mechanism`, or None for DP-SGD with
-    flat clipping (and BandMF with b = 1, which is DP-SGD exactly)."""
+    """The train step's `_train_step.Mechanism`: the clipping policy and
+    its state, the `NoiseMechanism` (`tf_pxg.dp.mechanisms.from_setting`;
+    secure mode wraps it) and its state, the noisy loss."""
     from tf_pxg import accounting  # noqa: PLC0415
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
+    from tf_pxg.dp import mechanisms  # noqa: PLC0415
     optimizer = _unscaled(self.optimizer)
     policy, mech = self._resolve_mechanism(optimizer)
-    coefs = None
-    if mech is not None and int(mech.num_bands) > 1:
-      coefs = mech.coefs
+    noise = mechanisms.from_setting(mech, self.secure_mode)
     noisy_loss = getattr(self, "_dp_noisy_loss", None)
-    if isinstance(policy, policies.Flat) and coefs is None:
-      if noisy_loss is None:
-        return None
-      sigma_g = (noisy_loss.gradient_noise_multiplier(noise_multiplier)
-                 if noise_multiplier else noise_multiplier)
-      return _train_step.Mechanism(policy, None, 0.0, sigma_g, None, None,
-                                   optimizer, noisy_loss)
-    if not isinstance(optimizer, DPOptimizer):
+    clip_variable = noise_state = None
+    if isinstance(optimizer, DPOptimizer):
+      if not optimizer.built:
+        with tf.init_scope():
+          optimizer.build(list(self.trainable_variables))
+      clip_variable = optimizer.dp_state.clip
+      noise_state = optimizer.dp_state.noise
+    elif not (isinstance(policy, policies.Flat) and
+              not noise.stateful):
       raise ValueError(  # compile wraps; only a hand-set optimizer gets here
           f"Model {self.name!r}: clipping={policy!r} and noise_mechanism="
           f"{mech!r} keep state in a tf_pxg.keras.DPOptimizer; compile with "
           "one.")
-    if not optimizer.built:
-      with tf.init_scope():
-        optimizer.build(list(self.trainable_variables))
-    state = optimizer.dp_state
     count_stddev, sigma_g = 0.0, noise_multiplier
     if policy.adaptive:
       info = getattr(self, "_dp_data", None) or {}
@@ -347,7 +341,7 @@ class _DPTrainingMixin:
           noise_multiplier, *([2.0 * count_stddev] if policy.adaptive
                               else []))
     return _train_step.Mechanism(
-        policy, state.clip, count_stddev, sigma_g, coefs, state.noise,
+        policy, clip_variable, count_stddev, sigma_g, noise, noise_state,
         optimizer, noisy_loss)
 
   def _check_trainable_for_dp(self, optimizer):
