@@ -21,9 +21,17 @@ Poisson batches (the default DP data path) runs for six family/mode pairs.
 
 FNet (token mixing by a 2-D FFT) and Swin (attention windows folded into
 the batch axis, `[B*W*s, d]` rows split into `[B*W, s, d]`) run both modes;
-ten more families (Bloom, Falcon, GPT-NeoX, XLM-RoBERTa, RoFormer-V2,
-ESM-2, Llama 3, Qwen 2, DeiT, DINOv2) full fine-tuning only (`slow`).
-Mixtral's batch-level router loss (`add_loss`) is refused by name.
+27 more families full fine-tuning only (`slow`): Bloom, Falcon, GPT-NeoX,
+XLM-RoBERTa, RoFormer-V2, ESM, ESM-2, Llama 3, Qwen 2, SmolLM 3, T5Gemma,
+EdRec, DeiT, DINOv2, DINOv3, ViTDet, VGG, the CLIP text and vision and
+SigLIP vision towers, audio (Whisper on mel features, Moonshine on a raw
+waveform), vision-language (PaliGemma) and mixture-of-experts (GPT-OSS;
+Mixtral, Qwen-MoE and Qwen 3-MoE with `router_aux_loss_coefficient=0`),
+their inputs built from the backbone's `Input` specs; Whisper, PaliGemma
+and GPT-OSS with LoRA too. Refused by name: Mixtral's batch-level router
+loss (`add_loss`) when on, XLNet's attention mask (KerasHub reshapes the
+`[B, T]` padding mask to `[T, B]`, which mixes examples) and CLIP's joint
+contrastive logits (in-batch negatives).
 
 The families exercise the engine's parameter copies along the batch axis
 (`tf_pxg.rules.copies`): KerasHub's `PositionEmbedding` broadcasts its
@@ -53,6 +61,11 @@ from tf_pxg import testing as pxg_testing
 
 keras_hub = pytest.importorskip("keras_hub")
 models = keras_hub.models
+# CLIP's and SigLIP's towers: users reach them as `backbone.vision_encoder`
+# of a preset; built offline here, their classes come from keras_hub.src.
+from keras_hub.src.models.clip.clip_text_encoder import CLIPTextEncoder  # noqa: E402,E501
+from keras_hub.src.models.clip.clip_vision_encoder import CLIPVisionEncoder  # noqa: E402,E501
+from keras_hub.src.models.siglip.siglip_vision_encoder import SigLIPVisionEncoder  # noqa: E402,E501
 
 B, T, VOCAB, CLASSES = 4, 6, 32, 3
 TEXT = dict(num_layers=1, hidden_dim=8, intermediate_dim=16)
@@ -66,7 +79,7 @@ DECODER = dict(TEXT, vocabulary_size=VOCAB, num_query_heads=2,
 class Family:
   """How to build one family's backbone and a batch of its inputs."""
   build: Callable[[], keras.Model]
-  inputs: str = "text"  # "text", "seq2seq" or "image".
+  inputs: str = "text"  # "text", "seq2seq", "image", "audio" or "spec".
 
 
 FAMILIES: Dict[str, Family] = {
@@ -125,9 +138,39 @@ def _text(rng, prefix=""):
           f"{prefix}padding_mask": mask.astype("int32")}
 
 
+def _from_specs(backbone: keras.Model, rng, length: int = T):
+  """A batch built from the backbone's `keras.Input` specs: float inputs
+  standard normal (an audio waveform, mel features, an image), integer ids
+  in [1, VOCAB), padding masks with the padding at the end of some
+  examples (bool where the input is bool); each unknown axis `length`."""
+  specs = backbone.input
+  if not isinstance(specs, dict):
+    specs = {t.name.split(":")[0]: t for t in tf.nest.flatten(specs)}
+  lengths = np.array([length, length - 2, length - 1, 3])[:B]
+  x = {}
+  for name, spec in specs.items():
+    shape = [B] + [length if d is None else d for d in spec.shape[1:]]
+    if "mask" in name:
+      mask = np.arange(shape[1])[None, :] < lengths[:, None]
+      x[name] = mask.astype(str(spec.dtype))
+    elif "int" in str(spec.dtype):
+      x[name] = rng.integers(1, VOCAB, size=shape).astype("int32")
+    else:
+      x[name] = rng.standard_normal(shape).astype("float32")
+  return x if isinstance(backbone.input, dict) else next(iter(x.values()))
+
+
 def batch(backbone: keras.Model, kind: str, seed: int = 0):
   """A batch of B inputs in the structure `backbone` takes."""
   rng = np.random.default_rng(seed)
+  if kind == "spec":
+    return _from_specs(backbone, rng)
+  if kind == "audio":  # Moonshine: a raw waveform, 1600 samples.
+    x = _from_specs(backbone, rng)
+    x["encoder_input_values"] = rng.standard_normal((B, 1600, 1)).astype(
+        "float32")
+    x["encoder_padding_mask"] = np.ones((B, 1600), bool)
+    return x
   if kind == "image":
     shape = backbone.inputs[0].shape[1:]
     return rng.standard_normal((B, *shape)).astype("float32")
@@ -151,6 +194,9 @@ def classifier(backbone: keras.Model) -> keras.Model:
     pooled = out.get("pooled_output")
   else:
     seq, pooled = out, None
+  if len(seq.shape) == 2:  # Already pooled (CLIP/SigLIP encoders).
+    logits = keras.layers.Dense(CLASSES, name="head")(seq)
+    return keras.Model(backbone.input, logits)
   pool = (keras.layers.GlobalAveragePooling2D() if len(seq.shape) == 4 else
           keras.layers.GlobalAveragePooling1D())
   h = pool(seq)
@@ -253,6 +299,85 @@ MORE_FAMILIES: Dict[str, Family] = {
         image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
         hidden_dim=8, intermediate_dim=16), inputs="image"),
 }
+_SIGLIP = dict(num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16)
+# Audio, vision-language, mixture-of-experts and the other text and vision
+# variants keras-hub 0.32 builds from a config; inputs from their `Input`
+# specs ("spec"). CLIP and SigLIP are fine-tuned one tower at a time (their
+# joint contrastive logits compare examples: see the refusal test below).
+MORE_FAMILIES.update({
+    "whisper": Family(lambda: models.WhisperBackbone(
+        vocabulary_size=VOCAB, num_heads=2, num_mels=4,
+        max_encoder_sequence_length=12, max_decoder_sequence_length=8,
+        **TEXT), inputs="spec"),
+    "moonshine": Family(lambda: models.MoonshineBackbone(
+        vocabulary_size=VOCAB, filter_dim=8, encoder_num_layers=1,
+        decoder_num_layers=1, hidden_dim=8, intermediate_dim=16,
+        encoder_num_heads=2, decoder_num_heads=2), inputs="audio"),
+    "paligemma": Family(lambda: models.PaliGemmaBackbone(
+        vocabulary_size=VOCAB, image_size=8, num_layers=1,
+        num_query_heads=2, num_key_value_heads=1, hidden_dim=8,
+        intermediate_dim=16, head_dim=4, vit_patch_size=4, vit_num_heads=2,
+        vit_hidden_dim=8, vit_num_layers=1), inputs="spec"),
+    "gpt_oss": Family(lambda: models.GptOssBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2,
+        hidden_dim=8, intermediate_dim=16, num_key_value_heads=1,
+        num_experts=2, top_k=1, head_dim=4)),
+    "smollm3": Family(lambda: models.SmolLM3Backbone(
+        vocabulary_size=VOCAB, hidden_dim=8, intermediate_dim=16,
+        num_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        attention_bias=False, attention_dropout=0.0,
+        rope_layer_enabled_list=[True], layer_types=["full_attention"],
+        mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=16,
+        rope_theta=10000.0, partial_rotary_factor=1.0)),
+    "t5gemma": Family(lambda: models.T5GemmaBackbone(
+        vocabulary_size=VOCAB, encoder_hidden_dim=8,
+        encoder_intermediate_dim=16, encoder_num_layers=1,
+        encoder_num_attention_heads=2, encoder_num_key_value_heads=1,
+        encoder_head_dim=4, encoder_layer_types=["full_attention"],
+        decoder_hidden_dim=8, decoder_intermediate_dim=16,
+        decoder_num_layers=1, decoder_num_attention_heads=2,
+        decoder_num_key_value_heads=1, decoder_head_dim=4,
+        decoder_layer_types=["full_attention"]), inputs="spec"),
+    "esm": Family(lambda: models.ESMBackbone(
+        vocabulary_size=VOCAB, num_heads=2, dropout=0.0,
+        max_sequence_length=8, **TEXT)),
+    "edrec": Family(lambda: models.EdRecBackbone(
+        vocab_size=VOCAB, num_layers_enc=1, num_layers_dec=1, hidden_dim=8,
+        intermediate_dim=16, num_heads=2), inputs="spec"),
+    "clip_vision": Family(lambda: CLIPVisionEncoder(
+        patch_size=4, image_shape=(8, 8, 3), **_SIGLIP), inputs="spec"),
+    "clip_text": Family(lambda: CLIPTextEncoder(
+        vocabulary_size=VOCAB, embedding_dim=8, max_sequence_length=8,
+        **_SIGLIP), inputs="spec"),
+    "siglip_vision": Family(lambda: SigLIPVisionEncoder(
+        patch_size=4, image_shape=(8, 8, 3), **_SIGLIP), inputs="spec"),
+    # Mixture of experts with the batch-level router loss off (a term
+    # scaled by a constant 0 is accepted; on, it is refused: see below).
+    "mixtral": Family(lambda: models.MixtralBackbone(
+        **DECODER, num_experts=2, router_aux_loss_coef=0.0)),
+    "qwen_moe": Family(lambda: models.QwenMoeBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2,
+        num_key_value_heads=1, hidden_dim=8, intermediate_dim=16,
+        moe_intermediate_dim=8, shared_expert_intermediate_dim=8,
+        num_experts=2, top_k=1, router_aux_loss_coefficient=0.0)),
+    "qwen3_moe": Family(lambda: models.Qwen3MoeBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2,
+        num_key_value_heads=1, hidden_dim=8, intermediate_dim=16,
+        moe_intermediate_dim=8, num_experts=2, top_k=1,
+        router_aux_loss_coefficient=0.0)),
+    "vgg": Family(lambda: models.VGGBackbone(
+        stackwise_num_repeats=[1], stackwise_num_filters=[4],
+        image_shape=(8, 8, 3)), inputs="image"),
+    "vitdet": Family(lambda: models.ViTDetBackbone(
+        hidden_size=8, num_layers=1, intermediate_dim=16, num_heads=2,
+        global_attention_layer_indices=[0], image_shape=(16, 16, 3),
+        patch_size=4, num_output_channels=8, window_size=2),
+                     inputs="image"),
+    "dinov3": Family(lambda: models.DINOV3Backbone(
+        patch_size=4, num_layers=1, hidden_dim=8, num_heads=2,
+        intermediate_dim=16, image_shape=(8, 8, 3), num_register_tokens=1),
+                     inputs="image"),
+})
 FAMILIES.update(MORE_FAMILIES)
 TRAINABLE = sorted(set(FAMILIES) - {"resnet"} - set(MORE_FAMILIES))
 
@@ -272,9 +397,58 @@ def test_more_families_dp_step_is_exact(name):
   _ERRORS[f"{name}-full"] = dp_step_error(model, x, y)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["whisper", "paligemma", "gpt_oss"])
+def test_more_families_lora_dp_step_is_exact(name):
+  """LoRA on an audio seq2seq, a vision-language and a mixture-of-experts
+  backbone."""
+  model, x, y = build(name, lora=True)
+  _ERRORS[f"{name}-lora"] = dp_step_error(model, x, y)
+
+
+def _fit_error(model: keras.Model, x, y) -> str:
+  """The message of the error a noiseless DP `fit` step raises."""
+  dp = dpk.make_private(model, l2_norm_clip=1.0, noise_multiplier=0.0)
+  dp.compile(optimizer=keras.optimizers.SGD(1.0),
+             loss=keras.losses.SparseCategoricalCrossentropy(
+                 from_logits=True))
+  with pytest.raises(ValueError) as info:
+    dp.fit(x, y, batch_size=B, epochs=1, verbose=0)
+  return str(info.value)
+
+
+def test_xlnet_attention_mask_reshape_is_refused_by_name():
+  """KerasHub's XLNet builds its attention mask with
+  `ops.reshape(1 - padding_mask, [T, B])` (a reshape, not a transpose), so
+  example b's mask holds other examples' padding: the examples mix, and
+  the step is refused at trace time naming the op and its layer."""
+  keras.utils.set_random_seed(0)
+  backbone = models.XLNetBackbone(vocabulary_size=VOCAB, num_heads=2, **TEXT)
+  model = classifier(backbone)
+  msg = _fit_error(model, batch(backbone, "spec"), np.zeros(B))
+  assert "'Reshape'" in msg and "attn_mask" in msg, msg
+  assert "mixes examples" in msg, msg
+
+
+def test_clip_contrastive_logits_are_refused():
+  """CLIP's joint logits `z_image @ z_text^T` compare each example with
+  the others of its batch (in-batch negatives): no per-example loss, so
+  refused naming the MatMul; each tower trains alone (families above)."""
+  keras.utils.set_random_seed(0)
+  backbone = models.CLIPBackbone(
+      FAMILIES["clip_vision"].build(), FAMILIES["clip_text"].build(),
+      projection_dim=8)
+  model = keras.Model(backbone.input,
+                      backbone(backbone.input)["vision_logits"])
+  msg = _fit_error(model, batch(backbone, "spec"), np.arange(B))
+  assert "'MatMul'" in msg and "clip_head" in msg, msg
+  assert "in-batch negatives" in msg, msg
+
+
 def test_mixture_of_experts_aux_loss_is_refused_by_name():
   """Mixtral's router adds a batch-level auxiliary loss (`add_loss`): it
-  has no per-example split, so DP training refuses it, naming the layer."""
+  has no per-example split, so DP training refuses it, naming the layer
+  (with the coefficient 0 it trains exactly: `mixtral` above)."""
   keras.utils.set_random_seed(0)
   backbone = models.MixtralBackbone(**DECODER, num_experts=2)
   model, x = classifier(backbone), batch(backbone, "text")
@@ -285,6 +459,7 @@ def test_mixture_of_experts_aux_loss_is_refused_by_name():
   with pytest.raises(ValueError, match="add_loss") as info:
     dp.fit(x, np.zeros(B), batch_size=B, epochs=1, verbose=0)
   assert "sparse_moe_block" in str(info.value), info.value
+  assert "router_aux_loss_coefficient=0" in str(info.value), info.value
 
 
 @pytest.mark.parametrize("name,mode", [

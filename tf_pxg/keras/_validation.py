@@ -7,6 +7,8 @@ import numbers
 from typing import Optional, Tuple
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 from tf_pxg import _compat
 
@@ -169,7 +171,7 @@ def check_forward_side_effects(model: keras.Model, tape, data) -> None:
         "weights. Writes of data-independent values (counters, seed "
         "generators) are allowed.")
   for layer in _compat.flatten_layers(model, include_self=True):
-    if _compat.added_losses(layer):
+    if not all(_identically_zero(t) for t in _compat.added_losses(layer)):
       raise ValueError(
           f"Layer {layer.name!r} of model {model.name!r} adds a loss term "
           "with add_loss() in its call. DP training clips each example's "
@@ -178,7 +180,38 @@ def check_forward_side_effects(model: keras.Model, tape, data) -> None:
           "be silently dropped). Return the term per example as a model "
           "output and give that output its own compiled loss, or, if it "
           "depends only on the weights, use a kernel_regularizer (added "
-          "unclipped, like every weight regularizer).")
+          "unclipped, like every weight regularizer). A term scaled by a "
+          "constant 0 is accepted (e.g. KerasHub's mixture-of-experts "
+          "router loss with router_aux_loss_coefficient=0).")
+
+
+# Ops through which a zero factor stays zero.
+_PASS_THROUGH = ("Identity", "Cast")
+_PRODUCTS = ("Mul", "MulNoNan")
+
+
+def _identically_zero(term) -> bool:
+  """Whether an `add_loss` term is a product with a constant zero factor.
+
+  Such a term (KerasHub's MoE router loss built as
+  `router_aux_loss_coefficient * aux_loss` with the coefficient 0) adds
+  nothing to plain Keras' loss (a non-finite `aux_loss` aside, which would
+  make that loss NaN), so dropping it changes no gradient and releases
+  nothing: the step's output still depends on the data only through the
+  clipped, noised sum. Read from the graph (`fit`'s traced step, XLA
+  included); an eager tensor has no op to read, so under
+  `run_eagerly=True` every term counts as non-zero and is refused.
+  """
+  op = getattr(term, "op", None)  # EagerTensor.op raises AttributeError.
+  while op is not None and op.type in _PASS_THROUGH:
+    op = op.inputs[0].op
+  if op is None or op.type not in _PRODUCTS:
+    return False
+  for factor in op.inputs:
+    value = tf.get_static_value(factor)
+    if value is not None and not np.any(value):
+      return True
+  return False
 
 
 def check_no_data_dependent_losses(model: keras.Model) -> None:
