@@ -29,7 +29,10 @@ guesses of a set of r guesses with i right moves `i / (r - i)` of the
 increase into the right-guess mass (capped at 1). If the forced total mass
 exceeds r / m — more guesses than were made — the supposition is false: the
 claim is rejected at level τ. (Paper: §4-5, Theorem and Algorithm
-"audit_rh_with_cap".)
+"audit_rh_with_cap".) A guess may be "in" or "out": the test uses, per
+canary, that its wrong-guess mass w and right-guess mass h obey
+`w ≥ Φ(Φ⁻¹(h) - μ)`, which holds for "out" guesses too (the argument is in
+`tf_pxg.audit.thresholds.TopFraction`).
 
 **The bound** `one_run_epsilon_fdp(m, r, v, τ, δ)` is the largest ε whose
 claim `G_{μ(ε, δ)}` is rejected: μ(ε, δ) grows with ε, G_μ falls with μ, so
