@@ -136,8 +136,12 @@ __all__ = [
     "RDP_ORDERS",
     "combined_noise_multiplier",
     "compute_epsilon",
+    "cyclic_poisson_event",
     "dp_event",
+    "event_epsilon",
     "max_num_bands",
+    "mechanism_dp_event",
+    "mechanism_epsilon",
     "noise_multiplier_for_epsilon",
     "sampling_probability",
     "split_noise_multipliers",
@@ -539,6 +543,82 @@ def compute_epsilon(num_examples: int,
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
   return _epsilon(batch_size * num_bands / num_examples, noise_multiplier,
                   _rounds(steps, num_bands), delta, accountant)
+
+
+def mechanism_dp_event(mechanism, num_examples: int, batch_size: int,
+                       noise_multiplier: float,
+                       steps: int) -> Optional[dp_accounting.DpEvent]:
+  """The event of `steps` steps: cyclic Poisson sampling x `mechanism`.
+
+  The sampler's event composes the mechanism's and nothing else: with
+  b = `mechanism.participation_groups` cyclic groups (b = 1: plain Poisson
+  sampling) at rate q = B b / N, the run is
+  `SelfComposed(PoissonSampled(q, mechanism.dp_event(sigma)), ceil(T / b))`
+  (for the independent Gaussian and BandMF exactly `dp_event`'s event). A
+  mechanism whose `dp_event` is already the event of the whole run
+  (`whole_run_event`, e.g. BLT: its sensitivity covers every
+  participation of the cyclic schema, no amplification claimed) is
+  returned as it is, for T up to its `num_steps`; None beyond (no ε is
+  claimed for a longer run).
+
+  Args:
+    mechanism: a `tf_pxg.dp.mechanisms.NoiseMechanism`.
+    num_examples, batch_size, noise_multiplier, steps: as `dp_event`.
+
+  Raises:
+    ValueError: out-of-range arguments (as `dp_event`).
+  """
+  num_examples = _check_positive_int("num_examples", num_examples)
+  batch_size = _check_batch_size(batch_size, num_examples)
+  bands = _check_num_bands(int(mechanism.participation_groups), num_examples,
+                           batch_size)
+  return cyclic_poisson_event(mechanism, batch_size * bands / num_examples,
+                              bands, noise_multiplier, steps)
+
+
+def cyclic_poisson_event(mechanism, sampling_probability: float,
+                         num_groups: int, noise_multiplier: float,
+                         steps: int) -> Optional[dp_accounting.DpEvent]:
+  """`mechanism_dp_event` for a sampler's rate q and b groups (the
+  sampler's own `dp_event`, `tf_pxg.data.PoissonSampler.dp_event`)."""
+  noise_multiplier = _check_noise_multiplier(noise_multiplier)
+  steps = _check_steps(steps)
+  if getattr(mechanism, "whole_run_event", False):
+    if steps > mechanism.num_steps:
+      return None
+    return mechanism.dp_event(noise_multiplier)
+  return dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(
+          sampling_probability, mechanism.dp_event(noise_multiplier)),
+      _rounds(steps, int(num_groups)))
+
+
+def event_epsilon(event: Optional[dp_accounting.DpEvent], delta: float,
+                  accountant: str = "rdp") -> float:
+  """ε of a composed event (None: inf, no ε claimed)."""
+  delta = _check_delta(delta)
+  accountant = _check_accountant(accountant)
+  if event is None:
+    return math.inf
+  with _quiet_dp_accounting():
+    if accountant == "rdp":
+      return _rdp_epsilon(event, delta)
+    return _pld_epsilon(event, delta)
+
+
+def mechanism_epsilon(mechanism, num_examples: int, batch_size: int,
+                      noise_multiplier: float, steps: int,
+                      delta: float = 1e-5, accountant: str = "rdp") -> float:
+  """ε of `mechanism_dp_event` (0 for no steps; inf without noise, or past
+  a whole-run mechanism's `num_steps`). For the independent Gaussian and
+  BandMF it equals `compute_epsilon(..., num_bands=b)`."""
+  event = mechanism_dp_event(mechanism, num_examples, batch_size,
+                             noise_multiplier, steps)
+  if steps == 0:
+    return 0.0
+  if noise_multiplier == 0.0:
+    return math.inf
+  return event_epsilon(event, delta, accountant)
 
 
 def noise_multiplier_for_epsilon(target_epsilon: float,

@@ -159,6 +159,8 @@ def attach(model, canaries: GradientCanaries):
     canaries.tf_values = tf.Variable(canaries.values, trainable=False,
                                      name="gradient_canary_directions")
   object.__setattr__(model, _ATTR, canaries)
+  # The train step calls this hook (it does not import audit).
+  object.__setattr__(model, "_dp_clipped_sum_hook", add_gradient_canaries)
   _retrace(model)
 
 
@@ -166,6 +168,7 @@ def detach(model):
   """Removes the canaries (the next `fit` traces a step without them)."""
   if model.__dict__.get(_ATTR) is not None:
     object.__setattr__(model, _ATTR, None)
+    object.__setattr__(model, "_dp_clipped_sum_hook", None)
     _retrace(model)
 
 

@@ -330,6 +330,25 @@ class PoissonSampler:
       self._groups = GroupIndex(self.num_examples, self.num_groups,
                                 group_seed)
 
+  def dp_event(self, mechanism, noise_multiplier: float, steps: int):
+    """The `dp_accounting` event of `steps` steps of this sampler composed
+    with `mechanism` (a `tf_pxg.dp.mechanisms.NoiseMechanism`):
+    `tf_pxg.accounting.cyclic_poisson_event` at rate q with b groups; None
+    past a whole-run mechanism's `num_steps` (no ε claimed).
+
+    Raises:
+      ValueError: the mechanism needs a cyclic schema of another b.
+    """
+    from tf_pxg import accounting  # noqa: PLC0415
+    if int(mechanism.participation_groups) != self.num_groups:
+      raise ValueError(
+          f"The noise mechanism {mechanism!r} needs cyclic participation "
+          f"in {mechanism.participation_groups} group(s), but this sampler "
+          f"has num_groups={self.num_groups}.")
+    return accounting.cyclic_poisson_event(mechanism, self.sampling_rate,
+                                           self.num_groups, noise_multiplier,
+                                           steps)
+
   @property
   def group_index(self) -> Optional["GroupIndex"]:
     """The `GroupIndex` of the assignment (None for b = 1)."""

@@ -259,6 +259,15 @@ def index_stream(sampler: "poisson.PoissonSampler",
     idx, mask, end = layout(indices, p, k, r)
     return tf.data.Dataset.from_tensor_slices((idx, mask, end))
 
+  select = getattr(sampler, "step_indices", None)
+  if select is not None:
+    # The sampler protocol: a sampler with its own selection (e.g.
+    # `tf_pxg.data.balls_in_bins`) maps (global step, key) to indices.
+    if start_step is None:
+      raise ValueError(
+          f"{type(sampler).__name__} selects by the global step: pass "
+          "start_step (e.g. optimizer.iterations) or repeat=True.")
+    return keys.flat_map(lambda step, key: batches_of(select(step, key)))
   if b == 1:
     return keys.flat_map(
         lambda step, key: batches_of(step_indices(key, n, q, alg)))

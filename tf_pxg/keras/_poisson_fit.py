@@ -170,7 +170,8 @@ def _tensors(tree):
 def prepare(model, x, y, sample_weight, class_weight, batch_size,
             validation_split, validation_data, accumulation_steps,
             physical_batch_size, steps_per_epoch, seed, augmult=1,
-            user_ids=None, examples_per_user=None):
+            user_ids=None, examples_per_user=None,
+            sampler_class=dp_data.PoissonSampler):
   """The Poisson input of a DP `fit`, with the model and accumulator built.
 
   Returns:
@@ -237,7 +238,7 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
            if getattr(model, "optimizer", None) is not None else 0)
   if user_ids is not None:
     n = users.num_users  # sampled units are users
-  sampler = dp_data.PoissonSampler(
+  sampler = sampler_class(
       n, min(32, n) if batch_size is None else batch_size,
       physical_batch_size=physical_batch_size,
       accumulation_steps=accumulation_steps,

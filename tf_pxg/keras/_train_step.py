@@ -73,6 +73,10 @@ def _num_replicas() -> int:
   return tf.distribute.get_strategy().num_replicas_in_sync
 
 
+# The model attribute holding an audit's clipped-sum hook (gradient
+# canaries, `tf_pxg.audit.gradient_canaries.attach`), or None.
+CLIPPED_SUM_HOOK = "_dp_clipped_sum_hook"
+
 # The step-limit variable's "no limit".
 NO_STEP_LIMIT = tf.int64.max
 
@@ -368,11 +372,13 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # its rows inside the fused noise loop (tf_pxg.dp.threefry).
   sums = [tf.zeros_like(v) if s is None else s
           for s, v in zip(sums, variables)]
-  # Audits only: gradient canaries join the clipped sum (none attached:
-  # `sums` unchanged at trace time; tf_pxg.audit.gradient_canaries).
-  from tf_pxg.audit import gradient_canaries  # noqa: PLC0415
-  sums = gradient_canaries.add_gradient_canaries(model, sums, variables, info,
-                                                 clip, clipping)
+  # Audits only: gradient canaries join the clipped sum through the hook
+  # `tf_pxg.audit.gradient_canaries.attach` sets on the model (none
+  # attached: `sums` unchanged at trace time). Read from the model, so
+  # keras does not import audit (which imports keras).
+  canary_hook = model.__dict__.get(CLIPPED_SUM_HOOK)
+  if canary_hook is not None:
+    sums = canary_hook(model, sums, variables, info, clip, clipping)
   replicas = _num_replicas()
   # Data-independent weight regularizers: unclipped, un-noised, once per
   # logical step (divided by R: the all-reduce sums the replicas' copies).

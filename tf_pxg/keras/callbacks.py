@@ -145,12 +145,46 @@ class PrivacyCallback(keras.callbacks.Callback):
     """Optimizer steps taken so far (`model.optimizer.iterations`)."""
     return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
+  def _mechanism(self):
+    """The model's noise mechanism (`dp_plan.mechanism`), else DP-SGD's or
+    BandMF's for the given `num_bands`."""
+    from tf_pxg.dp import mechanisms  # noqa: PLC0415
+    model = getattr(self, "model", None)
+    plan = None if model is None else getattr(model, "dp_plan", None)
+    if plan is not None and (self._num_bands is None or
+                             plan.num_bands == self.num_bands):
+      return plan.mechanism
+    if self.num_bands == 1:
+      return mechanisms.IndependentGaussian()
+    from tf_pxg import mf  # noqa: PLC0415
+    return mechanisms.BandMF(mf.BandedToeplitz(self.num_bands))
+
+  def _sampler(self):
+    """The sampler of the model's last `fit` (its `dp_event`), or None."""
+    model = getattr(self, "model", None)
+    info = getattr(model, "_dp_data", None) or {}
+    return info.get("sampler")
+
   def epsilon(self, steps: Optional[int] = None) -> float:
-    """ε after `steps` steps (default: the steps taken so far)."""
-    return accounting.compute_epsilon(
-        self.num_examples, self.batch_size, self.noise_multiplier,
-        steps=self.steps() if steps is None else steps, delta=self.delta,
-        accountant=self.accountant, num_bands=self.num_bands)
+    """ε after `steps` steps (default: the steps taken so far): the
+    sampler's event composed with the mechanism's and nothing else
+    (`sampler.dp_event(mechanism, ...)` for the sampler `fit` used, else
+    cyclic Poisson at this callback's rate,
+    `tf_pxg.accounting.mechanism_epsilon`)."""
+    steps = self.steps() if steps is None else steps
+    mechanism, sampler = self._mechanism(), self._sampler()
+    if sampler is None or self._log_key == "epsilon_if_poisson":
+      return accounting.mechanism_epsilon(
+          mechanism, self.num_examples, self.batch_size,
+          self.noise_multiplier, steps, delta=self.delta,
+          accountant=self.accountant)
+    if steps == 0:
+      return 0.0
+    if self.noise_multiplier == 0.0:
+      return math.inf
+    return accounting.event_epsilon(
+        sampler.dp_event(mechanism, self.noise_multiplier, steps),
+        self.delta, self.accountant)
 
   def max_steps(self) -> Optional[int]:
     """The most steps whose ε stays within `target_epsilon` (None: no target).
@@ -160,7 +194,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     """
     if self.target_epsilon is None:
       return None
-    key = (self.noise_multiplier, self.num_bands)
+    key = (self.noise_multiplier, self.num_bands, id(self._sampler()))
     if self._max_steps_cache.get("key") != key:
       within = lambda s: self.epsilon(s) <= self.target_epsilon  # noqa: E731
       lo, hi = 0, 1

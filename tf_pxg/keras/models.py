@@ -176,11 +176,11 @@ class _DPTrainingMixin:
     secure_mode = _check_secure_mode(secure_mode, seed, type(self).__name__)
     super().__init__(*args, **kwargs)
     from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
-    self._dp_l2_norm_clip = clip
-    self._dp_noise_multiplier = noise
-    self._dp_secure_mode = secure_mode
-    self._dp_clipping = clipping
-    self._dp_noise_mechanism = noise_mechanism
+    from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
+    # The constructor's request: handed to the optimizer at `compile` (see
+    # `_dp_plan`), saved in the config; the step reads the optimizer's.
+    self._dp_request = dp_plan.DPPlan(clip, noise, clipping, noise_mechanism,
+                                      secure_mode)
     self._dp_seed_given = seed is not None
     self._dp_noisy_loss = _check_noisy_loss(noisy_loss, type(self).__name__)
     self._dp_unprotected_metrics = _check_bool(
@@ -198,14 +198,60 @@ class _DPTrainingMixin:
   # Settings -----------------------------------------------------------------
 
   @property
+  def dp_plan(self):
+    """The `tf_pxg.dp.plan.DPPlan` in use: the compiled `DPOptimizer`'s,
+    else the model's own (constructor) settings."""
+    return self._dp_plan(getattr(self, "optimizer", None))
+
+  def _dp_plan(self, optimizer, strict: bool = False):
+    """The plan of `optimizer` if it is a DPOptimizer (the one owner;
+    `compile` has checked that the model's request agrees), else the
+    model's request; `strict` raises when it has no clip and sigma."""
+    optimizer = _unscaled(optimizer)
+    if isinstance(optimizer, DPOptimizer):
+      return optimizer.plan
+    request = self._dp_request
+    if strict and request.l2_norm_clip is None:
+      raise ValueError(
+          f"Model {self.name!r} has no DP settings: pass `l2_norm_clip` and "
+          "`noise_multiplier` to the model, or compile it with a "
+          "tf_pxg.keras.DPOptimizer (e.g. tf_pxg.keras.DPSGD(...)).")
+    return request
+
+  @property
+  def _dp_secure_mode(self) -> bool:
+    return bool(self.dp_plan.secure_mode)
+
+  @property
   def l2_norm_clip(self) -> Optional[float]:
-    """The effective clip (the model's, else its DPOptimizer's)."""
-    return self._resolve_dp_params(getattr(self, "optimizer", None))[0]
+    """The effective clip (the plan's)."""
+    return self.dp_plan.l2_norm_clip
+
+  @property
+  def noise_multiplier(self) -> Optional[float]:
+    """The effective noise multiplier (the plan's)."""
+    return self.dp_plan.noise_multiplier
 
   @property
   def secure_mode(self) -> bool:
     """Whether the noise keys come from the OS CSPRNG (`tf_pxg.dp.secure`)."""
-    return bool(getattr(self, "_dp_secure_mode", False))
+    return self._dp_secure_mode
+
+  @property
+  def clipping(self):
+    """The effective `tf_pxg.clipping` policy."""
+    return self.dp_plan.clipping
+
+  @property
+  def noise_mechanism(self):
+    """The effective noise mechanism setting (None: DP-SGD)."""
+    return self.dp_plan.noise_mechanism
+
+  @property
+  def num_bands(self) -> int:
+    """b of the cyclic participation the noise mechanism's ε needs
+    (BandMF's bands; 1: DP-SGD)."""
+    return self.dp_plan.num_bands
 
   @property
   def unprotected_training_metrics(self) -> bool:
@@ -228,80 +274,40 @@ class _DPTrainingMixin:
     from (`NoiseMechanism.noise_source`: OS keys in secure mode)."""
     return self._dp_generator
 
-  def _adopt_secure_mode(self, optimizer):
-    """A `DPOptimizer(secure_mode=True)` turns the model's secure mode on."""
-    if (isinstance(optimizer, DPOptimizer) and optimizer.secure_mode and
-        not self.secure_mode):
-      if getattr(self, "_dp_seed_given", False):
-        raise ValueError(
-            f"Model {self.name!r} was created with a noise seed, but its "
-            "DPOptimizer has secure_mode=True, which cannot be "
-            "reproducible. Create the model without `seed`.")
-      self._dp_secure_mode = True
-
-  @property
-  def noise_multiplier(self) -> Optional[float]:
-    """The effective noise multiplier (the model's, else its DPOptimizer's)."""
-    return self._resolve_dp_params(getattr(self, "optimizer", None))[1]
-
-  def _resolve_dp_params(self, optimizer, strict: bool = False):
+  def _agree_with(self, optimizer):
+    """Checks, at `compile`, that the model's request and a DPOptimizer's
+    plan agree (raises, naming both, if not); the model's `secure_mode`
+    turns the optimizer's on, and a secure optimizer refuses a seeded
+    model."""
     optimizer = _unscaled(optimizer)
-    own = (self._dp_l2_norm_clip, self._dp_noise_multiplier)
-    if isinstance(optimizer, DPOptimizer):
-      opt = (optimizer.l2_norm_clip, optimizer.noise_multiplier)
-      if own[0] is not None and own != opt:
-        raise ValueError(
-            f"Model {self.name!r} has l2_norm_clip={own[0]}, "
-            f"noise_multiplier={own[1]} but its DPOptimizer has "
-            f"l2_norm_clip={opt[0]}, noise_multiplier={opt[1]}. Set the DP "
-            "parameters in one place: on the model, or on the DPOptimizer "
-            "(then create the model without them).")
-      return opt
-    if strict and own[0] is None:
+    if not isinstance(optimizer, DPOptimizer):
+      return
+    own, plan = self._dp_request, optimizer.plan
+    if own.l2_norm_clip is not None and (
+        (own.l2_norm_clip, own.noise_multiplier) !=
+        (plan.l2_norm_clip, plan.noise_multiplier)):
       raise ValueError(
-          f"Model {self.name!r} has no DP settings: pass `l2_norm_clip` and "
-          "`noise_multiplier` to the model, or compile it with a "
-          "tf_pxg.keras.DPOptimizer (e.g. tf_pxg.keras.DPSGD(...)).")
-    return own
-
-  def _own_mechanism_is_default(self) -> bool:
-    from tf_pxg.dp import clipping as policies  # noqa: PLC0415
-    return (isinstance(getattr(self, "_dp_clipping", None) or policies.Flat(),
-                       policies.Flat) and
-            getattr(self, "_dp_noise_mechanism", None) is None)
-
-  def _resolve_mechanism(self, optimizer):
-    """`(clipping policy, noise mechanism)`: the DPOptimizer's, else the
-    model's; raises if both are set and differ."""
-    from tf_pxg.dp import clipping as policies  # noqa: PLC0415
-    own = (getattr(self, "_dp_clipping", None) or policies.Flat(),
-           getattr(self, "_dp_noise_mechanism", None))
-    optimizer = _unscaled(optimizer)
-    if isinstance(optimizer, DPOptimizer):
-      opt = (optimizer.clipping, optimizer.noise_mechanism)
-      if not self._own_mechanism_is_default() and own != opt:
-        raise ValueError(
-            f"Model {self.name!r} has clipping={own[0]!r}, noise_mechanism="
-            f"{own[1]!r} but its DPOptimizer has clipping={opt[0]!r}, "
-            f"noise_mechanism={opt[1]!r}. Set them in one place.")
-      return opt
-    return own
-
-  @property
-  def clipping(self):
-    """The effective `tf_pxg.clipping` policy."""
-    return self._resolve_mechanism(getattr(self, "optimizer", None))[0]
-
-  @property
-  def noise_mechanism(self):
-    """The effective noise mechanism (None: DP-SGD)."""
-    return self._resolve_mechanism(getattr(self, "optimizer", None))[1]
-
-  @property
-  def num_bands(self) -> int:
-    """b of the BandMF noise mechanism (1: DP-SGD)."""
-    from tf_pxg.keras import _dp_state  # noqa: PLC0415
-    return _dp_state.num_bands(self.noise_mechanism)
+          f"Model {self.name!r} has l2_norm_clip={own.l2_norm_clip}, "
+          f"noise_multiplier={own.noise_multiplier} but its DPOptimizer has "
+          f"l2_norm_clip={plan.l2_norm_clip}, noise_multiplier="
+          f"{plan.noise_multiplier}. Set the DP parameters in one place: on "
+          "the model, or on the DPOptimizer (then create the model without "
+          "them).")
+    if not own.is_default_mechanism and (
+        (own.clipping, own.noise_mechanism) !=
+        (plan.clipping, plan.noise_mechanism)):
+      raise ValueError(
+          f"Model {self.name!r} has clipping={own.clipping!r}, "
+          f"noise_mechanism={own.noise_mechanism!r} but its DPOptimizer has "
+          f"clipping={plan.clipping!r}, noise_mechanism="
+          f"{plan.noise_mechanism!r}. Set them in one place.")
+    if plan.secure_mode and getattr(self, "_dp_seed_given", False):
+      raise ValueError(
+          f"Model {self.name!r} was created with a noise seed, but its "
+          "DPOptimizer has secure_mode=True, which cannot be "
+          "reproducible. Create the model without `seed`.")
+    if own.secure_mode and not plan.secure_mode:
+      optimizer._require_secure_mode()  # pylint: disable=protected-access
 
   def _dp_step_mechanism(self, noise_multiplier):
     """The train step's `_train_step.Mechanism`: the clipping policy and
@@ -309,10 +315,9 @@ class _DPTrainingMixin:
     secure mode wraps it) and its state, the noisy loss."""
     from tf_pxg import accounting  # noqa: PLC0415
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
-    from tf_pxg.dp import mechanisms  # noqa: PLC0415
     optimizer = _unscaled(self.optimizer)
-    policy, mech = self._resolve_mechanism(optimizer)
-    noise = mechanisms.from_setting(mech, self.secure_mode)
+    plan = self._dp_plan(optimizer)
+    policy, mech, noise = plan.clipping, plan.noise_mechanism, plan.mechanism
     noisy_loss = getattr(self, "_dp_noisy_loss", None)
     clip_variable = noise_state = None
     if isinstance(optimizer, DPOptimizer):
@@ -346,11 +351,9 @@ class _DPTrainingMixin:
 
   def _check_trainable_for_dp(self, optimizer):
     optimizer = _unscaled(optimizer)  # mixed_float16: see dp_gradients
-    _, noise = self._resolve_dp_params(optimizer, strict=True)
+    noise = self._dp_plan(optimizer, strict=True).noise_multiplier
     if getattr(self, "_dp_noisy_loss", None) is not None and noise:
       self._dp_noisy_loss.gradient_noise_multiplier(noise)  # raises if z <= σ
-    self._resolve_mechanism(optimizer)
-    self._adopt_secure_mode(optimizer)
     inner = _applying(optimizer)
     if getattr(inner, "gradient_accumulation_steps", None):
       raise ValueError(
@@ -367,9 +370,10 @@ class _DPTrainingMixin:
 
   def compile(self, optimizer="rmsprop", *args, **kwargs):
     optimizer = keras.optimizers.get(optimizer)
+    request = self._dp_request
     if (_loss_scale_optimizer(optimizer) is not None and
         not isinstance(_unscaled(optimizer), DPOptimizer) and
-        not self._own_mechanism_is_default()):
+        not request.is_default_mechanism):
       raise ValueError(
           f"Model {self.name!r}: its clipping policy or noise mechanism keeps "
           "state in a DPOptimizer, which must be inside the "
@@ -378,16 +382,18 @@ class _DPTrainingMixin:
           "mixed_float16).")
     if (not isinstance(optimizer, DPOptimizer) and
         _loss_scale_optimizer(optimizer) is None and
-        not self._own_mechanism_is_default()):
+        not request.is_default_mechanism):
       # The policy's and mechanism's state lives in a DPOptimizer (saved
-      # with it), so the model's settings wrap the given optimizer.
-      self._resolve_dp_params(optimizer, strict=True)
+      # with it), so the model's settings wrap the given optimizer: it
+      # then owns the plan.
+      self._dp_plan(optimizer, strict=True)
       optimizer = DPOptimizer(
-          optimizer, self._dp_l2_norm_clip, self._dp_noise_multiplier,
-          secure_mode=self.secure_mode, clipping=self._dp_clipping,
-          noise_mechanism=self._dp_noise_mechanism)
+          optimizer, request.l2_norm_clip, request.noise_multiplier,
+          secure_mode=request.secure_mode, clipping=request.clipping,
+          noise_mechanism=request.noise_mechanism)
+    self._agree_with(optimizer)
     self._check_trainable_for_dp(optimizer)
-    if self.secure_mode:
+    if self._dp_plan(optimizer).secure_mode:
       jit = kwargs.get("jit_compile", "auto")
       if jit is True:
         from tf_pxg.dp import secure  # noqa: PLC0415
@@ -403,7 +409,8 @@ class _DPTrainingMixin:
 
   def train_step(self, data):
     self._check_trainable_for_dp(self.optimizer)
-    clip, noise = self._resolve_dp_params(self.optimizer, strict=True)
+    plan = self._dp_plan(self.optimizer, strict=True)
+    clip, noise = plan.l2_norm_clip, plan.noise_multiplier
     mechanism = self._dp_step_mechanism(noise)
     return dp_train_step(self, data, clip, noise, self._dp_noise_source(),
                          _applying(self.optimizer),
@@ -421,7 +428,8 @@ class _DPTrainingMixin:
     CPU); `train_step` is `dp_apply(dp_gradients(data))`.
     """
     self._check_trainable_for_dp(self.optimizer)
-    clip, noise = self._resolve_dp_params(self.optimizer, strict=True)
+    plan = self._dp_plan(self.optimizer, strict=True)
+    clip, noise = plan.l2_norm_clip, plan.noise_multiplier
     return _train_step.dp_gradients(self, data, clip, noise,
                                      self._dp_noise_source(),
                                      self._dp_accumulator_for,
@@ -481,8 +489,7 @@ class _DPTrainingMixin:
     acc = self.__dict__.get("_dp_accumulator")
     # Adaptive clipping's unclipped count and the noisy loss's sum are
     # accumulated with the sums.
-    scalars = int(self._resolve_mechanism(
-        getattr(self, "optimizer", None))[0].adaptive) + int(
+    scalars = int(self.dp_plan.clipping.adaptive) + int(
             getattr(self, "_dp_noisy_loss", None) is not None)
     if acc is None or not acc.matches(variables, scalars):
       with tf.init_scope():
@@ -536,7 +543,10 @@ class _DPTrainingMixin:
     it; `PrivacyCallback` refuses it unless told otherwise.
 
     Args:
-      sampling: "poisson" or "shuffled".
+      sampling: "poisson", "shuffled", or a `tf_pxg.data` sampler class
+        (a `PoissonSampler` subclass, e.g.
+        `tf_pxg.data.balls_in_bins.BallsInBinsSampler`), built with the
+        same arguments; its `dp_event` is what `PrivacyCallback` composes.
       accumulation_steps: k physical batches per logical step.
       physical_batch_size: rows per physical batch (global).
       sampling_seed: seeds the sampler (tests); default OS entropy.
@@ -594,19 +604,27 @@ class _DPTrainingMixin:
           class_weight=class_weight, sample_weight=sample_weight,
           steps_per_epoch=steps_per_epoch,
           validation_batch_size=validation_batch_size, **keras_kwargs)
-    if sampling != "poisson":
+    from tf_pxg import data as dp_data_module  # noqa: PLC0415
+    if sampling == "poisson":
+      sampler_class = dp_data_module.PoissonSampler
+    elif (isinstance(sampling, type) and
+          issubclass(sampling, dp_data_module.PoissonSampler)):
+      sampler_class = sampling  # e.g. BallsInBinsSampler
+    else:
       raise ValueError(f"`sampling` must be 'poisson' (the default, the "
-                       f"sampling DP-SGD's ε assumes) or 'shuffled'; got "
-                       f"{sampling!r}.")
+                       f"sampling DP-SGD's ε assumes), 'shuffled', or a "
+                       f"tf_pxg.data sampler class such as "
+                       f"BallsInBinsSampler; got {sampling!r}.")
     from tf_pxg.keras import _poisson_fit  # noqa: PLC0415
     dataset, feed, data, validation_data = _poisson_fit.prepare(
         self, x, y, sample_weight, class_weight, batch_size,
         validation_split, validation_data, accumulation_steps,
         physical_batch_size, steps_per_epoch, sampling_seed,
         augmult=augmult, user_ids=user_ids,
-        examples_per_user=examples_per_user)
+        examples_per_user=examples_per_user, sampler_class=sampler_class)
     sampler = feed.sampler
     self._dp_data = {
+        "sampler": sampler,
         "privacy_unit": "user" if user_ids is not None else "example",
         "augmult": augmult,
         "sampling": "poisson", "sampling_rate": sampler.sampling_rate,
@@ -630,19 +648,20 @@ class _DPTrainingMixin:
 
   def get_config(self):
     config = super().get_config()
-    config["l2_norm_clip"] = self._dp_l2_norm_clip
-    config["noise_multiplier"] = self._dp_noise_multiplier
+    request = self._dp_request
+    config["l2_norm_clip"] = request.l2_norm_clip
+    config["noise_multiplier"] = request.noise_multiplier
     config["secure_mode"] = self.secure_mode
     if self.unprotected_training_metrics:
       config["unprotected_training_metrics"] = True
     if getattr(self, "_dp_noisy_loss", None) is not None:
       config["noisy_loss"] = self._dp_noisy_loss.get_config()
-    if not self._own_mechanism_is_default():
+    if not request.is_default_mechanism:
       from tf_pxg.dp import clipping as policies  # noqa: PLC0415
       from tf_pxg.keras import _dp_state  # noqa: PLC0415
-      config["clipping"] = policies.serialize(self._dp_clipping)
+      config["clipping"] = policies.serialize(request.clipping)
       config["noise_mechanism"] = _dp_state.serialize_mechanism(
-          self._dp_noise_mechanism)
+          request.noise_mechanism)
     return config
 
   @classmethod
@@ -661,15 +680,13 @@ class _DPTrainingMixin:
     mechanism = _dp_state.deserialize_mechanism(
         config.pop("noise_mechanism", None))
     model = super().from_config(config, custom_objects=custom_objects)
-    model._dp_secure_mode = secure_mode
     model._dp_unprotected_metrics = unprotected
     model._dp_noisy_loss = noisy_loss
-    model._dp_clipping = clipping
-    model._dp_noise_mechanism = mechanism
     clip, noise = _validation.validate_dp_params(
         dp["l2_norm_clip"], dp["noise_multiplier"], cls.__name__)
-    model._dp_l2_norm_clip = clip
-    model._dp_noise_multiplier = noise
+    from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
+    model._dp_request = dp_plan.DPPlan(clip, noise, clipping, mechanism,
+                                       secure_mode)
     return model
 
 

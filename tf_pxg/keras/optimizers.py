@@ -1,6 +1,9 @@
-"""`DPOptimizer`: any Keras optimizer carrying DP-SGD settings.
+"""`DPOptimizer`: any Keras optimizer carrying the run's DP plan.
 
-The optimizer holds `l2_norm_clip` and `noise_multiplier`; the private
+The optimizer owns the frozen `tf_pxg.dp.plan.DPPlan` (`l2_norm_clip`,
+`noise_multiplier`, clipping policy, noise mechanism, secure mode): the one
+place the DP configuration lives, saved in its config; a DP model reads it
+from the optimizer it is compiled with. The private
 gradient itself (per-example clipping, noise, division by the batch size) is
 computed by a DP model's `train_step` (`tf_pxg.keras.DPModel`,
 `DPSequential`, `make_dp_model_class`, `make_private`), which then applies it
@@ -20,6 +23,7 @@ import keras
 
 from tf_pxg import _compat
 from tf_pxg.dp import clipping as clipping_policies
+from tf_pxg.dp import plan as dp_plan
 from tf_pxg.keras import _dp_state as dp_state
 from tf_pxg.keras import _validation
 
@@ -88,16 +92,45 @@ class DPOptimizer(keras.optimizers.Optimizer):
         clip, noise, clipping, noise_mechanism, "DPOptimizer")
     super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
     self.inner_optimizer = inner_optimizer
-    self.l2_norm_clip = clip
-    self.noise_multiplier = noise
-    self.secure_mode = secure_mode
-    self.clipping = clipping
-    self.noise_mechanism = noise_mechanism
+    self._plan = dp_plan.DPPlan(clip, noise, clipping, noise_mechanism,
+                                secure_mode)
     # The mechanism's state (adaptive clip, noise buffers): tf.Variables in
     # a tf.Module, so tf.train.Checkpoint tracks them; `variables` lists
     # them for Keras' saving.
     self.dp_state = dp_state.DPState()
     self.dp_state.init_group_seed(noise_mechanism)
+
+  # The plan (one frozen object; the attributes below read it) -------------
+
+  @property
+  def plan(self) -> dp_plan.DPPlan:
+    """The run's frozen `DPPlan`."""
+    return self._plan
+
+  @property
+  def l2_norm_clip(self) -> float:
+    return self._plan.l2_norm_clip
+
+  @property
+  def noise_multiplier(self) -> float:
+    return self._plan.noise_multiplier
+
+  @property
+  def secure_mode(self) -> bool:
+    return self._plan.secure_mode
+
+  @property
+  def clipping(self):
+    return self._plan.clipping
+
+  @property
+  def noise_mechanism(self):
+    return self._plan.noise_mechanism
+
+  def _require_secure_mode(self) -> None:
+    """Turns secure mode on (a model created with `secure_mode=True` is
+    compiled with this optimizer): the plan is replaced, never weakened."""
+    self._plan = self._plan.replace(secure_mode=True)
 
   @_compat.no_automatic_dependency_tracking
   def build(self, var_list):

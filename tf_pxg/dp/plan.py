@@ -1,0 +1,85 @@
+"""`DPPlan`: the DP configuration of a training run, frozen, in one place.
+
+The plan holds everything the privacy guarantee is computed from: the clip
+`l2_norm_clip`, the noise multiplier sigma, the clipping policy
+(`tf_pxg.clipping`), the noise mechanism setting (`None`, a
+`tf_pxg.mf.BandedToeplitz`, or a `tf_pxg.dp.mechanisms.NoiseMechanism`),
+secure mode, the sampler (`tf_pxg.data.samplers`; None: `fit` builds
+Poisson sampling) and the accountant ("rdp" or "pld"). It is immutable
+(`dataclasses.replace` makes a changed copy) and owned by ONE object: the
+`tf_pxg.keras.DPOptimizer` (its natural owner, which also holds the
+mechanism's state and saves the plan in its config). A DP model reads the
+plan of the optimizer it is compiled with; the settings given to a model's
+constructor are only a request that `compile` hands to the optimizer (it
+wraps a plain optimizer, or checks that a DPOptimizer's plan agrees and
+raises if not), never a second copy the step reads. jax-privacy's
+`DPExecutionPlan` and Opacus' `DPOptimizer` are the anchors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from tf_pxg.dp import clipping as clipping_policies
+from tf_pxg.dp import mechanisms
+
+__all__ = ["ACCOUNTANTS", "DPPlan"]
+
+#: The accountants `tf_pxg.accounting` offers.
+ACCOUNTANTS = ("rdp", "pld")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPPlan:
+  """The frozen DP configuration (module docstring).
+
+  Attributes:
+    l2_norm_clip: C (validated by the owner).
+    noise_multiplier: sigma.
+    clipping: a `tf_pxg.clipping` policy (default `Flat()`).
+    noise_mechanism: the mechanism setting (None: independent Gaussian).
+    secure_mode: draw noise and sampling keys from the OS CSPRNG.
+    sampler: a `tf_pxg.data.samplers.Sampler`, or None (`fit` decides from
+      its `sampling=` argument).
+    accountant: "rdp" or "pld".
+  """
+  l2_norm_clip: Optional[float]
+  noise_multiplier: Optional[float]
+  clipping: Any = None
+  noise_mechanism: Any = None
+  secure_mode: bool = False
+  sampler: Any = None
+  accountant: str = "rdp"
+
+  def __post_init__(self):
+    object.__setattr__(self, "clipping",
+                       clipping_policies.get(self.clipping))
+    if self.accountant not in ACCOUNTANTS:
+      raise ValueError(f"DPPlan: accountant must be one of {ACCOUNTANTS}; "
+                       f"got {self.accountant!r}.")
+
+  @property
+  def mechanism(self) -> mechanisms.NoiseMechanism:
+    """The `NoiseMechanism` the step runs (secure mode wraps it)."""
+    return mechanisms.from_setting(self.noise_mechanism, self.secure_mode)
+
+  @property
+  def num_bands(self) -> int:
+    """b of the cyclic participation the mechanism's ε needs (1: any)."""
+    return int(mechanisms.from_setting(
+        self.noise_mechanism).participation_groups)
+
+  @property
+  def is_default_mechanism(self) -> bool:
+    """Flat clipping and independent noise (no optimizer state needed)."""
+    return (isinstance(self.clipping, clipping_policies.Flat) and
+            self.noise_mechanism is None)
+
+  def conflicts(self, other: "DPPlan") -> list:
+    """The names of the settings in which `other` differs."""
+    return [f.name for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)]
+
+  def replace(self, **changes) -> "DPPlan":
+    return dataclasses.replace(self, **changes)
