@@ -21,10 +21,10 @@ Poisson batches (the default DP data path) runs for six family/mode pairs.
 
 FNet (token mixing by a 2-D FFT) and Swin (attention windows folded into
 the batch axis, `[B*W*s, d]` rows split into `[B*W, s, d]`) run both modes;
-27 more families full fine-tuning only (`slow`): Bloom, Falcon, GPT-NeoX,
-XLM-RoBERTa, RoFormer-V2, ESM, ESM-2, Llama 3, Qwen 2, SmolLM 3, T5Gemma,
-EdRec, DeiT, DINOv2, DINOv3, ViTDet, VGG, the CLIP text and vision and
-SigLIP vision towers, audio (Whisper on mel features, Moonshine on a raw
+30 more families full fine-tuning only (`slow`): Bloom, Falcon, GPT-NeoX,
+XLM-RoBERTa, RoFormer-V2, ESM, ESM-2, Llama 3, Qwen 2, Qwen 3.5 (linear
+attention layers), SmolLM 3, T5Gemma, EdRec, DeiT, DINOv2, DINOv3, ViTDet,
+MiT (SegFormer's encoder), VGG, the CLIP and SigLIP text and vision towers, audio (Whisper on mel features, Moonshine on a raw
 waveform), vision-language (PaliGemma) and mixture-of-experts (GPT-OSS;
 Mixtral, Qwen-MoE and Qwen 3-MoE with `router_aux_loss_coefficient=0`),
 their inputs built from the backbone's `Input` specs; Whisper, PaliGemma
@@ -57,6 +57,7 @@ import pytest
 import tensorflow as tf
 
 import tf_pxg.keras as dpk
+from tf_pxg import _compat
 from tf_pxg import testing as pxg_testing
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -65,6 +66,7 @@ models = keras_hub.models
 # of a preset; built offline here, their classes come from keras_hub.src.
 from keras_hub.src.models.clip.clip_text_encoder import CLIPTextEncoder  # noqa: E402,E501
 from keras_hub.src.models.clip.clip_vision_encoder import CLIPVisionEncoder  # noqa: E402,E501
+from keras_hub.src.models.siglip.siglip_text_encoder import SigLIPTextEncoder  # noqa: E402,E501
 from keras_hub.src.models.siglip.siglip_vision_encoder import SigLIPVisionEncoder  # noqa: E402,E501
 
 B, T, VOCAB, CLASSES = 4, 6, 32, 3
@@ -299,6 +301,16 @@ MORE_FAMILIES: Dict[str, Family] = {
         image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
         hidden_dim=8, intermediate_dim=16), inputs="image"),
 }
+def _without_dropout(backbone: keras.Model) -> keras.Model:
+  """MiT's attention has a fixed `Dropout(0.1)`: rate 0, so that the DP
+  step and the batch-of-one reference draw no masks and can be compared
+  (random layers under DP: `tests/test_model_zoo.py`)."""
+  for layer in _compat.flatten_layers(backbone):
+    if isinstance(layer, keras.layers.Dropout):
+      layer.rate = 0.0
+  return backbone
+
+
 _SIGLIP = dict(num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16)
 # Audio, vision-language, mixture-of-experts and the other text and vision
 # variants keras-hub 0.32 builds from a config; inputs from their `Input`
@@ -365,6 +377,21 @@ MORE_FAMILIES.update({
         num_key_value_heads=1, hidden_dim=8, intermediate_dim=16,
         moe_intermediate_dim=8, num_experts=2, top_k=1,
         router_aux_loss_coefficient=0.0)),
+    "qwen3_5": Family(lambda: models.Qwen3_5Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
+        num_key_value_heads=1, head_dim=8, hidden_dim=8,
+        intermediate_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=4, linear_value_head_dim=4)),
+    "siglip_text": Family(lambda: SigLIPTextEncoder(
+        vocabulary_size=VOCAB, embedding_dim=8, max_sequence_length=T,
+        **_SIGLIP), inputs="spec"),
+    "mit": Family(lambda: _without_dropout(models.MiTBackbone(
+        layerwise_depths=[1], num_layers=1, layerwise_num_heads=[1],
+        layerwise_sr_ratios=[1], max_drop_path_rate=0.0,
+        layerwise_patch_sizes=[3], layerwise_strides=[2],
+        image_shape=(8, 8, 3), hidden_dims=[8])), inputs="image"),
     "vgg": Family(lambda: models.VGGBackbone(
         stackwise_num_repeats=[1], stackwise_num_filters=[4],
         image_shape=(8, 8, 3)), inputs="image"),
