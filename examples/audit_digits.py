@@ -31,7 +31,7 @@ significance/2. A correct mechanism must give `lower bound <= claimed ε`.
   parameter, so that m = 54 410 canaries sit on distinct coordinates
   without interfering, and both bounds test one pre-declared rule, "in"
   for the top 2 % of the scores and "out" for the bottom 2 %
-  (`--top_fraction`). About 2 minutes on 2 CPU cores.
+  (`--top_fraction`). 2-3 minutes per run on 2 shared CPU cores.
 * `input`: out-of-distribution (or mislabelled) input examples inserted
   into the data, scored by their final loss: audits what the model
   memorises, far below the claim for a correct run.
