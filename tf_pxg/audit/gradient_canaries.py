@@ -15,8 +15,10 @@ direction in the flat space of the model's trainable variables (in
 replayed by the scorer), so that the real examples' slow drift along its
 direction does not add up in its score.
 
-**Where they enter.** The train step (`tf_pxg.keras._train_step.dp_gradients`)
-calls `add_gradient_canaries` right after the real examples' clipped sum:
+**Where they enter.** `attach` sets `add_gradient_canaries` as the model's
+clipped-sum hook (`_dp_clipped_sum_hook`; keras does not import audit), and
+the train step (`tf_pxg.keras._train_step.dp_gradients`) calls it right
+after the real examples' clipped sum:
 each sampled canary's gradient is scaled by the model's own clipping policy
 (`factor(norm, clip)`, so `norm ≥ C` gives a contribution of norm exactly C
 under flat clipping, and the full `norm` when clipping is broken), added to
@@ -39,9 +41,10 @@ correct run.) A canary that is "out" is never added. The sampling
 probability is given, not read from the batch: pass the q the accountant
 uses (`tf_pxg.accounting.sampling_probability`).
 
-**Cost when unused.** `add_gradient_canaries` returns the sums unchanged,
-at trace time, when the model has no canaries attached (the attribute set by
-`attach`); the traced step is then the same graph as without the hook.
+**Cost when unused.** Without canaries the hook is None (`detach` clears
+it) and the train step does not call it; `add_gradient_canaries` itself
+returns the sums unchanged, at trace time, when the model has no canaries
+attached. The traced step is then the same graph as without the hook.
 
 **How this differs from input canaries** (`CanaryCallback.out_of_distribution`,
 `mislabelled`): an input canary is an example; its influence on the released
