@@ -110,6 +110,19 @@ def test_manifest_sizes(law_run):
   assert shards.physical_batch_size == dpd.default_physical_batch_size(B, 2, 2)
 
 
+def test_shards_state_their_event(law_run):
+  """The shards' sampler event composed with the mechanism's: the DP-SGD
+  event of tf_pxg.accounting at the manifest's rate; other schemas refused."""
+  from tf_pxg import accounting  # noqa: PLC0415
+  from tf_pxg import mf  # noqa: PLC0415
+  from tf_pxg.dp import mechanisms  # noqa: PLC0415
+  _, shards, _ = law_run
+  event = shards.dp_event(mechanisms.IndependentGaussian(), 1.3, 57)
+  assert event == accounting.dp_event(N, B, 1.3, steps=57)
+  with pytest.raises(ValueError, match="num_groups=1"):
+    shards.dp_event(mechanisms.BandMF(mf.BandedToeplitz(2)), 1.3, 57)
+
+
 def test_beam_output_has_the_poisson_law(law_run):
   _, shards, steps = law_run
   inc = np.zeros((len(steps), N), bool)

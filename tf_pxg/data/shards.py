@@ -87,6 +87,24 @@ class PoissonShards:
     for key, value in self.manifest.items():
       setattr(self, key, value)
 
+  def dp_event(self, mechanism, noise_multiplier: float, steps: int):
+    """The event of `steps` steps of these shards' (cyclic) Poisson sampling
+    composed with `mechanism`: `PoissonSampler.dp_event`'s, at the
+    manifest's `sampling_rate` and `num_groups`.
+
+    Raises:
+      ValueError: the mechanism needs a cyclic schema of another b.
+    """
+    from tf_pxg import accounting  # noqa: PLC0415
+    if int(mechanism.participation_groups) != int(self.num_groups):
+      raise ValueError(
+          f"The noise mechanism {mechanism!r} needs cyclic participation "
+          f"in {mechanism.participation_groups} group(s), but these shards "
+          f"were sampled with num_groups={self.num_groups}.")
+    return accounting.cyclic_poisson_event(
+        mechanism, float(self.sampling_rate), int(self.num_groups),
+        noise_multiplier, steps)
+
   def files(self, replica: int, first_shard: int = 0) -> list:
     """Replica `replica`'s shard files from `first_shard`, in step order."""
     return [os.path.join(self.output_dir, shard_file_name(

@@ -163,7 +163,8 @@ class PrivacyCallback(keras.callbacks.Callback):
     """The sampler of the model's last `fit` (its `dp_event`), or None."""
     model = getattr(self, "model", None)
     info = getattr(model, "_dp_data", None) or {}
-    return info.get("sampler")
+    sampler = info.get("sampler")
+    return sampler if hasattr(sampler, "dp_event") else None
 
   def epsilon(self, steps: Optional[int] = None) -> float:
     """ε after `steps` steps (default: the steps taken so far): the
