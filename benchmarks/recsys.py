@@ -188,23 +188,21 @@ def make_steps(model, modes, noise_multiplier, batch, fest_rows, threshold,
   def dp_step(x, y, sparse, sigma_g):
     with tf_pxg.GradientTape() as tape:
       losses = losses_of(x, y)
+    if sparse is None:
+      sums, _ = tape.clipped_gradient_sum(losses, variables, clip)
+      noisy = tf_pxg.dp.add_gaussian_noise(sums, sigma_g * clip,
+                                           generator=generator,
+                                           scale=1.0 / batch)
+      opt.apply([tf_pxg.dp.densify(g) for g in noisy], variables)
+      return
+    # The sparse stage reads the gathers' ids before the gradient, then
+    # noises the selected rows (and the dense variables densely).
+    sparse.prepare(tape, variables, batch_size=tf.shape(losses)[0])
     sums, _ = tape.clipped_gradient_sum(losses, variables, clip)
-    scale = 1.0 / batch
-    done = set()
-    if sparse is not None:
-      sums, done = sparse.privatize(
-          tape, sums, variables, tf.shape(losses)[0], None,
-          gradient_stddev=sigma_g * clip, seed_source=generator, scale=scale)
-    rest = [i for i in range(len(sums)) if i not in done]
-    if sigma_g:
-      noisy = tf_pxg.dp.add_gaussian_noise([sums[i] for i in rest],
-                                           sigma_g * clip,
-                                           generator=generator, scale=scale)
-    else:
-      noisy = [tf_pxg.dp.densify(sums[i]) * scale for i in rest]
-    for i, g in zip(rest, noisy):
-      sums[i] = tf_pxg.dp.densify(g)
-    opt.apply(sums, variables)
+    noisy, _ = sparse.add(sums, None, None, noise_multiplier=sigma_g,
+                          l2_norm_clip=clip, num_replicas=1,
+                          source=generator, normalizer=float(batch))
+    opt.apply(noisy, variables)
 
   steps = {
       "keras": keras_step,

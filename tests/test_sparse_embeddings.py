@@ -304,3 +304,176 @@ def test_fixed_rows_must_be_integers():
     ss.DPFEST({"t": [0.5, 1.5]})
   with pytest.raises(ValueError, match="non-empty"):
     ss.DPFEST({"t": []})
+
+
+# ---------------------------------------------------------------------------
+# The Keras step (noise_mechanism=DPAdaFEST / DPFEST).
+# ---------------------------------------------------------------------------
+
+_VOCAB, _WIDTH, _B, _L = 400, 8, 8, 5
+
+
+def _model(noise_mechanism, noise_multiplier=1.0, jit_compile=False, lr=0.5,
+           seed=3):
+  import keras  # pylint: disable=g-import-not-at-top
+  import tf_pxg  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = tf_pxg.keras.DPSequential(
+      [keras.Input((_L,), dtype="int32"),
+       keras.layers.Embedding(_VOCAB, _WIDTH, name="table"),
+       keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)],
+      l2_norm_clip=1.0, noise_multiplier=noise_multiplier, seed=seed,
+      noise_mechanism=noise_mechanism)
+  model.compile(optimizer=keras.optimizers.SGD(lr), jit_compile=jit_compile,
+                loss=keras.losses.MeanSquaredError(reduction=None))
+  return model
+
+
+def _batch():
+  rng = np.random.default_rng(5)
+  x = rng.integers(0, 40, size=(_B, _L)).astype(np.int32)  # rows < 40
+  return x, rng.normal(size=(_B, 1)).astype(np.float32)
+
+
+def _table(model):
+  return model.layers[0].embeddings.numpy().copy()
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_keras_rows_not_selected_are_bit_for_bit_untouched(jit_compile):
+  """tau huge: no row is selected and the table is bit-for-bit unchanged,
+  while the dense layer gets its dense noise; tau = -1e9 (every row
+  selected): every row moves, the untouched ones by noise alone."""
+  x, y = _batch()
+  for tau, moved in ((1e9, 0), (-1e9, _VOCAB)):
+    model = _model(ss.DPAdaFEST(threshold=tau, selection_noise_multiplier=3.0),
+                   jit_compile=jit_compile)
+    model.build((None, _L))
+    before = _table(model)
+    dense_before = model.layers[-1].kernel.numpy().copy()
+    model.train_on_batch(x, y)
+    after = _table(model)
+    assert int(np.sum(np.any(after != before, axis=1))) == moved
+    assert np.all(model.layers[-1].kernel.numpy() != dense_before)
+
+
+def test_keras_threshold_zero_without_noise_is_dense_dp_sgd():
+  """sigma = 0, sigma_sel = 0, tau = 0: the selected rows are the touched
+  ones and the step equals dense DP-SGD's (no noise) exactly there; the
+  other rows are untouched (their gradient is 0 in both)."""
+  x, y = _batch()
+  sparse = _model(ss.DPAdaFEST(threshold=0.0, selection_noise_multiplier=0.0),
+                  noise_multiplier=0.0)
+  dense = _model(None, noise_multiplier=0.0)
+  for m in (sparse, dense):
+    m.build((None, _L))
+  dense.set_weights(sparse.get_weights())
+  before = _table(sparse)
+  sparse.train_on_batch(x, y)
+  dense.train_on_batch(x, y)
+  np.testing.assert_allclose(_table(sparse), _table(dense), rtol=1e-6,
+                             atol=1e-7)
+  touched = np.unique(x)
+  untouched = np.setdiff1d(np.arange(_VOCAB), touched)
+  assert np.array_equal(_table(sparse)[untouched], before[untouched])
+  assert np.all(np.any(_table(sparse)[touched] != before[touched], axis=1))
+
+
+def test_keras_noise_std_on_selected_rows_and_sigma_split():
+  """Every row selected (tau = -1e9): an untouched row's update is
+  -lr * N(0, (sigma_g C)^2) / B with sigma_g = (sigma^-2 - sigma_sel^-2)^-1/2."""
+  x, y = _batch()
+  sigma, sigma_sel, lr = 1.0, 2.0, 0.5
+  model = _model(ss.DPAdaFEST(threshold=-1e9,
+                              selection_noise_multiplier=sigma_sel),
+                 noise_multiplier=sigma, lr=lr)
+  model.build((None, _L))
+  before = _table(model)
+  model.train_on_batch(x, y)
+  untouched = np.setdiff1d(np.arange(_VOCAB), np.unique(x))
+  step = (_table(model) - before)[untouched].ravel()
+  sigma_g = (sigma**-2 - sigma_sel**-2)**-0.5
+  want = lr * sigma_g * 1.0 / _B
+  n = step.size
+  assert np.std(step) == pytest.approx(want, abs=5 * want / math.sqrt(2 * n))
+  assert np.mean(step) == pytest.approx(0.0, abs=5 * want / math.sqrt(n))
+
+
+def test_keras_fixed_rows_dp_fest():
+  x, y = _batch()
+  fixed = [0, 3, 7, 39, 200]
+  model = _model(ss.DPFEST({"table/embeddings": fixed}))
+  model.build((None, _L))
+  before = _table(model)
+  model.train_on_batch(x, y)
+  moved = np.flatnonzero(np.any(_table(model) != before, axis=1))
+  np.testing.assert_array_equal(moved, fixed)
+
+
+def test_keras_poisson_fit_with_accumulation():
+  """Logical steps of 2 physical batches (dense counts path): tau huge
+  leaves the table bit-for-bit unchanged; tau = -1e9 moves every row."""
+  rng = np.random.default_rng(2)
+  x = rng.integers(0, 40, size=(64, _L)).astype(np.int32)
+  y = rng.normal(size=(64, 1)).astype(np.float32)
+  for tau, moved in ((1e9, 0), (-1e9, _VOCAB)):
+    model = _model(ss.DPAdaFEST(threshold=tau, selection_noise_multiplier=3.0))
+    model.build((None, _L))
+    before = _table(model)
+    model.fit(x, y, batch_size=16, epochs=1, accumulation_steps=2,
+              verbose=0)
+    assert int(np.sum(np.any(_table(model) != before, axis=1))) == moved
+
+
+def test_attack_a_row_reveals_only_its_selection():
+  """Neighbouring batches: D' adds one example that alone touches row r.
+  Over many runs, whenever r is not selected its value is bit-for-bit its
+  initial value in both worlds (nothing else to see), and the attack
+  'guess D' iff r moved' has the rates of the selection's Gaussian
+  mechanism, Q(tau/s) and Q((tau - w)/s), which meet mu-GDP with
+  mu = 1/sigma_sel."""
+  vocab, tau, sigma_sel = 200, 1.0, 1.0
+  base = np.array([[1, 2, 3], [2, 4, 5]])
+  extra = np.array([[150, 151, 152]])  # only the added example touches 150
+  row = 150
+  rng = np.random.default_rng(0)
+  table = rng.normal(size=(vocab, 4)).astype(np.float32)
+  moved = {}
+  trials = 300
+  for world, ids in (("D", base), ("D'", np.concatenate([base, extra]))):
+    hits = 0
+    for i in range(trials):
+      touched = ss.touched_rows([[tf.constant(ids, tf.int64)]], [vocab],
+                                1.0)[0]
+      sel = ss.select_rows(touched, vocab, tau, sigma_sel,
+                           ss.false_positive_capacity(
+                               vocab, ss.false_positive_rate(tau, sigma_sel)),
+                           tf.constant([i, 1], tf.int64))
+      values = np.ones((ids.size, 4), np.float32)
+      update = ss.noisy_selected_rows(
+          tf.IndexedSlices(tf.constant(values), tf.constant(ids.ravel()),
+                           tf.constant([vocab, 4], tf.int64)),
+          sel, 0.5, tf.constant([i, 2], tf.int64))
+      var = tf.Variable(table)
+      var.scatter_sub(tf.IndexedSlices(0.1 * update.values,
+                                       update.indices))
+      changed = not np.array_equal(var.numpy()[row], table[row])
+      in_selection = row in set(update.indices.numpy().tolist())
+      assert changed == in_selection
+      hits += changed
+    moved[world] = hits / trials
+  w = 1.0 / math.sqrt(3)  # the added example's clipped weight (3 rows)
+  want = {"D": stats.norm.sf(tau / sigma_sel),
+          "D'": stats.norm.sf((tau - w) / sigma_sel)}
+  for k in want:
+    sd = math.sqrt(want[k] * (1 - want[k]) / trials)
+    assert abs(moved[k] - want[k]) < 5 * sd, (k, moved[k], want[k])
+  # mu-GDP (Dong et al.): TPR <= Phi(Phi^-1(FPR) + mu) at the true rates.
+  mu = w / sigma_sel
+  assert want["D'"] <= stats.norm.cdf(stats.norm.ppf(want["D"]) + mu) + 1e-12
+
+
+def test_mirrored_strategy_is_refused_clearly():
+  config = ss.DPAdaFEST(threshold=1.0, selection_noise_multiplier=3.0)
+  with pytest.raises(NotImplementedError, match="replicas"):
+    config._check_step(2, tf.random.Generator.from_seed(0))  # pylint: disable=protected-access

@@ -18,8 +18,12 @@ from tf_pxg.dp.noise import densify
 from tf_pxg.dp.noise import make_generator
 from tf_pxg.dp.noise import replica_noise_stddev
 from tf_pxg.dp.noise import replica_seed
+from tf_pxg.dp.sparse_selection import DPAdaFEST
+from tf_pxg.dp.sparse_selection import DPFEST
 
 __all__ = [
+    "DPAdaFEST",
+    "DPFEST",
     "LogicalStepAccumulator",
     "add_gaussian_noise",
     "box_muller_normal",

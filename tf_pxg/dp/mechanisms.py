@@ -96,6 +96,20 @@ class NoiseMechanism:
   def noise_source(self, generator):
     return generator
 
+  def prepare(self, tape, variables, *, model=None, batch_size, mask=None,
+              step_end=None, xla=False):
+    """Reads what `add` needs from the recorded batch, after the forward
+    pass and before the tape's gradient drops the recording (a sparse-row
+    mechanism: the ids each example gathers, `tf_pxg.dp.sparse_selection`).
+    Default: nothing."""
+    del tape, variables, model, batch_size, mask, step_end, xla
+
+  def side_multipliers(self) -> tuple:
+    """Sensitivity-1 noise multipliers of private side releases `add` makes
+    on the same batch (DP-AdaFEST's row selection): the gradient gives up
+    their shares `m^-2` of the accounted `sigma^-2`. Default: none."""
+    return ()
+
   def add(self, clipped_sum: Sequence[tf.Tensor], state, step, *,
           noise_multiplier: float, l2_norm_clip, num_replicas: int, source,
           normalizer=None, write=None) -> Tuple[List[tf.Tensor], Any]:

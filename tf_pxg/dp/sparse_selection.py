@@ -119,15 +119,21 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
 
+import dp_accounting
 import numpy as np
 import tensorflow as tf
+
+from tf_pxg.dp import mechanisms
+from tf_pxg.dp import noise as dp_noise
 
 __all__ = [
     "DPAdaFEST",
     "DPFEST",
     "Selection",
+    "SparseStep",
     "TAIL_PROBABILITY",
     "TouchedRows",
+    "dense_adaptive_rows",
     "false_positive_capacity",
     "false_positive_rate",
     "fixed_selection",
@@ -239,8 +245,10 @@ def gather_ids(tape, variable, batch_size) -> Optional[List[tf.Tensor]]:
     table's value reaches any other op (e.g. a tied output projection): it
     is then not a sparse table.
   """
-  # tape internals of our own engine (tf_pxg.tape), not TF's.
-  handle = tape._handle_id(variable)  # pylint: disable=protected-access
+  # tape internals of our own engine (tf_pxg.tape), not TF's: the
+  # recorded id of the (Keras or tf) variable's handle, inside a
+  # tf.function its captured placeholder.
+  handle = tape._source_id(variable)  # pylint: disable=protected-access
   if handle is None:
     return None
   derived = {handle}
@@ -511,60 +519,104 @@ def _check_real(name, value, minimum=0.0, strict=False):
   return float(value)
 
 
-class _SparseRows:
+class _SparseRows(mechanisms.NoiseMechanism):
   """What DP-FEST and DP-AdaFEST share: which tables are sparse, and the
-  step's sparse release (`privatize`)."""
+  step's sparse release.
 
-  def sparse_tables(self, tape, sums, variables, batch_size):
+  As a `tf_pxg.dp.mechanisms.NoiseMechanism` (`noise_mechanism=` of a DP
+  model or `DPOptimizer`): `prepare` (called by the train step after the
+  clipped sums, before the logical step's accumulation) reads the ids each
+  example gathers from the tape; `add` noises the sparse tables' selected
+  rows and gives the other variables DP-SGD's dense noise
+  (`IndependentGaussian`). `side_multipliers` is the selection's share of
+  the accounted sigma; `dp_event` is DP-SGD's with the accounted sigma
+  (module docstring).
+  """
+
+  stateful = False
+  supports_xla = True
+
+  def prepare(self, tape, variables, *, model=None, batch_size, mask=None,
+              step_end=None, xla=False):
+    """Reads the step's sparse tables from `tape` (see `SparseStep`), before
+    it computes the clipped sums; the following `add` in the same trace
+    uses it. A custom loop calls `prepare` after the forward pass, then
+    `tape.clipped_gradient_sum`, then `add`. `model` holds the counts
+    accumulator of Poisson steps (`step_end` given)."""
+    self._pending = SparseStep(self, model, tape, variables, batch_size,
+                               mask, step_end, xla)
+    return self._pending
+
+  def add(self, clipped_sum, state, step, *, noise_multiplier, l2_norm_clip,
+          num_replicas, source, normalizer=None, write=None):
+    del step, write
+    self._check_step(num_replicas, source)
+    pending = getattr(self, "_pending", None)
+    if pending is None:
+      raise ValueError(
+          f"{self!r}.add needs the recorded batch: call prepare(tape, ...) "
+          "first, before the tape's gradient (the Keras train step "
+          "does).")
+    sums = list(clipped_sum)
+    scale = (None if normalizer is None else
+             1.0 / tf.cast(normalizer, tf.float64))
+    stddev = dp_noise.replica_noise_stddev(
+        (noise_multiplier or 0.0) * tf.cast(l2_norm_clip, tf.float32),
+        num_replicas)
+    out = pending.privatize(sums, gradient_stddev=stddev, seed_source=source,
+                            num_replicas=num_replicas, scale=scale)
+    if pending.accumulated:
+      # The step's noise sits in a conditional whose other branch is
+      # dense: a dense update that is 0 off the selected rows (adding 0
+      # leaves those rows bit-for-bit unchanged under SGD).
+      out = [dp_noise.densify(g) if i in pending.indices else g
+             for i, g in enumerate(out)]
+    rest = [i for i in range(len(sums)) if i not in pending.indices]
+    if rest:
+      dense, _ = mechanisms.IndependentGaussian().add(
+          [sums[i] for i in rest], None, None,
+          noise_multiplier=noise_multiplier, l2_norm_clip=l2_norm_clip,
+          num_replicas=num_replicas, source=source, normalizer=normalizer)
+      for i, g in zip(rest, dense):
+        out[i] = g
+    return out, state
+
+  def dp_event(self, noise_multiplier):
+    """One participation: the selection and the gradient together are one
+    Gaussian with the accounted sigma (module docstring)."""
+    return dp_accounting.GaussianDpEvent(noise_multiplier)
+
+  def sparse_tables(self, tape, variables, batch_size):
     """`{index: ids per use}` for the variables updated sparsely: those
-    whose clipped sum is `IndexedSlices` and that only gathers read."""
+    that only gathers read on `tape` (their clipped sum is then
+    `IndexedSlices`). Call it before the tape computes a gradient (a
+    non-persistent tape drops its recording then)."""
     tables = {}
-    for i, (s, v) in enumerate(zip(sums, variables)):
-      if not isinstance(s, tf.IndexedSlices):
-        continue
+    for i, v in enumerate(variables):
       uses = gather_ids(tape, v, batch_size)
-      if uses is None:
-        continue
-      count = sum(u.shape.num_elements() or 0 for u in uses)
-      if (s.indices.shape.num_elements() is not None and
-          all(u.shape.is_fully_defined() for u in uses) and
-          count != s.indices.shape.num_elements()):
-        raise ValueError(
-            f"{type(self).__name__}: the clipped sum of '{v.name}' has "
-            f"{s.indices.shape.num_elements()} rows but its recorded "
-            f"gathers have {count} ids: the table is read by an op this "
-            "selection does not follow. Read embedding tables only through "
-            "gathers (keras.layers.Embedding, tf.gather).")
-      tables[i] = uses
+      if uses is not None:
+        tables[i] = uses
     return tables
+
+  def _check_sum(self, s, variable, uses):
+    """The table's clipped sum has one row per recorded id."""
+    if not isinstance(s, tf.IndexedSlices):
+      return
+    count = sum(u.shape.num_elements() or 0 for u in uses)
+    if (s.indices.shape.num_elements() is not None and
+        all(u.shape.is_fully_defined() for u in uses) and
+        count != s.indices.shape.num_elements()):
+      raise ValueError(
+          f"{type(self).__name__}: the clipped sum of '{variable.name}' has "
+          f"{s.indices.shape.num_elements()} rows but its recorded gathers "
+          f"have {count} ids: the table is read by an op this selection "
+          "does not follow. Read embedding tables only through gathers "
+          "(keras.layers.Embedding, tf.gather).")
 
   def _selections(self, tables, variables, mask, seed):
     raise NotImplementedError
 
-  def privatize(self, tape, sums, variables, batch_size, mask, *,
-                gradient_stddev, seed_source, num_replicas=1, scale=None,
-                compact=True):
-    """The sparse tables' noisy rows; the other sums are left as they are.
-
-    Args:
-      tape: the tape that recorded the forward pass.
-      sums: the clipped sums, one per variable (`IndexedSlices` for a
-        table only gathers read).
-      variables: the trainable variables.
-      batch_size: B (units).
-      mask: `[B]` real-example mask, or None.
-      gradient_stddev: one replica's gradient noise std (sigma_g C / sqrt R).
-      seed_source: the `tf.random.Generator` (`make_seeds`).
-      num_replicas: R (> 1 is refused: the selection must be common to the
-        replicas; see docs/sparse_embeddings.md).
-      scale: optional factor (1 / the batch divisor) for the sparse rows.
-      compact: see `noisy_selected_rows` (False under XLA).
-
-    Returns:
-      `(sums, sparse)`: `sums` with the sparse tables' entries replaced by
-      their noisy `IndexedSlices`, and the set of their indices (the caller
-      noises the others).
-    """
+  def _check_step(self, num_replicas, seed_source):
     if num_replicas > 1:
       raise NotImplementedError(
           f"{type(self).__name__} under a strategy with {num_replicas} "
@@ -577,23 +629,12 @@ class _SparseRows:
           f"{type(self).__name__} draws from a tf.random.Generator; the "
           f"noise source is {type(seed_source).__name__} (secure mode is "
           "not supported for sparse embedding noise yet).")
-    tables = self.sparse_tables(tape, sums, variables, batch_size)
-    if not tables:
-      return list(sums), set()
-    seeds = tf.unstack(seed_source.make_seeds(2 * len(tables)), axis=1)
-    selections = self._selections(tables, variables, mask, seeds[::2])
-    out = list(sums)
-    for (i, _), selection, seed in zip(sorted(tables.items()), selections,
-                                       seeds[1::2]):
-      out[i] = noisy_selected_rows(sums[i], selection, gradient_stddev, seed,
-                                   scale=scale, compact=compact)
-    return out, set(tables)
 
   def gradient_noise_multiplier(self, noise_multiplier: float,
                                 *other_multipliers: float) -> float:
     """sigma_g for the accounted sigma, given the other releases'
     sensitivity-1 multipliers (module docstring)."""
-    share = sum(m**-2 for m in other_multipliers)
+    share = sum(math.inf if m == 0 else m**-2 for m in other_multipliers)
     remainder = noise_multiplier**-2 - share
     if remainder <= 0:
       raise ValueError(
@@ -652,7 +693,7 @@ class DPAdaFEST(_SparseRows):
     return false_positive_capacity(num_rows, self.false_positive_rate,
                                    self.tail)
 
-  def privacy_multipliers(self) -> tuple:
+  def side_multipliers(self) -> tuple:
     """The selection's sensitivity-1 multiplier, for the sigma split."""
     return (self.selection_noise_multiplier,)
 
@@ -697,7 +738,8 @@ class DPFEST(_SparseRows):
 
   Args:
     rows: `{table: row ids}`, the table named by its variable's `path`
-      (Keras 3, e.g. "embedding/embeddings") or `name`.
+      (Keras 3, e.g. "model/embedding/embeddings") or a trailing part of
+      it ("embedding/embeddings"), or its `name`.
 
   Raises:
     ValueError: a row set that is empty, not integers, or out of range
@@ -713,7 +755,7 @@ class DPFEST(_SparseRows):
                          f"set of integer row ids; got {value!r}.")
       self.rows[str(key)] = arr.astype(np.int64)
 
-  def privacy_multipliers(self) -> tuple:
+  def side_multipliers(self) -> tuple:
     return ()
 
   def _selections(self, tables, variables, mask, seeds):
@@ -721,6 +763,11 @@ class DPFEST(_SparseRows):
     out = []
     for i in sorted(tables):
       key, vocab = _table_key(variables[i]), int(variables[i].shape[0])
+      # A key names the table by its path or a trailing part of it
+      # ("table/embeddings" for "dp_sequential/table/embeddings").
+      match = [k for k in self.rows if key == k or key.endswith("/" + k)]
+      if len(match) == 1:
+        key = match[0]
       if key not in self.rows:
         raise ValueError(
             f"DPFEST has no row set for the sparse table '{key}' (it has "
@@ -739,3 +786,147 @@ class DPFEST(_SparseRows):
   def __repr__(self):
     return "DPFEST(" + ", ".join(
         f"{k}: {len(v)} rows" for k, v in self.rows.items()) + ")"
+
+
+# ---------------------------------------------------------------------------
+# The train step's stage (tf_pxg.keras._train_step.dp_gradients).
+# ---------------------------------------------------------------------------
+
+
+def dense_adaptive_rows(total: tf.Tensor, counts: tf.Tensor, threshold: float,
+                        selection_stddev: float, gradient_stddev, seed,
+                        scale=None, compact: bool = True):
+  """DP-AdaFEST on dense accumulated sums (a logical step of several
+  physical batches): every row's count noised and thresholded, O(V).
+
+  Exactly the mechanism of `select_rows` + `noisy_selected_rows` (no
+  sampler needed: all rows are noised). With `compact`, `IndexedSlices` of
+  the selected rows; without (XLA), a dense tensor that is 0 on the rows
+  not selected (a 0 update leaves them bit-for-bit unchanged under SGD).
+  """
+  seeds = tf.random.experimental.stateless_split(
+      tf.cast(seed, tf.int64), num=2, alg=_ALG)
+  noisy = counts + tf.random.stateless_normal(
+      tf.shape(counts), seed=seeds[0], stddev=selection_stddev,
+      dtype=counts.dtype, alg=_ALG)
+  selected = noisy > threshold
+  dtype = total.dtype
+  if compact:
+    rows = tf.cast(tf.reshape(tf.where(selected), [-1]), tf.int64)
+    values = tf.gather(total, rows)
+  else:
+    rows, values = None, total
+  noise = tf.random.stateless_normal(tf.shape(values), seed=seeds[1],
+                                     dtype=tf.float32, alg=_ALG)
+  values = values + tf.cast(noise * tf.cast(gradient_stddev, tf.float32),
+                            dtype)
+  if scale is not None:
+    values = values * tf.cast(scale, dtype)
+  if compact:
+    return tf.IndexedSlices(values, rows, tf.shape(total, out_type=tf.int64))
+  keep = tf.reshape(selected, [-1] + [1] * (total.shape.rank - 1))
+  return tf.where(keep, values, tf.zeros_like(values))
+
+
+def _dense_counts(touched: TouchedRows, num_rows: int) -> tf.Tensor:
+  """A table's `[V]` counts from its `TouchedRows` (sentinels dropped)."""
+  rows = tf.where(touched.valid, touched.rows, tf.zeros_like(touched.rows))
+  counts = tf.where(touched.valid, touched.counts,
+                    tf.zeros_like(touched.counts))
+  return tf.scatter_nd(rows[:, None], counts, [num_rows])
+
+
+def _counts_accumulator(model, num_rows: Sequence[int]):
+  """The model's accumulator of the selection counts of a logical step
+  (one `[V]` float32 sum per sparse table), made on first use."""
+  from tf_pxg.dp import accumulation  # noqa: PLC0415
+  key = tuple(num_rows)
+  acc = model.__dict__.get("_dp_sparse_counts")
+  if acc is None or acc[0] != key:
+    with tf.init_scope():
+      made = accumulation.LogicalStepAccumulator(
+          [tf.TensorSpec([v], tf.float32) for v in num_rows])
+    acc = (key, made)
+    object.__setattr__(model, "_dp_sparse_counts", acc)
+  return acc[1]
+
+
+class SparseStep:
+  """One DP step's sparse-table stage, in two calls around the noise.
+
+  The constructor (after the forward pass, before the tape's gradient)
+  finds the sparse tables and their touched rows (for a Poisson step:
+  their selection counts, accumulated in the model's counts accumulator);
+  `privatize` (after the step's accumulation, where the noise goes)
+  returns their noisy rows and which sums it took, so that the dense noise
+  skips them.
+  """
+
+  def __init__(self, config: "_SparseRows", model, tape, variables,
+               batch_size, mask=None, step_end=None, xla: bool = False):
+    self.config = config
+    self.tables = config.sparse_tables(tape, variables, batch_size)
+    self.order = sorted(self.tables)
+    self.variables = variables
+    self.vocab = [int(variables[i].shape[0]) for i in self.order]
+    self.xla = xla
+    self.accumulated = step_end is not None
+    self.touched = None
+    self.counts = None
+    if not self.order or isinstance(config, DPFEST):
+      return
+    self.touched = touched_rows([self.tables[i] for i in self.order],
+                                self.vocab, config.selection_l2_norm_clip,
+                                mask)
+    if self.accumulated:
+      self.counts = _counts_accumulator(model, self.vocab).step(
+          [_dense_counts(t, v) for t, v in zip(self.touched, self.vocab)],
+          step_end, branchless=xla)
+
+  @property
+  def indices(self) -> set:
+    """The positions (in `variables`) of the sparse tables."""
+    return set(self.order)
+
+  def privatize(self, sums, *, gradient_stddev, seed_source,
+                num_replicas=1, scale=None):
+    """`sums` with the sparse tables' entries replaced by their noisy,
+    scaled rows (`IndexedSlices`, or under XLA with accumulation a dense
+    tensor that is 0 off the selected rows).
+
+    Raises:
+      NotImplementedError: more than one replica, or a noise source that
+        is not a `tf.random.Generator` (secure mode).
+    """
+    if not self.order:
+      return list(sums)
+    self.config._check_step(num_replicas, seed_source)  # pylint: disable=protected-access
+    for i in self.order:
+      self.config._check_sum(sums[i], self.variables[i], self.tables[i])  # pylint: disable=protected-access
+    out = list(sums)
+    seeds = tf.unstack(seed_source.make_seeds(2 * len(self.order)), axis=1)
+    if isinstance(self.config, DPFEST):
+      selections = self.config._selections(  # pylint: disable=protected-access
+          self.tables, self.variables, None, None)
+      for i, sel, seed in zip(self.order, selections, seeds[1::2]):
+        s = sums[i]
+        if not isinstance(s, tf.IndexedSlices):  # accumulated: dense
+          s = tf.IndexedSlices(tf.gather(s, sel.rows), sel.rows,
+                               tf.shape(s, out_type=tf.int64))
+        out[i] = noisy_selected_rows(s, sel, gradient_stddev, seed,
+                                     scale=scale, compact=not self.xla)
+      return out
+    config = self.config
+    for k, (i, v, seed) in enumerate(zip(self.order, self.vocab, seeds[::2])):
+      if self.accumulated:
+        out[i] = dense_adaptive_rows(
+            tf.convert_to_tensor(sums[i]), self.counts[k], config.threshold,
+            config.selection_stddev, gradient_stddev, seed, scale=scale,
+            compact=not self.xla)
+        continue
+      sel = select_rows(self.touched[k], v, config.threshold,
+                        config.selection_stddev, config.capacity(v), seed)
+      out[i] = noisy_selected_rows(sums[i], sel, gradient_stddev,
+                                   seeds[2 * k + 1], scale=scale,
+                                   compact=not self.xla)
+    return out

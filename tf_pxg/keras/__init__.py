@@ -1,6 +1,8 @@
 """Keras 3 DP-SGD: models, optimizers and callbacks built on tf_pxg."""
 
 from tf_pxg.dp.noisy_loss import NoisyLoss
+from tf_pxg.dp.sparse_selection import DPAdaFEST
+from tf_pxg.dp.sparse_selection import DPFEST
 from tf_pxg.keras import callbacks
 from tf_pxg.keras.callbacks import PrivacyCallback
 from tf_pxg.keras.losses import per_example_losses
@@ -13,7 +15,9 @@ from tf_pxg.keras.optimizers import DPOptimizer
 from tf_pxg.keras.optimizers import DPSGD
 
 __all__ = [
+    "DPAdaFEST",
     "DPAdam",
+    "DPFEST",
     "DPModel",
     "DPOptimizer",
     "DPSGD",

@@ -364,6 +364,15 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   clipping = None if mechanism is None else mechanism.clipping
   clip_variable = None if mechanism is None else mechanism.clip_variable
   clip = l2_norm_clip if clip_variable is None else clip_variable.read_value()
+  if mechanism is not None:
+    # A mechanism may read the recorded batch before the gradient drops it
+    # (sparse embedding rows: the ids each example gathers,
+    # tf_pxg.dp.sparse_selection); a no-op for the others.
+    mechanism.noise.prepare(
+        tape, variables, model=model, batch_size=tf.shape(losses)[0],
+        mask=None if info is None else info[dp_data.MASK],
+        step_end=None if info is None else info[dp_data.STEP_END][0] > 0.5,
+        xla=xla)
   # A non-finite example's clip factor is 0 there: nothing to check here.
   sums, norms = tape.clipped_gradient_sum(target, variables, clip,
                                           clipping=clipping,

@@ -78,6 +78,24 @@ def _applying(optimizer):
   return optimizer
 
 
+def _without_side_releases(noise, noise_multiplier, sigma_g, side):
+  """sigma_g after the side releases' shares: `(sigma_g^-2 - sum m^-2)^-1/2`
+  (Gaussians on one batch compose in 1/sigma^2; tf_pxg.dp.sparse_selection).
+
+  Raises:
+    ValueError: if they would use the whole budget.
+  """
+  remainder = sigma_g**-2 - sum(float("inf") if m == 0 else m**-2
+                                for m in side)
+  if remainder <= 0:
+    raise ValueError(
+        f"noise_mechanism={noise!r}: its side releases (noise multipliers "
+        f"{tuple(side)}) would use the whole budget of noise_multiplier="
+        f"{noise_multiplier!r}. Give them larger noise multipliers (a few "
+        "times noise_multiplier leaves most of the budget to the gradient).")
+  return float(remainder**-0.5)
+
+
 class _DPTrainingMixin:
   """DP-SGD `train_step` and DP settings for a Keras model class.
 
@@ -345,6 +363,9 @@ class _DPTrainingMixin:
       sigma_g = noisy_loss.gradient_noise_multiplier(
           noise_multiplier, *([2.0 * count_stddev] if policy.adaptive
                               else []))
+    side = noise.side_multipliers() if noise_multiplier else ()
+    if side:  # side releases on the same batch (DP-AdaFEST's selection)
+      sigma_g = _without_side_releases(noise, noise_multiplier, sigma_g, side)
     return _train_step.Mechanism(
         policy, clip_variable, count_stddev, sigma_g, noise, noise_state,
         optimizer, noisy_loss)
