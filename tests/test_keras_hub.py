@@ -21,14 +21,15 @@ Poisson batches (the default DP data path) runs for six family/mode pairs.
 
 FNet (token mixing by a 2-D FFT) and Swin (attention windows folded into
 the batch axis, `[B*W*s, d]` rows split into `[B*W, s, d]`) run both modes;
-30 more families full fine-tuning only (`slow`): Bloom, Falcon, GPT-NeoX,
+33 more families full fine-tuning only (`slow`): Bloom, Falcon, GPT-NeoX,
 XLM-RoBERTa, RoFormer-V2, ESM, ESM-2, Llama 3, Qwen 2, Qwen 3.5 (linear
-attention layers), SmolLM 3, T5Gemma, EdRec, DeiT, DINOv2, DINOv3, ViTDet,
+attention layers), Gemma 3n (AltUp, LAuReL, per-layer inputs), Gemma 4,
+SmolLM 3, T5Gemma, T5Gemma 2, EdRec, DeiT, DINOv2, DINOv3, ViTDet,
 MiT (SegFormer's encoder), VGG, the CLIP and SigLIP text and vision towers, audio (Whisper on mel features, Moonshine on a raw
 waveform), vision-language (PaliGemma) and mixture-of-experts (GPT-OSS;
 Mixtral, Qwen-MoE and Qwen 3-MoE with `router_aux_loss_coefficient=0`),
-their inputs built from the backbone's `Input` specs; Whisper, PaliGemma
-and GPT-OSS with LoRA too. Refused by name: Mixtral's batch-level router
+their inputs built from the backbone's `Input` specs; Whisper, PaliGemma,
+GPT-OSS and Gemma 4 with LoRA too. Refused by name: Mixtral's batch-level router
 loss (`add_loss`) when on, XLNet's attention mask (KerasHub reshapes the
 `[B, T]` padding mask to `[T, B]`, which mixes examples) and CLIP's joint
 contrastive logits (in-batch negatives).
@@ -143,8 +144,9 @@ def _text(rng, prefix=""):
 def _from_specs(backbone: keras.Model, rng, length: int = T):
   """A batch built from the backbone's `keras.Input` specs: float inputs
   standard normal (an audio waveform, mel features, an image), integer ids
-  in [1, VOCAB), padding masks with the padding at the end of some
-  examples (bool where the input is bool); each unknown axis `length`."""
+  in [1, VOCAB), positions 0..length-1, padding masks with the padding at
+  the end of some examples (bool where the input is bool); each unknown
+  axis `length`."""
   specs = backbone.input
   if not isinstance(specs, dict):
     specs = {t.name.split(":")[0]: t for t in tf.nest.flatten(specs)}
@@ -155,11 +157,13 @@ def _from_specs(backbone: keras.Model, rng, length: int = T):
     if "mask" in name:
       mask = np.arange(shape[1])[None, :] < lengths[:, None]
       x[name] = mask.astype(str(spec.dtype))
+    elif "position" in name:
+      x[name] = np.broadcast_to(np.arange(shape[1]), shape).astype("int32")
     elif "int" in str(spec.dtype):
       x[name] = rng.integers(1, VOCAB, size=shape).astype("int32")
     else:
       x[name] = rng.standard_normal(shape).astype("float32")
-  return x if isinstance(backbone.input, dict) else next(iter(x.values()))
+  return next(iter(x.values())) if len(x) == 1 else x
 
 
 def batch(backbone: keras.Model, kind: str, seed: int = 0):
@@ -377,6 +381,29 @@ MORE_FAMILIES.update({
         num_key_value_heads=1, hidden_dim=8, intermediate_dim=16,
         moe_intermediate_dim=8, num_experts=2, top_k=1,
         router_aux_loss_coefficient=0.0)),
+    "gemma4": Family(lambda: models.Gemma4Backbone(
+        vocabulary_size=VOCAB, image_size=8, num_layers=2,
+        num_query_heads=2, num_key_value_heads=1, hidden_dim=8,
+        intermediate_dim=16, head_dim=4, sliding_window_size=4,
+        sliding_window_pattern=2), inputs="spec"),
+    "gemma3n": Family(lambda: models.Gemma3nBackbone(
+        text_vocab_size=VOCAB, text_hidden_size=8, num_hidden_layers=2,
+        pad_token_id=0, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=4, intermediate_size=[16, 16],
+        hidden_activation="gelu_approximate",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4, rope_theta=10000.0, max_position_embeddings=16,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=4,
+        altup_num_inputs=2, laurel_rank=2), inputs="spec"),
+    "t5gemma2": Family(lambda: models.T5Gemma2Backbone(
+        vocabulary_size=VOCAB, encoder_hidden_dim=8,
+        encoder_intermediate_dim=16, encoder_num_layers=1,
+        encoder_num_attention_heads=2, encoder_num_key_value_heads=1,
+        encoder_head_dim=4, encoder_layer_types=["full_attention"],
+        decoder_hidden_dim=8, decoder_intermediate_dim=16,
+        decoder_num_layers=1, decoder_num_attention_heads=2,
+        decoder_num_key_value_heads=1, decoder_head_dim=4,
+        decoder_layer_types=["full_attention"]), inputs="spec"),
     "qwen3_5": Family(lambda: models.Qwen3_5Backbone(
         vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
         num_key_value_heads=1, head_dim=8, hidden_dim=8,
@@ -425,10 +452,11 @@ def test_more_families_dp_step_is_exact(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["whisper", "paligemma", "gpt_oss"])
+@pytest.mark.parametrize("name", ["whisper", "paligemma", "gpt_oss",
+                                  "gemma4"])
 def test_more_families_lora_dp_step_is_exact(name):
-  """LoRA on an audio seq2seq, a vision-language and a mixture-of-experts
-  backbone."""
+  """LoRA on an audio seq2seq, a vision-language, a mixture-of-experts
+  and the newest Gemma backbone."""
   model, x, y = build(name, lora=True)
   _ERRORS[f"{name}-lora"] = dp_step_error(model, x, y)
 
