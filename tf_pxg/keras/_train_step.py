@@ -243,7 +243,10 @@ class ReplicaGradients(NamedTuple):
     count_normalizer: the divisor for `count` and `loss_sum` (qN, or this
       replica's example count of a plain batch; all-reduced in
       `dp_apply`).
-    mechanism: the step's `Mechanism`, or None (DP-SGD, flat clip).
+    mechanism: the step's `Mechanism` when `dp_apply` needs it (an
+      adaptive clip to update), else None: a result that holds only
+      tensors can be returned from a `tf.function` (a custom loop's
+      compiled `dp_gradients`).
     finite: `[B]` (or `[P]` units) bool: the example's loss and gradient
       norm are finite (its clip factor was not zeroed); for the opt-in
       unprotected metrics, which must never see a non-finite example.
@@ -448,7 +451,8 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
                         tf.cast(tf.shape(losses)[0], tf.float32))
   return ReplicaGradients(noisy, normalizer, reg_grads, step_end, x, y,
                           y_pred, sample_weight, losses, mask, reg_loss,
-                          released.get("count"), count_normalizer, mechanism,
+                          released.get("count"), count_normalizer,
+                          None if clip_variable is None else mechanism,
                           finite, released.get("loss_sum"))
 
 
