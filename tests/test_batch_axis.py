@@ -240,7 +240,7 @@ COPIES = {
 def test_copies_along_the_batch_match_reference(name, static):
   """In a tf.function traced for any batch size (`[None, T, d]`), a copy's
   count is `tf.shape(x)[0]`: read from the size vector, it is followed as
-  exactly as a static one (`tf_pxg.batch_axis.copy_layout`)."""
+  exactly as a static one (`tf_pxg.batch_copies.copy_layout`)."""
   batch = 4 if static else None
   fn, w = COPIES[name]
   x = _x((4, 3, 5), 13)

@@ -18,8 +18,8 @@ import tf_pxg
 from tf_pxg import batch_axis
 from tf_pxg import registry
 from tf_pxg import testing as pxg_testing
-from tf_pxg.backprop import gradient_functions
 from tf_pxg.rules import contraction
+from tf_pxg.tape import recording
 
 B, D, U, T = 4, 3, 2, 3
 RNG = np.random.default_rng(7)
@@ -31,8 +31,8 @@ class SparseMatMulRule(contraction.MatMulRule):
 
   @staticmethod
   def layouts(entry, layouts):
-    ta = gradient_functions.get_attr(entry, "transpose_a")
-    tb = gradient_functions.get_attr(entry, "transpose_b")
+    ta = recording.get_attr(entry, "transpose_a")
+    tb = recording.get_attr(entry, "transpose_b")
     return batch_axis.contract(entry, ["ji" if ta else "ij",
                                        "kj" if tb else "jk"], "ik", layouts)
 

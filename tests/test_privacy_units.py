@@ -279,7 +279,7 @@ def test_group_norms_come_from_one_backward_pass_ghost_forms():
   layers' norms come in the ghost form over each example's 4 rows (cross
   terms included), the bias's from the per-example (summed over rows)
   gradient; nothing runs per row (`per_example` form) or vectorised."""
-  from tf_pxg.tape.gradient_tape import GradientTape  # noqa: PLC0415
+  from tf_pxg.gradient_tape import GradientTape  # noqa: PLC0415
   inp = keras.Input((64,))
   out = keras.layers.Dense(64)(keras.layers.Dense(64, activation="tanh")(inp))
   model = keras.Model(inp, out)

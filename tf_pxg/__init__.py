@@ -21,7 +21,7 @@ __all__ = ["GradientTape", "register", "register_row_wise",
            "registered_op_types", "row_wise_op_types"]
 __version__ = "0.1.0"
 
-_LAZY = {"GradientTape": ("tf_pxg.tape.gradient_tape", "GradientTape"),
+_LAZY = {"GradientTape": ("tf_pxg.gradient_tape", "GradientTape"),
          # Through tf_pxg.rules, so the built-in rules are registered first.
          "register": ("tf_pxg.rules", "register"),
          "registered_op_types": ("tf_pxg.rules", "registered_op_types"),

@@ -28,20 +28,20 @@ and no entry here is row-wise by that rule's contract, and moves the batch
 axis as its `Rule.layouts` says (default `elementwise`), so a rule author
 states both in the rule's file.
 
-This module also moves the examples where a per-example rule expects them
-(`normalise_batch_axis`: axis 0 of the data operand and the output).
+Two neighbours use these layouts: `tf_pxg.batch_copies` finds parameters
+copied along the batch axis, and `tf_pxg.normalise` moves the examples where
+an interface's per-example rule takes them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.backprop import gradient_functions
-from tf_pxg.tape.recording import Entry
+from tf_pxg import registry
+from tf_pxg.tape import recording
 
 Layout = Optional[Tuple[int, bool]]
 AXIS0: Layout = (0, False)
@@ -108,7 +108,7 @@ def row_wise_op_types() -> List[str]:
 
 def _attr(entry, name, default=None):
   try:
-    v = gradient_functions.get_attr(entry, name)
+    v = recording.get_attr(entry, name)
   except (ValueError, KeyError, AttributeError, TypeError,
           tf.errors.InvalidArgumentError):
     return default
@@ -565,119 +565,6 @@ def _roll(entry, layouts):
   return _axes_arg(entry, layouts, "rolls rows", index=2)
 
 
-# Parameters copied along the batch axis --------------------------------------
-#
-# `tf.broadcast_to(w, [B, T, d])`, `tf.tile(w, [B, 1, 1])` and `tf.repeat`
-# (an ExpandDims, a Tile and a Reshape) give every example its own copy of a
-# parameter: KerasHub's PositionEmbedding, ViT's class token, DeBERTa's
-# relative table. Such an op's output is data whose example b holds copy b
-# (`copy_layout`), so the op itself is the interface: example b's gradient
-# of the parameter is its output gradient's rows for example b, summed over
-# the copy's other axes (`tf_pxg.rules.copies`). Everything after it is
-# data, tracked like any other.
-
-# Op type -> index of the input that gives the output's size per axis
-# (BroadcastTo's shape, Tile's multiples).
-_COPY_SIZES = {"BroadcastTo": 1, "Tile": 1}
-
-# Ops between `tf.shape(data)[a]` and a shape vector's entry (tf.repeat casts
-# and reshapes its count).
-_SIZE_PASSTHROUGH = ("Cast", "Identity", "Reshape", "ExpandDims", "Squeeze")
-
-
-def is_batch_copy_op(op_type: str) -> bool:
-  """Whether `op_type` may copy a parameter along the batch axis."""
-  return op_type in _COPY_SIZES
-
-
-def _is_batch_size_of(t, layout_of) -> bool:
-  """Whether scalar `t` is `tf.shape(d)[a']` of a data tensor `d` whose
-  examples are alone on axis a' (so `t` is B), possibly cast or reshaped."""
-  try:
-    op = t.op
-    while op.type in _SIZE_PASSTHROUGH:
-      op = op.inputs[0].op
-    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
-      return False
-    begin = tf.get_static_value(op.inputs[1])
-    if begin is None or not op.get_attr("shrink_axis_mask") & 1:
-      return False
-    d = op.inputs[0].op.inputs[0]
-    return layout_of is not None and layout_of(d) == (int(np.ravel(begin)[0]),
-                                                       False)
-  except (AttributeError, ValueError, TypeError, IndexError):
-    return False
-
-
-def _is_batch_sized(sizes, a: int, layout_of) -> bool:
-  """Whether entry `a` of a graph's 1-D size vector `sizes` (a shape or
-  multiples input) is `tf.shape(d)[a']` of data `d` whose examples are
-  alone on axis a' (a dynamic batch size)."""
-  op = getattr(sizes, "op", None)
-  if op is None or layout_of is None:
-    return False
-  if op.type == "Pack" and a < len(op.inputs):
-    return _is_batch_size_of(op.inputs[a], layout_of)
-  return op.type == "Shape" and layout_of(op.inputs[0]) == (a, False)
-
-
-def copy_layout(entry, batch_size: Optional[int],
-                layout_of: Optional[Callable] = None) -> Layout:
-  """The layout of `entry`'s output if it copies its parameter input along
-  the batch axis, else None.
-
-  `entry` computes from parameters alone (its inputs carry no examples). It
-  is a copy along axis a when the parameter is copied there B times:
-  broadcast from size 1 (or an added axis) by `BroadcastTo`, or tiled by
-  `Tile` (each example a whole copy: `[B, k]` merged when the parameter has
-  k rows on that axis). B is the static batch size, matched against the
-  output's static shape, or, for a dynamic size, `tf.shape(x)[0]` of data
-  `x` with its examples on axis 0, read from the size vector. The first
-  such axis is the batch axis (with B = 1 every size-1 axis qualifies; any
-  choice is exact, as one example's gradient is the whole gradient).
-
-  Args:
-    entry: a recorded op whose inputs are parameters or constants.
-    batch_size: B if static.
-    layout_of: tensor -> its layout, or None where it holds no examples.
-
-  Returns:
-    `(a, False)`, or None if `entry` is not such a copy.
-  """
-  index = _COPY_SIZES.get(entry.op_type)
-  if index is None or len(entry.inputs) <= index or not entry.outputs:
-    return None
-  p, out = entry.inputs[0], entry.outputs[0]
-  if p.shape.rank is None or out.shape.rank is None:
-    return None
-  shift = out.shape.rank - p.shape.rank
-  for a, n in enumerate(out.shape.as_list()):
-    k = 1 if a < shift else p.shape[a - shift]
-    if k is None or (entry.op_type == "BroadcastTo" and k != 1):
-      continue
-    if n is None:
-      copied = _is_batch_sized(entry.inputs[index], a, layout_of)
-    else:
-      copied = isinstance(batch_size, int) and n == batch_size * k
-    if copied:
-      return a, False
-  return None
-
-
-def copy_batch_size(entry, axis: int):
-  """B for a copy along `axis` (`copy_layout`): the output's size there
-  over the parameter's (int if static, else a scalar int32 tensor)."""
-  p, out = entry.inputs[0], entry.outputs[0]
-  shift = out.shape.rank - p.shape.rank
-  k = 1 if axis < shift else p.shape[axis - shift]
-  n = out.shape[axis]
-  if isinstance(n, int) and isinstance(k, int):
-    return n // k
-  n = tf.shape(out)[axis] if n is None else n
-  k = tf.shape(p)[axis - shift] if k is None else k
-  return n // k
-
-
 # Reductions and normalisations along an axis ---------------------------------
 
 # The one list of reductions (input 1 holds the reduced axes).
@@ -1074,95 +961,8 @@ def propagate(entry, layouts: Dict[int, Layout],
     return rule(entry, layouts, batch_size, layout_of)
   if rule is not None:
     return rule(entry, layouts)
-  from tf_pxg import registry  # noqa: PLC0415
-  import tf_pxg.rules  # noqa: F401, PLC0415  (registers the built-in rules)
   per_example_rule = registry.lookup(entry.op_type)
   if per_example_rule is not None:  # Row-wise by a per-example rule's contract.
     return (per_example_rule.layouts or elementwise)(entry, layouts)
   return _mixes(entry, "is not on tf_pxg's allowlist of ops known to keep "
                 "the rows of different examples apart, so it may mix them")
-
-
-# Batch axis at the interface -------------------------------------------------
-
-def _move_to_front(t, axis: int):
-  perm = [axis] + [a for a in range(t.shape.rank) if a != axis]
-  return tf.transpose(t, perm)
-
-
-def normalise_batch_axis(itf, layout_of: Callable[[int], Layout]):
-  """`itf` (a `tf_pxg.interface.Interface`) with the examples where its
-  rule expects them.
-
-  Rules take the examples where their `batch_axes` says (default axis 0 of
-  the data operand and the output; a MatMul's on the rows of the matrix
-  that holds them). Where the tracked batch axis differs — time-major data,
-  say — the rule's `batch_first` rewrites the op (an Einsum's equation) or,
-  for ops the rule declares `permutable`, the data operand, the outputs and
-  their gradients are transposed to put it first. A parameter copied along the
-  batch axis (no data operand) keeps its op; `copy_axis` says where the
-  examples are in its output.
-
-  Args:
-    itf: the interface, its `rule` chosen (`tf_pxg.rules.base.Rule`).
-    layout_of: tensor id -> layout of that data tensor.
-
-  Raises:
-    ValueError: the examples are on another axis of an op that cannot be
-      permuted that way, or their position in a data operand is unknown.
-  """
-  entry = itf.entry
-  if not itf.data_indices and is_batch_copy_op(entry.op_type):
-    lay = layout_of(entry.output_ids[0])
-    if lay is not None:  # A parameter copied along the batch axis.
-      return dataclasses.replace(itf, copy_axis=lay[0])
-  lays = [layout_of(entry.input_ids[i]) for i in itf.data_indices]
-  if any(l is None for l in lays):
-    raise ValueError(
-        f"{entry.describe()} consumes a parameter and data that holds no "
-        "rows of single examples (a value computed from the whole batch, "
-        "such as a batch statistic or a dense shape), so its per-example "
-        "gradient is undefined. Compute that value from each example alone.")
-  outs = [layout_of(t) for t in entry.output_ids]
-  minor = any(l[1] for l in lays)
-  rule = itf.rule
-  want_data, want_out = rule.batch_axes(itf)
-  if (all(l[0] == want_data for l in lays) and
-      all(l is None or want_out is None or l[0] == want_out for l in outs)):
-    itf.batch_minor = itf.batch_minor or minor
-    return itf
-  axis = lays[0][0] if lays else None
-  if len(lays) == 1:
-    rewritten = rule.batch_first(itf, axis, minor)
-    if rewritten is not None:
-      return rewritten
-  if (len({l[0] for l in lays}) != 1 or want_data != 0 or
-      entry.outputs[0].shape.rank is None or itf.param.shape.rank is None or
-      not rule.permutable(itf, axis)):
-    raise ValueError(
-        f"{entry.describe()} consumes a parameter with the examples on axis "
-        f"{axis} of its data operand, which its per-example rule cannot take "
-        "(it expects them on axis 0). Transpose the data so the batch is "
-        "axis 0 before this op, or use tf.einsum with the batch letter "
-        "first.")
-  inputs = list(entry.inputs)
-  for i in itf.data_indices:
-    inputs[i] = _move_to_front(inputs[i], axis)
-  out_axes = [axis if l is None else l[0] for l in outs]
-  outputs = [_move_to_front(o, a) for o, a in zip(entry.outputs, out_axes)]
-  grads = [g if g is None else _move_to_front(g, a)
-           for g, a in zip(itf.output_grads, out_axes)]
-  original_id = original_shape = None
-  p = itf.param
-  out_rank = entry.outputs[0].shape.rank
-  if (rule.broadcasts_param and p.shape.rank == out_rank
-      and p.shape.rank and p.shape[axis] == 1 and axis):
-    original_id, original_shape = itf.param_id, p.shape
-    moved_shape = [p.shape[axis]] + [n for a, n in enumerate(p.shape)
-                                     if a != axis]
-    inputs[itf.param_index] = tf.reshape(p, moved_shape)
-  moved = Entry(entry.op_type, tuple(inputs), tuple(outputs), entry.attrs,
-                entry.op, entry.scope, entry.index)
-  return dataclasses.replace(
-      itf, entry=moved, output_grads=grads, batch_minor=minor,
-      original_param_id=original_id, original_param_shape=original_shape)

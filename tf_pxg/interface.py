@@ -34,7 +34,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg import batch_axis
-from tf_pxg.backprop import gradient_functions
+from tf_pxg import batch_copies
+from tf_pxg.tape import recording
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
 PARAM, CONST, DATA = "param", "const", "data"
@@ -142,7 +143,7 @@ class Interface:
   chunk_set: Any = None
 
   # Set for a parameter copied along the batch axis (`tf.broadcast_to`,
-  # `tf.tile` of a weight; `tf_pxg.batch_axis.copy_layout`), an interface
+  # `tf.tile` of a weight; `tf_pxg.batch_copies.copy_layout`), an interface
   # without data operands: the output axis that holds the examples.
   copy_axis: Optional[int] = None
 
@@ -208,7 +209,7 @@ class Classifier:
         if st == DATA and _uniform(entry):
           self._fills.update(entry.output_ids)
       out_layouts = [batch_axis.AXIS0] * len(entry.outputs)
-      copy = batch_axis.copy_layout(entry, batch_size,
+      copy = batch_copies.copy_layout(entry, batch_size,
                                     self._layout_of_tensor) if (
                                         st in (PARAM, CONST)) else None
       if copy is not None:
@@ -360,7 +361,7 @@ def data_path(recorder: Recorder, target_id: int,
 def _mixing(entry: Entry, classifier: Classifier):
   if entry.op_type in _BATCH_NORMS:
     try:
-      training = gradient_functions.get_attr(entry, "is_training")
+      training = recording.get_attr(entry, "is_training")
     except (ValueError, KeyError):
       training = True
     if training:

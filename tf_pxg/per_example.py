@@ -9,7 +9,7 @@
    allowlist of ops that keep examples apart (`tf_pxg.batch_axis`), so a
    per-example result is never computed for examples that mix. Each
    interface is then put in the form its rule expects: examples first
-   (`tf_pxg.batch_axis.normalise_batch_axis`, for data whose batch axis
+   (`tf_pxg.normalise.normalise_batch_axis`, for data whose batch axis
    was tracked elsewhere), and the uses of one parameter
    value by one kind of op (the T steps of an unrolled loop, a layer called
    twice) merged into one interface (`tf_pxg.merge_uses`);
@@ -34,13 +34,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_pxg import batch_copies
 from tf_pxg import control_flow
 from tf_pxg import merge_uses
+from tf_pxg import normalise
 from tf_pxg import registry
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop import rule_trace
 from tf_pxg.backprop.imperative_grad import imperative_grad
-from tf_pxg import batch_axis
 from tf_pxg.interface import (PARAM, Classifier, Interface,
                               check_examples_independent, data_path)
 from tf_pxg.rules import base
@@ -142,7 +143,7 @@ class PerExampleBackprop:
                     backward)
     for itf in found:  # The rule says where it takes the examples.
       itf.rule = registry.lookup(itf.entry.op_type) or _FALLBACK
-    found = [batch_axis.normalise_batch_axis(itf, classifier.layout)
+    found = [normalise.normalise_batch_axis(itf, classifier.layout)
              for itf in found]
     for itf in found:
       try:
@@ -175,7 +176,7 @@ class PerExampleBackprop:
   def _context(self, itf: Interface) -> base.Context:
     b = self.batch_size
     if b is None and itf.copy_axis is not None:  # A copied parameter.
-      b = batch_axis.copy_batch_size(itf.entry, itf.copy_axis)
+      b = batch_copies.copy_batch_size(itf.entry, itf.copy_axis)
     if b is None:  # Scalar target: each data operand's axis 0 is the batch.
       if not itf.data_indices:
         raise ValueError(
@@ -327,7 +328,7 @@ def _one_chunk_set(itfs: List[Interface]) -> bool:
 
 def _reshape_back(itf: Interface, form: str, result):
   """A rule's result for a reshaped parameter operand, in the original shape
-  (`tf_pxg.batch_axis.normalise_batch_axis` moves size-1 axes)."""
+  (`tf_pxg.normalise.normalise_batch_axis` moves size-1 axes)."""
   shape = itf.original_param_shape
   if shape is None or form == "sq_norm":
     return result

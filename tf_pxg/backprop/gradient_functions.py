@@ -1,9 +1,10 @@
 """Calling TensorFlow's registered gradient function for one recorded entry.
 
-Eager entries are presented to the gradient function as TF's own light mock op
-(TF's `_MockOp`, the object `tf.GradientTape` uses; `tf_pxg._compat.mock_op`); graph entries as the
-real `tf.Operation`, seen through a thin view that adds `skip_input_indices`
-(the hint TF's gradient functions read to skip inputs nobody needs).
+Each entry is presented to the gradient function as the op-like object
+`tf_pxg.tape.recording.op_view` makes: TF's own light mock op for eager
+entries, the real `tf.Operation` seen through a thin view for graph ones,
+with `skip_input_indices` (the hint TF's gradient functions read to skip
+inputs nobody needs).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Optional, Sequence
 import tensorflow as tf
 
 from tf_pxg import _compat
-from tf_pxg.tape.recording import Entry
+from tf_pxg.tape.recording import Entry, op_view
 
 # Some gradient functions accept `None` for output gradients they ignore, so no
 # zeros need be built for them (the seed's `_grad_fn_accepts_none_for_indices`).
@@ -24,58 +25,6 @@ GRAD_FN_ACCEPTS_NONE_FOR_INDICES = {
     "FusedBatchNormV2": (1, 2, 3, 4),
     "FusedBatchNormV3": (1, 2, 3, 4, 5),
 }
-
-
-class _GraphOpView:
-  """A `tf.Operation` with replaceable inputs/outputs and `skip_input_indices`."""
-
-  def __init__(self, op, skip_input_indices, inputs=None, outputs=None,
-               attr_overrides=None):
-    self._op = op
-    self.skip_input_indices = skip_input_indices
-    self.inputs = list(op.inputs) if inputs is None else list(inputs)
-    self.outputs = list(op.outputs) if outputs is None else list(outputs)
-    self._attr_overrides = attr_overrides or {}
-
-  def get_attr(self, name):
-    if name in self._attr_overrides:
-      return self._attr_overrides[name]
-    return self._op.get_attr(name)
-
-  def __getattr__(self, name):
-    return getattr(self._op, name)
-
-
-def op_view(entry: Entry,
-            skip_input_indices: Optional[Sequence[int]] = None,
-            inputs: Optional[Sequence[Any]] = None,
-            outputs: Optional[Sequence[Any]] = None):
-  """An op-like object for `entry` as TF's gradient functions expect it."""
-  skip = tuple(skip_input_indices) if skip_input_indices else None
-  if entry.op is None:
-    attrs = entry.attrs
-    if entry.attr_overrides:
-      attrs = list(attrs)
-      for i in range(0, len(attrs), 2):
-        if attrs[i] in entry.attr_overrides:
-          attrs[i + 1] = entry.attr_overrides[attrs[i]]
-      attrs = tuple(attrs)
-    return _compat.mock_op(
-        attrs,
-        list(entry.inputs if inputs is None else inputs),
-        list(entry.outputs if outputs is None else outputs),
-        entry.op_type, skip)
-  # A recorded graph entry's inputs/outputs are its op's; a merged entry
-  # (`tf_pxg.merge_uses`) carries other tensors for the same op.
-  return _GraphOpView(entry.op, skip,
-                      entry.inputs if inputs is None else inputs,
-                      entry.outputs if outputs is None else outputs,
-                      entry.attr_overrides)
-
-
-def get_attr(entry: Entry, name: str):
-  """Reads attr `name` of a recorded op (eager or graph)."""
-  return op_view(entry).get_attr(name)
 
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")

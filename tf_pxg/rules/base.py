@@ -45,6 +45,7 @@ from tf_pxg import registry
 from tf_pxg import xla
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop import rule_trace
+from tf_pxg.tape import recording
 from tf_pxg.tape.recording import Entry
 
 
@@ -129,7 +130,7 @@ class Context:
     Eager ops may carry `None` for attrs the caller left at their default.
     """
     try:
-      value = gradient_functions.get_attr(self.entry, name)
+      value = recording.get_attr(self.entry, name)
     except (ValueError, KeyError):
       return default
     if isinstance(value, bytes):

@@ -29,9 +29,9 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.backprop import gradient_functions
 from tf_pxg.rules import base
 from tf_pxg.rules.base import register
+from tf_pxg.tape import recording
 from tf_pxg.tape.recording import Entry
 
 _LETTERS = string.ascii_letters
@@ -430,8 +430,8 @@ class MatMulRule(_Contraction):
   def batch_axes(self, itf):
     """The examples are the rows of the matrix that holds them (`i` of
     `ij,jk->ik`, or `k` when the parameter is the left operand)."""
-    ta = gradient_functions.get_attr(itf.entry, "transpose_a") or False
-    tb = gradient_functions.get_attr(itf.entry, "transpose_b") or False
+    ta = recording.get_attr(itf.entry, "transpose_a") or False
+    tb = recording.get_attr(itf.entry, "transpose_b") or False
     if itf.param_index == 1:
       return (1 if ta else 0), 0
     return (0 if tb else 1), 1
@@ -474,7 +474,7 @@ class EinsumRule(_Contraction):
         ranks) or the op does not have two operands.
     """
     entry = itf.entry
-    eq = gradient_functions.get_attr(entry, "equation")
+    eq = recording.get_attr(entry, "equation")
     eq = eq.decode() if isinstance(eq, bytes) else eq
     ranks = [t.shape.rank for t in entry.inputs]
     if len(entry.inputs) != 2 or ("." in eq and None in ranks):

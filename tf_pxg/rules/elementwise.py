@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_pxg.backprop import gradient_functions
 from tf_pxg.rules import base
 from tf_pxg.rules.base import register
+from tf_pxg.tape import recording
 
 
 def reduce_to_param(ctx, e):
@@ -106,7 +106,7 @@ class BiasAddRule(base.Rule):
 
   def permutable(self, itf, axis):
     """NHWC: the bias is on the last axis, which the batch axis must not be."""
-    fmt = gradient_functions.get_attr(itf.entry, "data_format") or b"NHWC"
+    fmt = recording.get_attr(itf.entry, "data_format") or b"NHWC"
     return (fmt in (b"NHWC", "NHWC") and
             axis < itf.entry.outputs[0].shape.rank - 1)
 

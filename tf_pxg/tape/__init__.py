@@ -1,0 +1,5 @@
+"""The recorded tape, the engine's bottom layer: op-callback recording of
+the ops run or built while a tape is active (`recording`: `Entry`,
+`Recorder`, the op views gradient functions read) and the side effects the
+recording itself must not have (`side_effects`). The tape API on top of the
+engine is `tf_pxg.gradient_tape.GradientTape` (`tf_pxg.GradientTape`)."""

@@ -230,3 +230,63 @@ class Recorder:
 
 def flat_tensors(xs: Sequence[Any]) -> list:
   return list(tf.nest.flatten(xs))
+
+
+# Op views ----------------------------------------------------------------------
+#
+# Eager entries are presented as TF's own light mock op (TF's `_MockOp`, the
+# object `tf.GradientTape` hands gradient functions; `tf_pxg._compat.mock_op`),
+# graph entries as the real `tf.Operation` through a thin view; both read
+# attrs the same way (`get_attr`).
+
+
+class _GraphOpView:
+  """A `tf.Operation` with replaceable inputs/outputs and `skip_input_indices`."""
+
+  def __init__(self, op, skip_input_indices, inputs=None, outputs=None,
+               attr_overrides=None):
+    self._op = op
+    self.skip_input_indices = skip_input_indices
+    self.inputs = list(op.inputs) if inputs is None else list(inputs)
+    self.outputs = list(op.outputs) if outputs is None else list(outputs)
+    self._attr_overrides = attr_overrides or {}
+
+  def get_attr(self, name):
+    if name in self._attr_overrides:
+      return self._attr_overrides[name]
+    return self._op.get_attr(name)
+
+  def __getattr__(self, name):
+    return getattr(self._op, name)
+
+
+def op_view(entry: Entry,
+            skip_input_indices: Optional[Sequence[int]] = None,
+            inputs: Optional[Sequence[Any]] = None,
+            outputs: Optional[Sequence[Any]] = None):
+  """An op-like object for `entry` as TF's gradient functions expect it."""
+  skip = tuple(skip_input_indices) if skip_input_indices else None
+  if entry.op is None:
+    attrs = entry.attrs
+    if entry.attr_overrides:
+      attrs = list(attrs)
+      for i in range(0, len(attrs), 2):
+        if attrs[i] in entry.attr_overrides:
+          attrs[i + 1] = entry.attr_overrides[attrs[i]]
+      attrs = tuple(attrs)
+    return _compat.mock_op(
+        attrs,
+        list(entry.inputs if inputs is None else inputs),
+        list(entry.outputs if outputs is None else outputs),
+        entry.op_type, skip)
+  # A recorded graph entry's inputs/outputs are its op's; a merged entry
+  # (`tf_pxg.merge_uses`) carries other tensors for the same op.
+  return _GraphOpView(entry.op, skip,
+                      entry.inputs if inputs is None else inputs,
+                      entry.outputs if outputs is None else outputs,
+                      entry.attr_overrides)
+
+
+def get_attr(entry: Entry, name: str):
+  """Reads attr `name` of a recorded op (eager or graph)."""
+  return op_view(entry).get_attr(name)

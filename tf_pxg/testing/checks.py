@@ -34,7 +34,7 @@ def _run_in_mode(compute: Callable, inputs, labels, mode: str):
 def _run_tf_pxg(loss_fn, model_or_fn, variables, inputs, labels, training,
                 l2_norm_clip, mode: str) -> Dict[str, Any]:
   """tf_pxg's three quantities, each from a fresh (non-persistent) tape."""
-  from tf_pxg.tape.gradient_tape import GradientTape  # pylint: disable=g-import-not-at-top
+  from tf_pxg.gradient_tape import GradientTape  # pylint: disable=g-import-not-at-top
 
   # The model may rely on autograph; tf_pxg's backward passes need none.
   plain = tf.autograph.experimental.do_not_convert
@@ -206,7 +206,7 @@ _NO_CLIP = 1e30
 def _run_invariants(loss_fn, model_or_fn, variables, inputs, labels,
                     training, mode: str) -> Dict[str, Any]:
   """One forward pass recorded by a plain and a (persistent) tf_pxg tape."""
-  from tf_pxg.tape.gradient_tape import GradientTape  # pylint: disable=g-import-not-at-top
+  from tf_pxg.gradient_tape import GradientTape  # pylint: disable=g-import-not-at-top
   plain = tf.autograph.experimental.do_not_convert
 
   def compute(inputs, labels):
