@@ -66,7 +66,7 @@ from tf_pxg.dp import mechanisms as dp_mechanisms
 from tf_pxg.dp import noise as dp_noise
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
-from tf_pxg.tape.gradient_tape import GradientTape
+from tf_pxg.gradient_tape import GradientTape
 
 
 def _num_replicas() -> int:
