@@ -9,8 +9,7 @@ TensorFlow early, and a late import closes a cycle all the same.
   package's node).
 * Units: no cycle among tf_pxg's units, a unit being a subpackage (all its
   modules as one node: `tf_pxg.rules`, `tf_pxg.tape`, `tf_pxg.keras`...) or
-  a top-level module (`tf_pxg.interface`); the cycles in
-  `KNOWN_UNIT_CYCLES` (outside the engine) are reported as warnings.
+  a top-level module (`tf_pxg.interface`).
 * The engine's layers (`ENGINE_LAYERS`, bottom first): a module imports
   engine modules of its own layer or below, never above, and nothing from
   outside the engine but the foundation (`FOUNDATION`).
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import warnings
 from typing import Dict, List, Optional, Set
 
 import tf_pxg
@@ -209,29 +207,11 @@ def test_no_module_cycles():
   assert not found, f"import cycles among tf_pxg's modules: {_fmt(found)}"
 
 
-# Unit cycles outside the engine that are known and reported (a warning)
-# rather than failed on, each with the edges that close it. Any other cycle
-# fails, and so does a listed one that is gone (remove it here).
-KNOWN_UNIT_CYCLES = {
-    # keras/_train_step.py imports audit.gradient_canaries (the train step
-    # inserts gradient canaries); audit/canaries.py imports keras.losses
-    # (the canary callback scores per-example losses). Outside the engine;
-    # keras/ is being rewritten for the DP plan (issue 29).
-    ("tf_pxg.audit", "tf_pxg.keras", "tf_pxg.audit"),
-}
-
-
 def test_no_unit_cycles():
-  found = {tuple(c) for c in cycles(unit_graph(import_graph()))}
-  new = sorted(found - KNOWN_UNIT_CYCLES)
-  assert not new, (
+  found = cycles(unit_graph(import_graph()))
+  assert not found, (
       "import cycles among tf_pxg's packages and top-level modules: "
-      f"{_fmt([list(c) for c in new])}")
-  gone = sorted(KNOWN_UNIT_CYCLES - found)
-  assert not gone, f"known cycles now gone (remove them here): {gone}"
-  for c in sorted(found):
-    warnings.warn(f"known import cycle between tf_pxg's packages: "
-                  f"{' -> '.join(c)}", stacklevel=1)
+      f"{_fmt(found)}")
 
 
 def _layer_of(module: str) -> Optional[int]:
