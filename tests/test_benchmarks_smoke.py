@@ -467,3 +467,35 @@ def test_report_renders_the_real_architectures_table(tmp_path):
   assert "| **all ops** | 10.0 | 15.0 | 1.50× Keras |" in md
   report.write(result, tmp_path, "real")
   assert (tmp_path / "real.md").exists()
+
+
+def test_recsys_steps_update_the_rows_each_mode_should():
+  """benchmarks/recsys.py at tiny size: every mode steps; the non-private
+  step changes only the batch's rows, dense DP-SGD every row, DP-FEST
+  exactly its fixed rows, DP-AdaFEST every row at tau = -1e9 (p = 1) and
+  none at a huge tau; the AUC against hand-counted pairs."""
+  from benchmarks import recsys  # pylint: disable=g-import-not-at-top
+  num_rows, seq_len, batch = 300, 4, 8
+  hist, cand, label = recsys.make_data(batch, num_rows, seq_len, 1.05, 0)
+  assert hist.max() < num_rows and cand.min() >= 0
+  model = recsys.build_model(num_rows, 8, seq_len, 0)
+  fixed = [((tf.constant(hist), tf.constant(cand)), tf.constant(label))]
+  touched = set(hist.ravel().tolist()) | set(cand.tolist())
+  steps, info = recsys.make_steps(
+      model, ["keras", "dense", "fest", "adafest"], 1.0, batch, 16, -1e9,
+      3.0, 1.0, 0.1, 0)
+  changed = recsys.rows_updated(model, steps, fixed, list(steps))
+  assert changed["dense"] == num_rows
+  assert 0 < changed["keras"] <= len(touched)
+  assert changed["fest"] == 16
+  assert changed["adafest"] == num_rows
+  assert info["false_positive_rate"] == 1.0
+  steps, info = recsys.make_steps(model, ["adafest"], 1.0, batch, 16, 1e9,
+                                  3.0, 1.0, 0.1, 0)
+  assert recsys.rows_updated(model, steps, fixed, ["adafest"]) == {
+      "adafest": 0}
+  assert info["false_positive_rate"] == 0.0
+  assert recsys.auc(np.array([0, 1, 0, 1.0]),
+                    np.array([0.1, 0.9, 0.2, 0.8])) == 1.0
+  assert recsys.auc(np.array([0, 1, 0, 1.0]),
+                    np.array([0.3, 0.2, 0.1, 0.4])) == 0.75
