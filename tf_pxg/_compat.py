@@ -1,11 +1,14 @@
 """The one boundary between tf_pxg and TensorFlow / Keras internals.
 
-Every use of `tensorflow.python.*`, `keras.src.*` or a private attribute of
-a TensorFlow or Keras object goes through this module; nothing else in
-`tf_pxg` imports them (`tests/test_compat.py` checks both). Each access says
-why no public API serves. `ACCESSES` names them all; `check(name)` exercises
-one, so an upgrade that moves one fails `tests/test_compat.py` with a
-message naming it. The supported range is `tf_pxg._versions`.
+Every use of `tensorflow.python.*`, `keras.src.*`, `tf.__internal__` or a
+private attribute of a TensorFlow or Keras object, and every monkeypatch of
+a TensorFlow or Keras module or class (the two process-wide patches,
+"Process-wide patches" below), goes through this module; nothing else in
+`tf_pxg` does (`tests/test_compat.py` reads the code of every other module
+to check). Each access says why no public API serves. `ACCESSES` names
+them all; `check(name)` exercises one, so an upgrade that moves one fails
+`tests/test_compat.py` with a message naming it. The supported range is
+`tf_pxg._versions`.
 """
 
 from __future__ import annotations
@@ -194,6 +197,104 @@ def inline_call(function, args, kwargs):
       fn, function._experimental_autograph_options)  # pylint: disable=protected-access
   with ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED):
     return converted(*args, **kwargs)
+
+
+# Process-wide patches ---------------------------------------------------------
+#
+# The only monkeypatches tf_pxg makes, installed by `tf_pxg.control_flow`
+# when a recorder first starts (`install_*`) and undone by `uninstall_*`.
+# Each wrapper checks a predicate (`recording()`: a tf_pxg recorder is active
+# on this thread) and otherwise calls the original, so code that runs while
+# no tape records behaves as without tf_pxg. Written against TensorFlow
+# 2.16-2.21 and Keras 3.7-3.15 (`tf_pxg._versions`); `ACCESSES` probes the
+# patched attributes by name.
+
+# name -> (owner, attribute, original), for `_unpatch`.
+_PATCHES: Dict[str, tuple] = {}
+
+
+def _patch(name: str, owner, attribute: str, wrap: Callable) -> None:
+  """Replaces `owner.<attribute>` by `wrap(original)` (once per name)."""
+  if name in _PATCHES:
+    return
+  original = getattr(owner, attribute)
+  setattr(owner, attribute, wrap(original))
+  _PATCHES[name] = (owner, attribute, original)
+
+
+def _unpatch(name: str) -> None:
+  owner, attribute, original = _PATCHES.pop(name, (None, None, None))
+  if owner is not None:
+    setattr(owner, attribute, original)
+
+
+def patched(name: str) -> bool:
+  """Whether patch `name` ("tf.function.__call__", "keras.backend.rnn",
+  "keras.backend.lstm", "keras.backend.gru") is installed."""
+  return name in _PATCHES
+
+
+def install_function_inlining(inline: Callable[[], bool]) -> None:
+  """Makes a call of a `tf.function` run its Python function in the
+  caller's context (`inline_call`) while `inline()` is true.
+
+  Why: a nested `tf.function` builds its ops in its own function graph,
+  which the tape's op callback does not record, and TF has no public way
+  to build a nested function's ops in the caller's graph. Patched:
+  `__call__` of TF's
+  `polymorphic_function.Function`, the class of `tf.function` objects
+  (TensorFlow 2.16-2.21). Idempotent; `uninstall_function_inlining` undoes
+  it.
+  """
+  def wrap(original):
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+      if inline():
+        return inline_call(self, args, kwargs)
+      return original(self, *args, **kwargs)
+    return __call__
+
+  _patch("tf.function.__call__", tf_function_class(), "__call__", wrap)
+
+
+def uninstall_function_inlining() -> None:
+  """Restores `tf.function`'s own `__call__`."""
+  _unpatch("tf.function.__call__")
+
+
+def install_rnn_unrolling(wrap_rnn: Callable, wrap_kernel: Callable) -> bool:
+  """Wraps the functions Keras' recurrent layers run their loop through:
+  `rnn` by `wrap_rnn(original)`, the cuDNN kernels `lstm` and `gru` by
+  `wrap_kernel(original)` (a kernel that raises `NotImplementedError` makes
+  Keras fall back to its generic `rnn`).
+
+  Why: Keras' `SimpleRNN`/`LSTM`/`GRU`/`ConvLSTM`/`RNN` layers call
+  `keras.src.backend.rnn` (a `While` loop unless `unroll=True`, which the
+  layers take only at construction), and no public option unrolls a built
+  layer's loop. Patched: the attributes `rnn`, `lstm`, `gru` of the module
+  `keras.src.backend` with the TensorFlow backend (Keras 3.7-3.15); the
+  public `keras.backend` is another module object.
+
+  Returns:
+    Whether the patches are installed: False before Keras is imported, or
+    with another backend (then `tf_pxg.control_flow` tries again on the
+    next recording).
+  """
+  backend = keras_backend_module()
+  if backend is None or getattr(backend, "backend", lambda: None)() != (
+      "tensorflow"):
+    return False
+  _patch("keras.backend.rnn", backend, "rnn", wrap_rnn)
+  for name in ("lstm", "gru"):
+    if hasattr(backend, name):
+      _patch(f"keras.backend.{name}", backend, name, wrap_kernel)
+  return True
+
+
+def uninstall_rnn_unrolling() -> None:
+  """Restores Keras' own `rnn`, `lstm` and `gru`."""
+  for name in ("rnn", "lstm", "gru"):
+    _unpatch(f"keras.backend.{name}")
 
 
 # Keras -----------------------------------------------------------------------

@@ -13,7 +13,10 @@ engine's sight:
   `StatefulPartitionedCall`).
 
 Mechanism: while a tf_pxg recorder is active on a thread (and is not paused
-for the tape's own backward pass), this module
+for the tape's own backward pass), this module, through the patches that
+`tf_pxg._compat` installs (`install_function_inlining`,
+`install_rnn_unrolling`; the only monkeypatches in tf_pxg, installed when a
+recorder first starts, inert while none records),
 
 1. runs Keras' TF-backend `rnn` with `unroll=True` when the number of time
    steps is static, and declines the cuDNN kernels (`backend.lstm`,
@@ -89,23 +92,6 @@ def leave(recorder) -> None:
       return
 
 
-# Nested tf.function calls ----------------------------------------------------
-
-
-def _install_function_inlining() -> None:
-  cls = _compat.tf_function_class()
-  original = cls.__call__
-
-  @functools.wraps(original)
-  def __call__(self, *args, **kwargs):
-    if recording():
-      return _compat.inline_call(self, args, kwargs)
-    return original(self, *args, **kwargs)
-
-  __call__._tf_pxg_original = original  # pylint: disable=protected-access
-  cls.__call__ = __call__
-
-
 # Keras recurrent layers ------------------------------------------------------
 
 
@@ -119,12 +105,9 @@ def _time_steps(inputs, time_major: bool) -> Optional[int]:
   return shape[0 if time_major else 1]
 
 
-def _install_keras_unrolling() -> bool:
-  backend = _compat.keras_backend_module()
-  if backend is None or getattr(backend, "backend", lambda: None)() != (
-      "tensorflow"):
-    return False
-  rnn = backend.rnn
+def _unrolling_rnn(rnn):
+  """Keras' `rnn`, called with `unroll=True` while a recorder records and
+  the number of time steps is static."""
 
   @functools.wraps(rnn)
   def unrolling_rnn(step_function, inputs, initial_states, *args, **kwargs):
@@ -143,32 +126,42 @@ def _install_keras_unrolling() -> bool:
           kwargs["mask"] = tf.reverse(kwargs["mask"], [axis])
     return rnn(step_function, inputs, initial_states, *args, **kwargs)
 
-  def no_cudnn(kernel):
-    @functools.wraps(kernel)
-    def wrapper(*args, **kwargs):
-      if recording():  # Keras falls back to its generic `rnn`.
-        raise NotImplementedError("tf_pxg records the generic RNN loop")
-      return kernel(*args, **kwargs)
-    return wrapper
+  return unrolling_rnn
 
-  unrolling_rnn._tf_pxg_original = rnn  # pylint: disable=protected-access
-  backend.rnn = unrolling_rnn
-  for name in ("lstm", "gru"):
-    if hasattr(backend, name):
-      setattr(backend, name, no_cudnn(getattr(backend, name)))
-  return True
+
+def _no_cudnn(kernel):
+  """A cuDNN kernel (`lstm`, `gru`) declined while a recorder records."""
+
+  @functools.wraps(kernel)
+  def wrapper(*args, **kwargs):
+    if recording():  # Keras falls back to its generic `rnn`.
+      raise NotImplementedError("tf_pxg records the generic RNN loop")
+    return kernel(*args, **kwargs)
+
+  return wrapper
 
 
 def install() -> None:
-  """Installs the hooks (idempotent); Keras' once Keras is imported."""
+  """Installs the hooks through `tf_pxg._compat` (idempotent): nested
+  `tf.function` inlining, and Keras' loop unrolling once Keras is imported
+  with the TensorFlow backend. They act only while a recorder records."""
   if _installed["function"] and _installed["keras"]:
     return
   with _install_lock:
     if not _installed["function"]:
-      _install_function_inlining()
+      _compat.install_function_inlining(recording)
       _installed["function"] = True
     if not _installed["keras"]:
-      _installed["keras"] = _install_keras_unrolling()
+      _installed["keras"] = _compat.install_rnn_unrolling(_unrolling_rnn,
+                                                          _no_cudnn)
+
+
+def uninstall() -> None:
+  """Removes the hooks (`install` puts them back on the next recording)."""
+  with _install_lock:
+    _compat.uninstall_function_inlining()
+    _compat.uninstall_rnn_unrolling()
+    _installed["function"] = _installed["keras"] = False
 
 
 # Opaque ops ------------------------------------------------------------------
