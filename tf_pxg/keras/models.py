@@ -338,14 +338,18 @@ class _DPTrainingMixin:
     policy, mech, noise = plan.clipping, plan.noise_mechanism, plan.mechanism
     noisy_loss = getattr(self, "_dp_noisy_loss", None)
     clip_variable = noise_state = None
-    if isinstance(optimizer, DPOptimizer):
+    stateless = isinstance(policy, policies.Flat) and not noise.stateful
+    if isinstance(optimizer, DPOptimizer) and not stateless:
+      # Only a policy or mechanism with state builds the optimizer here
+      # (a stateless step leaves it to Keras, as plain DP-SGD always has:
+      # building it in a traced multi-worker step would create variables
+      # outside the strategy's own build).
       if not optimizer.built:
         with tf.init_scope():
           optimizer.build(list(self.trainable_variables))
       clip_variable = optimizer.dp_state.clip
       noise_state = optimizer.dp_state.noise
-    elif not (isinstance(policy, policies.Flat) and
-              not noise.stateful):
+    elif not stateless and not isinstance(optimizer, DPOptimizer):
       raise ValueError(  # compile wraps; only a hand-set optimizer gets here
           f"Model {self.name!r}: clipping={policy!r} and noise_mechanism="
           f"{mech!r} keep state in a tf_pxg.keras.DPOptimizer; compile with "
