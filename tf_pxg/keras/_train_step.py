@@ -439,7 +439,11 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   # step (qN) or the only replica's batch: the mechanism divides in its
   # noise pass (one pass over the weights fewer); otherwise `dp_apply`
   # divides by the all-reduced batch size.
-  divide = info is not None or replicas == 1
+  # With no noise the sums are divided in `dp_apply` (as before the
+  # mechanisms were parts): dividing them here, outside the apply's
+  # conditional, fails in Keras' graph apply for weight-regularized models
+  # (tests/test_keras_dp.py::test_weight_regularizer_added_unclipped).
+  divide = bool(noise_multiplier) and (info is not None or replicas == 1)
   noisy = _add_noise(model, noise, mechanism, sums, clip, noise_multiplier,
                      normalizer if divide else None, source, replicas,
                      step_end, draw)
