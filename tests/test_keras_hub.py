@@ -316,6 +316,15 @@ def _without_dropout(backbone: keras.Model) -> keras.Model:
 
 
 _SIGLIP = dict(num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16)
+# One encoder and one decoder layer (T5Gemma and T5Gemma 2 take the same).
+_T5GEMMA = dict(
+    vocabulary_size=VOCAB, encoder_hidden_dim=8, encoder_intermediate_dim=16,
+    encoder_num_layers=1, encoder_num_attention_heads=2,
+    encoder_num_key_value_heads=1, encoder_head_dim=4,
+    encoder_layer_types=["full_attention"], decoder_hidden_dim=8,
+    decoder_intermediate_dim=16, decoder_num_layers=1,
+    decoder_num_attention_heads=2, decoder_num_key_value_heads=1,
+    decoder_head_dim=4, decoder_layer_types=["full_attention"])
 # Audio, vision-language, mixture-of-experts and the other text and vision
 # variants keras-hub 0.32 builds from a config; inputs from their `Input`
 # specs ("spec"). CLIP and SigLIP are fine-tuned one tower at a time (their
@@ -345,15 +354,8 @@ MORE_FAMILIES.update({
         rope_layer_enabled_list=[True], layer_types=["full_attention"],
         mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=16,
         rope_theta=10000.0, partial_rotary_factor=1.0)),
-    "t5gemma": Family(lambda: models.T5GemmaBackbone(
-        vocabulary_size=VOCAB, encoder_hidden_dim=8,
-        encoder_intermediate_dim=16, encoder_num_layers=1,
-        encoder_num_attention_heads=2, encoder_num_key_value_heads=1,
-        encoder_head_dim=4, encoder_layer_types=["full_attention"],
-        decoder_hidden_dim=8, decoder_intermediate_dim=16,
-        decoder_num_layers=1, decoder_num_attention_heads=2,
-        decoder_num_key_value_heads=1, decoder_head_dim=4,
-        decoder_layer_types=["full_attention"]), inputs="spec"),
+    "t5gemma": Family(lambda: models.T5GemmaBackbone(**_T5GEMMA),
+                      inputs="spec"),
     "esm": Family(lambda: models.ESMBackbone(
         vocabulary_size=VOCAB, num_heads=2, dropout=0.0,
         max_sequence_length=8, **TEXT)),
@@ -395,15 +397,8 @@ MORE_FAMILIES.update({
         sliding_window=4, rope_theta=10000.0, max_position_embeddings=16,
         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=4,
         altup_num_inputs=2, laurel_rank=2), inputs="spec"),
-    "t5gemma2": Family(lambda: models.T5Gemma2Backbone(
-        vocabulary_size=VOCAB, encoder_hidden_dim=8,
-        encoder_intermediate_dim=16, encoder_num_layers=1,
-        encoder_num_attention_heads=2, encoder_num_key_value_heads=1,
-        encoder_head_dim=4, encoder_layer_types=["full_attention"],
-        decoder_hidden_dim=8, decoder_intermediate_dim=16,
-        decoder_num_layers=1, decoder_num_attention_heads=2,
-        decoder_num_key_value_heads=1, decoder_head_dim=4,
-        decoder_layer_types=["full_attention"]), inputs="spec"),
+    "t5gemma2": Family(lambda: models.T5Gemma2Backbone(**_T5GEMMA),
+                       inputs="spec"),
     "qwen3_5": Family(lambda: models.Qwen3_5Backbone(
         vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
         num_key_value_heads=1, head_dim=8, hidden_dim=8,
