@@ -19,31 +19,47 @@ the NumPy path (`indices_for_step`, which runs the same TF ops eagerly)
 see the same bins. Secure mode is refused: its per-step OS keys cannot key
 a whole epoch (use Poisson sampling there).
 
-**Accounting (an upper bound, stated).** dp-accounting has no
-balls-in-bins event. Chua et al. compute ε by Monte-Carlo estimation of
-the privacy loss (close to Poisson's at the same rate, see their Table 1);
-that estimate is not a certified bound and is not implemented here.
-`dp_event` instead returns a valid upper bound: fix any assignment of the
-bins; then a unit's data enters exactly one step per epoch, so the release
-is the adaptive composition of one Gaussian mechanism (sensitivity C,
-noise multiplier sigma; the mechanism's per-participation event) per
-epoch, and the other steps do not depend on it. The actual release is a
-mixture over assignments drawn independently of the data, and the
-hockey-stick divergence is jointly convex, so the bound for every fixed
+**Accounting: a certified upper bound (the default) and a Monte-Carlo ε
+with a stated confidence (an option).** dp-accounting (0.6.0, the newest
+release) has no balls-in-bins event.
+
+*The certified bound* (`accounting="upper_bound"`, `dp_event`): fix any
+assignment of the bins; then a unit's data enters exactly one step per
+epoch, so the release is the adaptive composition of one Gaussian mechanism
+(sensitivity C, noise multiplier sigma; the mechanism's per-participation
+event) per epoch, and the other steps do not depend on it. The actual
+release is a mixture over assignments drawn independently of the data, and
+the hockey-stick divergence is jointly convex, so the bound for every fixed
 assignment holds for the mixture:
 
     SelfComposedDpEvent(mechanism.dp_event(sigma), ceil(T / k)).
 
 This is the deterministic-participation (no amplification) bound, also
 valid for shuffling; it is loose (it ignores that the adversary does not
-know the step), often far above Poisson's ε at rate 1/k (the test and
-docs/sampling.md give numbers). It needs a per-step mechanism with no
-cyclic schema (`participation_groups == 1`); others are refused.
+know the step), often far above Poisson's ε at rate 1/k (docs/sampling.md
+gives numbers). It needs a per-step mechanism with no cyclic schema
+(`participation_groups == 1`); others are refused.
+
+*The Monte-Carlo ε* (`accounting="monte_carlo"`, `epsilon`): Chua et al.'s
+tight dominating pair of balls-in-bins, estimated by sampling
+(`tf_pxg.data.balls_in_bins_accounting`): with probability at least
+`confidence` over the accountant's own draw (seeded, independent of the
+data), the run is (ε, δ)-DP. It is near Poisson's ε at rate 1/k (equal for
+k = 1, converging to it as sigma grows), far below the certified bound,
+but it is not certified: a bad draw (probability <= 1 - confidence) can
+state too small an ε. `epsilon` returns the smaller of the two (both hold,
+the first with that confidence). `dp_event` stays the certified bound in
+both modes (a dp-accounting event cannot carry a Monte-Carlo estimate), so
+whatever composes events (`tf_pxg.accounting`, `PrivacyCallback`) states
+the certified bound.
 
 Added in this one file plus a generic hook: `PoissonSampler`'s subclass
 overrides `step_indices` (the sampler protocol's selection, which
 `tf_pxg.data.sampling_ops.index_stream` calls) and `dp_event`; `fit`
-takes it as `sampling=BallsInBinsSampler`.
+takes it as `sampling=BallsInBinsSampler` (or
+`sampling=BallsInBinsSampler.configured(accounting="monte_carlo")`). The
+Monte-Carlo accountant is the second file,
+`tf_pxg.data.balls_in_bins_accounting`.
 """
 
 from __future__ import annotations
@@ -55,11 +71,14 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
+from tf_pxg import accounting as tf_pxg_accounting
+from tf_pxg.data import balls_in_bins_accounting
 from tf_pxg.data import poisson
 
 __all__ = ["BallsInBinsSampler"]
 
 _EPOCH_SALT = 0x62616C6C  # "ball": keeps epoch keys apart from step keys
+_ACCOUNTINGS = ("upper_bound", "monte_carlo")
 
 
 class BallsInBinsSampler(poisson.PoissonSampler):
@@ -73,11 +92,21 @@ class BallsInBinsSampler(poisson.PoissonSampler):
     seed: the assignment's seed (None: OS entropy, drawn once).
     secure_mode: must be False (module docstring).
     num_groups: must be 1 (no cyclic schema).
+    accounting: what `epsilon` states: "upper_bound" (the default, the
+      certified bound) or "monte_carlo" (module docstring). Through `fit`,
+      which builds the sampler from its class: `configured(...)`.
+    confidence, num_samples, accounting_seed: the Monte-Carlo accountant's
+      (`balls_in_bins_accounting.monte_carlo_epsilon`); unused for
+      "upper_bound".
     others: as `PoissonSampler`.
 
   Raises:
-    ValueError: secure mode, `num_groups > 1`, bad sizes.
+    ValueError: secure mode, `num_groups > 1`, bad sizes, an unknown
+      `accounting`, a confidence outside (0, 1).
   """
+
+  #: Defaults of the accounting options (`configured` overrides them).
+  _accounting_options = {}
 
   def __init__(self, num_examples: int, expected_batch_size: float,
                physical_batch_size: Optional[int] = None,
@@ -85,8 +114,32 @@ class BallsInBinsSampler(poisson.PoissonSampler):
                steps_per_epoch: Optional[int] = None,
                seed: Optional[int] = None, secure_mode: bool = False,
                start_step: int = 0, num_groups: int = 1,
-               group_seed: Optional[int] = None):
+               group_seed: Optional[int] = None,
+               accounting: Optional[str] = None,
+               confidence: Optional[float] = None,
+               num_samples: Optional[int] = None,
+               accounting_seed: Optional[int] = None):
     del group_seed
+    given = {"accounting": accounting, "confidence": confidence,
+             "num_samples": num_samples, "accounting_seed": accounting_seed}
+    options = {"accounting": "upper_bound", "confidence": 0.99,
+               "num_samples": 1_000_000, "accounting_seed": 0,
+               **self._accounting_options,
+               **{k: v for k, v in given.items() if v is not None}}
+    if options["accounting"] not in _ACCOUNTINGS:
+      raise ValueError(
+          f"BallsInBinsSampler: accounting must be one of {_ACCOUNTINGS}; "
+          f"got {options['accounting']!r}.")
+    if not 0.0 < float(options["confidence"]) < 1.0:
+      raise ValueError(
+          f"BallsInBinsSampler: confidence must be in (0, 1) (the "
+          f"probability that the Monte-Carlo ε holds); got "
+          f"{options['confidence']!r}.")
+    self.accounting = options["accounting"]
+    self.confidence = float(options["confidence"])
+    self.num_samples = int(options["num_samples"])
+    self.accounting_seed = int(options["accounting_seed"])
+    self._monte_carlo_cache = {}
     if secure_mode:
       raise ValueError(
           "BallsInBinsSampler: secure mode draws every step's key from the "
@@ -104,6 +157,21 @@ class BallsInBinsSampler(poisson.PoissonSampler):
                      accumulation_steps=accumulation_steps,
                      num_replicas=num_replicas, steps_per_epoch=bins,
                      seed=seed, start_step=start_step)
+
+  @classmethod
+  def configured(cls, **options) -> type:
+    """A subclass whose accounting options default to `options` (keys:
+    accounting, confidence, num_samples, accounting_seed), for
+    `fit(..., sampling=BallsInBinsSampler.configured(
+    accounting="monte_carlo"))`, which builds the sampler from a class."""
+    unknown = set(options) - {"accounting", "confidence", "num_samples",
+                              "accounting_seed"}
+    if unknown:
+      raise ValueError(f"BallsInBinsSampler.configured: unknown options "
+                       f"{sorted(unknown)}.")
+    return type(cls.__name__, (cls,), {
+        "_accounting_options": {**cls._accounting_options, **options},
+        "__module__": cls.__module__})
 
   @property
   def num_bins(self) -> int:
@@ -149,3 +217,52 @@ class BallsInBinsSampler(poisson.PoissonSampler):
     return dp_accounting.SelfComposedDpEvent(
         mechanism.dp_event(noise_multiplier),
         math.ceil(int(steps) / self.num_bins))
+
+  def monte_carlo_epsilon(self, mechanism, noise_multiplier: float,
+                          steps: int, delta: float
+                          ) -> balls_in_bins_accounting.MonteCarloEpsilon:
+    """The Monte-Carlo ε of `steps` steps (`ceil(steps / k)` epochs of
+    Chua et al.'s pair at the mechanism's Gaussian noise multiplier), at
+    this sampler's confidence, samples and seed; cached.
+
+    Raises:
+      ValueError: a mechanism whose per-participation event is not one
+        Gaussian (the pair is stated for the Gaussian mechanism), or with a
+        cyclic schema / whole-run event (as `dp_event`).
+    """
+    self.dp_event(mechanism, noise_multiplier, steps)  # refuses the same
+    event = mechanism.dp_event(noise_multiplier)
+    if not isinstance(event, dp_accounting.GaussianDpEvent):
+      raise ValueError(
+          f"BallsInBinsSampler: the Monte-Carlo ε is stated for a Gaussian "
+          f"mechanism; {mechanism!r} has the event {event!r}. Use "
+          "accounting='upper_bound'.")
+    key = (float(event.noise_multiplier), math.ceil(int(steps) /
+                                                     self.num_bins),
+           float(delta))
+    if key not in self._monte_carlo_cache:
+      self._monte_carlo_cache[key] = (
+          balls_in_bins_accounting.monte_carlo_epsilon(
+              key[0], self.num_bins, key[1], key[2],
+              confidence=self.confidence, num_samples=self.num_samples,
+              seed=self.accounting_seed))
+    return self._monte_carlo_cache[key]
+
+  def epsilon(self, mechanism, noise_multiplier: float, steps: int,
+              delta: float, accountant: str = "pld") -> float:
+    """ε after `steps` steps at `delta`: the certified bound
+    (`dp_event`'s ε by `accountant`) for accounting="upper_bound"; for
+    "monte_carlo" the smaller of it and the Monte-Carlo ε (which holds
+    with probability >= `confidence`, module docstring). 0 for no steps,
+    inf without noise."""
+    if int(steps) == 0:
+      return 0.0
+    if noise_multiplier == 0:
+      return math.inf
+    certified = tf_pxg_accounting.event_epsilon(
+        self.dp_event(mechanism, noise_multiplier, steps), delta,
+        accountant)
+    if self.accounting == "upper_bound":
+      return certified
+    return min(certified, self.monte_carlo_epsilon(
+        mechanism, noise_multiplier, steps, delta).epsilon)
