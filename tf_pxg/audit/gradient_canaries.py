@@ -192,7 +192,8 @@ def add_gradient_canaries(model, sums, variables, info, clip, clipping=None):
     model: the Keras model being trained.
     sums: the clipped sums, one per variable (dense or `IndexedSlices`).
     variables: `model.trainable_variables`.
-    info: the Poisson batch's info dict, or None (a plain batch: one step).
+    info: the Poisson batch's `tf_pxg.data.BatchInfo`, or None (a plain
+      batch: one step).
     clip: the clip in use (float or scalar tensor).
     clipping: the `tf_pxg.dp.clipping` policy (None: flat).
 
@@ -204,7 +205,6 @@ def add_gradient_canaries(model, sums, variables, info, clip, clipping=None):
   if canaries is None:
     return sums
   import tensorflow as tf  # noqa: PLC0415
-  from tf_pxg import data as dp_data  # noqa: PLC0415
   from tf_pxg.dp import clipping as dp_clipping  # noqa: PLC0415
   from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
 
@@ -214,7 +214,7 @@ def add_gradient_canaries(model, sums, variables, info, clip, clipping=None):
   step = tf.cast(optimizer.iterations, tf.int64)
   add = _sampled(canaries, step)
   if info is not None:  # once per logical step: at the batch that ends it
-    add = tf.logical_and(add, info[dp_data.STEP_END][0] > 0.5)
+    add = tf.logical_and(add, info.step_end)
   replica = tf.distribute.get_replica_context()
   if replica is not None:  # the all-reduce sums replicas: add on one only
     add = tf.logical_and(add, tf.equal(replica.replica_id_in_sync_group, 0))

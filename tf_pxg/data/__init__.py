@@ -16,6 +16,12 @@ data beyond memory. See `tf_pxg.data.poisson` for the semantics and the
 overflow rule, `docs/sampling.md` for which path to use at which size.
 """
 
+from tf_pxg.data.batch_info import BatchInfo
+from tf_pxg.data.batch_info import MASK
+from tf_pxg.data.batch_info import NORMALIZER
+from tf_pxg.data.batch_info import ROW_MASK
+from tf_pxg.data.batch_info import STEP_END
+from tf_pxg.data.batch_info import WEIGHT
 from tf_pxg.data.dataset import dp_batch_info
 from tf_pxg.data.dataset import for_input_pipeline
 from tf_pxg.data.dataset import is_dp_batch_info
@@ -25,17 +31,13 @@ from tf_pxg.data.dataset import shard_batch
 from tf_pxg.data.dataset import user_index
 from tf_pxg.data.poisson import default_physical_batch_size
 from tf_pxg.data.poisson import group_assignment
-from tf_pxg.data.poisson import MASK
 from tf_pxg.data.poisson import max_num_groups
-from tf_pxg.data.poisson import NORMALIZER
 from tf_pxg.data.poisson import PhysicalBatch
 from tf_pxg.data.poisson import PoissonSampler
-from tf_pxg.data.poisson import ROW_MASK
-from tf_pxg.data.poisson import STEP_END
-from tf_pxg.data.poisson import WEIGHT
 from tf_pxg.data.shards import PoissonShards
 
 __all__ = [
+    "BatchInfo",
     "MASK",
     "NORMALIZER",
     "PhysicalBatch",

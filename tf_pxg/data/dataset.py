@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_pxg.data import batch_info
 from tf_pxg.data import poisson
 from tf_pxg.data import sampling_ops
 
@@ -183,15 +184,10 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
     mask = tf.ensure_shape(mask, [p])
     rows, row_mask = rows_of(idx, mask, key)
     take = lambda a: tf.gather(a, rows)  # noqa: E731
-    info = {poisson.MASK: mask,
-            poisson.STEP_END: tf.fill([p], tf.cast(step_end, tf.float32)),
-            poisson.NORMALIZER: tf.fill([p], normalizer)}
-    if row_mask is not None:
-      info[poisson.ROW_MASK] = row_mask
-    if w is not None:
-      info[poisson.WEIGHT] = take(w)
+    info = batch_info.BatchInfo(
+        mask, step_end, normalizer, None if w is None else take(w), row_mask)
     return (tf.nest.map_structure(take, xs), tf.nest.map_structure(take, ys),
-            info)
+            info.to_element())
 
   data = tf.data.Dataset.from_tensors(held).repeat()
   return tf.data.Dataset.zip((index, data)).map(
@@ -338,13 +334,15 @@ def for_input_pipeline(dataset: tf.data.Dataset,
 
 
 def is_dp_batch_info(value) -> bool:
-  """Whether `value` is the `info` dict of a Poisson physical batch."""
-  return isinstance(value, dict) and poisson.MASK in value
+  """Whether `value` is the `info` dict of a Poisson physical batch (the
+  wire form of a `tf_pxg.data.BatchInfo`)."""
+  return batch_info.is_element(value)
 
 
 def dp_batch_info(mask, step_end, normalizer, weight=None,
                   row_mask=None) -> dict:
-  """Builds the `info` dict from `[P]` tensors (custom pipelines, tests).
+  """Builds the `info` dict from `[P]` tensors (custom pipelines, tests):
+  `BatchInfo(...).to_element()`.
 
   Args:
     mask: `[P]` 1 for real rows, 0 for padding rows.
@@ -357,17 +355,8 @@ def dp_batch_info(mask, step_end, normalizer, weight=None,
       (augmult, user-level): the train step averages each unit's real
       rows' losses into the unit's loss, clipped as one.
   """
-  mask = tf.cast(mask, tf.float32)
-  shape = tf.shape(mask)
-  return {poisson.MASK: mask,
-          poisson.STEP_END: tf.broadcast_to(tf.cast(step_end, tf.float32),
-                                            shape),
-          poisson.NORMALIZER: tf.broadcast_to(
-              tf.cast(normalizer, tf.float32), shape),
-          **({} if weight is None else
-             {poisson.WEIGHT: tf.cast(weight, tf.float32)}),
-          **({} if row_mask is None else
-             {poisson.ROW_MASK: tf.cast(row_mask, tf.float32)})}
+  return batch_info.BatchInfo(mask, step_end, normalizer, weight,
+                              row_mask).to_element()
 
 
 __all__ = ["UserIndex", "dp_batch_info", "for_input_pipeline",

@@ -145,14 +145,13 @@ from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
 
-# Keys of the per-row DP batch information (see `PhysicalBatch`).
-MASK = "dp_mask"
-STEP_END = "dp_step_end"
-NORMALIZER = "dp_normalizer"
-WEIGHT = "dp_weight"
-# Per-row mask of a batch of privacy units of several rows (augmult, users):
-# `[P * G]`, the G rows of a unit contiguous; `MASK` is then per unit `[P]`.
-ROW_MASK = "dp_row_mask"
+# The wire keys of a physical batch's `BatchInfo` (kept importable here).
+from tf_pxg.data.batch_info import MASK  # noqa: F401
+from tf_pxg.data.batch_info import NORMALIZER  # noqa: F401
+from tf_pxg.data.batch_info import ROW_MASK  # noqa: F401
+from tf_pxg.data.batch_info import STEP_END  # noqa: F401
+from tf_pxg.data.batch_info import WEIGHT  # noqa: F401
+
 
 # Second word of the key of the group assignment's generator,
 # `np.random.default_rng([group_seed, GROUP_SALT])`: the ASCII bytes of

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tf_pxg.data import poisson
+from tf_pxg.data import batch_info
 
 MANIFEST = "manifest.json"
 RECORDS = "dp/records"
@@ -121,11 +121,9 @@ class PoissonShards:
 
     def parse(f):
       x, y = parse_fn(f[RECORDS])
-      info = {poisson.MASK: f[MASK],
-              poisson.STEP_END: tf.fill([rows], tf.cast(f[STEP_END],
-                                                        tf.float32)),
-              poisson.NORMALIZER: tf.fill([rows], normalizer)}
-      return x, y, info
+      info = batch_info.BatchInfo(f[MASK], tf.not_equal(f[STEP_END], 0),
+                                  normalizer)
+      return x, y, info.to_element()
 
     first = start_step // self.steps_per_shard
     if first >= self.num_shards:

@@ -104,7 +104,8 @@ class _ShardFeed:
     step = int(model.optimizer.iterations.numpy())  # the unfinished one
     ds = self.sampler.dataset(start_step=step)
     count = sum(1 for _ in ds.map(lambda x, y, i: i).take_while(
-        lambda i: tf.equal(i[dp_data.STEP_END][0], 0.0)))
+        lambda i: tf.logical_not(
+            dp_data.BatchInfo.from_element(i).step_end)))
     return ds.skip(in_step).take(count + 1 - in_step), count + 1 - in_step
 
 

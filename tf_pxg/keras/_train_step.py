@@ -15,7 +15,7 @@ Per global step with R replicas, each holding `B_r` examples
    one global step is added exactly once, whatever R is.
 
 With Poisson batches (`tf_pxg.data`: the `sample_weight` slot holds the
-batch's `info` dict) a logical step spans one or more physical batches:
+batch's `info`, read as a `tf_pxg.data.BatchInfo`) a logical step spans one or more physical batches:
 padding rows get a constant loss (zero gradient, norm, loss and metric
 weight), the replicas' `S_r` accumulate locally
 (`tf_pxg.dp.accumulation.LogicalStepAccumulator`) and only the physical
@@ -316,16 +316,17 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   limit) passes `write=False`, so a stateful mechanism (BandMF's buffers)
   keeps its state.
   """
-  from tf_pxg import data as dp_data  # noqa: PLC0415
+  from tf_pxg.data.batch_info import BatchInfo  # noqa: PLC0415
 
   # Under the model's XLA compilation, selects replace the conditionals and
   # the noise is drawn at every physical batch (used only at a step's end):
   # on CPU an XLA conditional copies every tensor it passes.
   xla = bool(getattr(model, "jit_compile", False))
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-  info = sample_weight if dp_data.is_dp_batch_info(sample_weight) else None
+  # The one place the wire dict becomes the typed info (None: a plain batch).
+  info = BatchInfo.from_element(sample_weight)
   if info is not None:
-    sample_weight = info.get(dp_data.WEIGHT)
+    sample_weight = info.weight
   # Eagerly a refused write has already run when it is seen: keep the
   # state to put back (in a graph the refusal comes at trace time).
   before = _eager_state(model)
@@ -336,14 +337,14 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
       y_pred = model(x)
     losses = pe_losses.per_example_losses(model, y, y_pred, sample_weight)
     row_mask = None
-    if info is not None and dp_data.ROW_MASK in info:
+    if info is not None and info.row_mask is not None:
       # Privacy units of G contiguous rows (augmult copies, a user's
       # examples): the unit's loss is the mean of its real rows' losses, so
       # its gradient is the mean of theirs, clipped as one. The engine takes
       # a `[P]` target over `[P G]` rows in one backward pass.
-      row_mask = tf.cast(info[dp_data.ROW_MASK], losses.dtype)
+      row_mask = tf.cast(info.row_mask, losses.dtype)
       rows = tf.where(row_mask > 0, losses, tf.zeros_like(losses))
-      units = tf.shape(info[dp_data.MASK])[0]
+      units = tf.shape(info.mask)[0]
       rows = tf.reshape(rows, [units, -1])
       per_unit = tf.reshape(row_mask, [units, -1])
       losses = tf.reduce_sum(rows, axis=1) / tf.maximum(
@@ -351,7 +352,7 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     if info is not None:
       # A padding row's loss is replaced by a constant: its output gradient,
       # hence its per-example gradient and norm, are exactly zero.
-      mask = tf.cast(info[dp_data.MASK], losses.dtype)
+      mask = tf.cast(info.mask, losses.dtype)
       losses = tf.where(mask > 0, losses, tf.zeros_like(losses))
     scale = None
     target = losses
@@ -373,8 +374,8 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     # tf_pxg.dp.sparse_selection); a no-op for the others.
     mechanism.noise.prepare(
         tape, variables, model=model, batch_size=tf.shape(losses)[0],
-        mask=None if info is None else info[dp_data.MASK],
-        step_end=None if info is None else info[dp_data.STEP_END][0] > 0.5,
+        mask=None if info is None else info.mask,
+        step_end=None if info is None else info.step_end,
         xla=xla)
   # A non-finite example's clip factor is 0 there: nothing to check here.
   sums, norms = tape.clipped_gradient_sum(target, variables, clip,
@@ -403,11 +404,11 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   scalars = {}
   if clip_variable is not None:  # adaptive: sum_b (1[||g_b|| <= C] - 1/2)
     scalars["count"] = (clipping.unclipped_count(
-        norms, clip, None if info is None else info[dp_data.MASK]),
+        norms, clip, None if info is None else info.mask),
                         mechanism.count_stddev)
   if mechanism is not None and mechanism.noisy_loss is not None:
     keep = finite if info is None else tf.logical_and(
-        finite, info[dp_data.MASK] > 0)
+        finite, info.mask > 0)
     scalars["loss_sum"] = (mechanism.noisy_loss.clamped_sum(losses, keep),
                            mechanism.noisy_loss.stddev)
   sums = sums + [value for value, _ in scalars.values()]
@@ -415,13 +416,13 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
     step_end, mask = None, None
     normalizer = tf.cast(tf.shape(losses)[0], tf.float32)
   else:
-    step_end = info[dp_data.STEP_END][0] > 0.5
-    normalizer = info[dp_data.NORMALIZER][0]
+    step_end = info.step_end
+    normalizer = info.normalizer
     sums = accumulator_for(variables).step(
         [dp_noise.densify(s) for s in sums], step_end, branchless=xla)
-    mask = info[dp_data.MASK]
+    mask = info.mask
     if row_mask is not None:
-      mask = (mask, info[dp_data.ROW_MASK])  # per unit, per row (metrics)
+      mask = (mask, info.row_mask)  # per unit, per row (metrics)
   draw = None if xla else step_end
   noise = dp_mechanisms.IndependentGaussian() if mechanism is None else \
       mechanism.noise
@@ -451,7 +452,7 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   reg_grads = [None if r is None else r / replicas for r in reg_grads]
   count_normalizer = None
   if released:
-    count_normalizer = (info[dp_data.NORMALIZER][0] if info is not None else
+    count_normalizer = (info.normalizer if info is not None else
                         tf.cast(tf.shape(losses)[0], tf.float32))
   return ReplicaGradients(noisy, normalizer, reg_grads, step_end, x, y,
                           y_pred, sample_weight, losses, mask, reg_loss,
