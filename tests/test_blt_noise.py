@@ -1,11 +1,15 @@
 """Tests for BLT noise (tf_pxg.dp.blt): the streamed noise against the
 dense C^-1 z it implies (closed form) and its covariance, the inverse
 pair, the sensitivity against a brute-force maximum over participation
-patterns, the event, a Keras fit with saved buffers. That it was added in
-one file: tests/test_balls_in_bins.py::test_added_in_one_file."""
+patterns, the event, a Keras fit with saved buffers; in the train step under
+XLA against the dense C^-1 z, a checkpoint round trip of the buffers, and
+MirroredStrategy's replica shares against the covariance. That it was added
+in one file: tests/test_balls_in_bins.py::test_added_in_one_file."""
 
 import itertools
+import textwrap
 
+import _multi_worker as multi_worker
 import dp_accounting
 import keras
 import numpy as np
@@ -125,3 +129,125 @@ def test_fit_and_keras_save_keep_the_buffers(tmp_path):
   assert loaded.optimizer.noise_mechanism == mech
   for a, b in zip(loaded.optimizer.dp_state.noise, state):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def _zero_gradient_model(mechanism, jit=False, seed=3):
+  """Zero inputs into a bias-free Dense: the per-example gradients are 0,
+  so with SGD(1) the update of a batch of 8 is exactly `-x_t / 8`."""
+  inp = keras.Input((4,))
+  out = keras.layers.Dense(6, use_bias=False,
+                           kernel_initializer="zeros")(inp)
+  model = tf_pxg.keras.DPModel(inp, out, l2_norm_clip=1.0,
+                               noise_multiplier=1.0, seed=seed,
+                               noise_mechanism=mechanism)
+  model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse",
+                jit_compile=jit)
+  return model
+
+
+_ZEROS = (np.zeros((8, 4), "float32"), np.zeros((8, 6), "float32"))
+
+
+def _noises(model, steps):
+  """`[steps, 24]`: each step's noise x_t, read from the update."""
+  out = []
+  for _ in range(steps):
+    before = model.trainable_variables[0].numpy().copy()
+    model.train_on_batch(*_ZEROS)
+    out.append(8.0 * (before - model.trainable_variables[0].numpy()).ravel())
+  return np.stack(out)
+
+
+def test_xla_train_step_noise_is_the_dense_inverse_strategy_times_z():
+  """Under jit_compile=True the train step's noise is C^-1 z, z read from
+  a DP-SGD run with the same noise seed (the same Gaussians)."""
+  mech = blt.BLT(num_steps=20, min_separation=2, num_buffers=3)
+  steps = 4
+  z = _noises(_zero_gradient_model(None), steps)
+  x = _noises(_zero_gradient_model(mech, jit=True), steps)
+  want = mech.noise_matrix(steps) @ z.astype(np.float64)
+  np.testing.assert_allclose(x, want, rtol=0,
+                             atol=1e-5 * np.abs(want).max())
+  assert np.abs(x - z).max() > 0.1  # the correlation is there
+
+
+def test_checkpoint_round_trip_continues_the_noise_sequence(tmp_path):
+  mech = blt.BLT(num_steps=20, min_separation=2, num_buffers=3)
+  a = _zero_gradient_model(mech)
+  _noises(a, 3)
+  path = tf.train.Checkpoint(model=a, optimizer=a.optimizer).save(
+      str(tmp_path / "ckpt"))
+  gen_state = a._dp_generator.state.numpy()
+  want = _noises(a, 2)
+
+  def resumed(restore_buffers):
+    b = _zero_gradient_model(mech, seed=99)
+    b.optimizer.build(b.trainable_variables)
+    tf.train.Checkpoint(model=b, optimizer=b.optimizer).restore(
+        path).assert_existing_objects_matched()
+    if not restore_buffers:
+      for buf in b.optimizer.dp_state.noise:
+        buf.assign(tf.zeros_like(buf))
+    b._dp_generator.reset(gen_state)  # the same z from here on
+    return _noises(b, 2)
+
+  np.testing.assert_allclose(resumed(True), want, rtol=0, atol=1e-6)
+  # Without the buffers the sequence restarts: the check can fail.
+  assert np.abs(resumed(False) - want).max() > 1e-2
+
+
+_MIRRORED = textwrap.dedent("""
+    import json, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_pxg.keras as dpk
+    from tf_pxg.dp import blt
+
+    SIGMA, CLIP, B, LR = 1.3, 0.7, 16, 1.0
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    mech = blt.BLT(num_steps=20, min_separation=2, num_buffers=3)
+    with strategy.scope():
+      inp = keras.Input((100,))
+      out = keras.layers.Dense(300, use_bias=False,
+                               kernel_initializer="zeros")(inp)
+      model = dpk.DPModel(inp, out, l2_norm_clip=CLIP, noise_multiplier=SIGMA,
+                          seed=7, noise_mechanism=mech)
+      model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse",
+                    jit_compile=False)
+      model.optimizer.build(model.trainable_variables)
+    ds = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((B, 100), "float32"), np.zeros((B, 300), "float32")))
+    @tf.function
+    def step(batch):
+      strategy.run(model.train_step, args=(batch,))
+    prev = model.trainable_variables[0].numpy().copy()
+    steps = []
+    for batch in strategy.experimental_distribute_dataset(
+        ds.batch(B).repeat(3)):
+      step(batch)
+      w = model.trainable_variables[0].numpy().copy()
+      steps.append(((prev - w) / LR).ravel())
+      prev = w
+    print("RESULT", json.dumps(dict(
+        cov=np.cov(np.stack(steps)).tolist(),
+        replicas=strategy.num_replicas_in_sync,
+        iterations=int(model.optimizer.iterations.numpy()))))
+    """)
+
+
+def test_mirrored_strategy_replica_shares_give_one_global_blt_sequence():
+  """Two replicas each stream their share z^r ~ N(0, s^2 / 2): the global
+  noise's covariance over steps is s^2 C^-1 C^-T (not 2x, not 1/2x)."""
+  result = multi_worker.run_script(_MIRRORED, timeout=240)
+  assert result["replicas"] == 2 and result["iterations"] == 3
+  mech = blt.BLT(num_steps=20, min_separation=2, num_buffers=3)
+  inv = mech.noise_matrix(3)
+  want = (1.3 * 0.7 / 16) ** 2 * inv @ inv.T
+  # 30000 coordinates: each entry's standard error <= ~1.2% of the diagonal.
+  np.testing.assert_allclose(np.array(result["cov"]), want, rtol=0,
+                             atol=0.05 * want.diagonal().max())
