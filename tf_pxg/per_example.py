@@ -22,9 +22,12 @@
 Norms take a rule's `sq_norm` shortcut (ghost norms, Goodfellow's trick)
 when a source reaches exactly one (possibly merged) interface through
 norm-preserving ops;
-otherwise the source's per-example gradient is materialised and summed over
-its uses first (a tied weight's norm is the norm of the sum, not the sum of
-norms).
+a matrix source with several uses of its own (a tied embedding's lookup and
+LM head) takes each use's `sq_norm` plus the cross terms between the uses
+from their outer-product factors (`tf_pxg.rules.factors`) where that is
+cheaper than materialising; otherwise the source's per-example gradient is
+materialised and summed over its uses first (a tied weight's norm is the
+norm of the sum, not the sum of norms).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.interface import (PARAM, Classifier, Interface,
                               check_examples_independent, data_path)
 from tf_pxg.rules import base
+from tf_pxg.rules import factors
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
 # Ops through which a per-example gradient keeps its norm (phase 2 shortcut).
@@ -281,6 +285,7 @@ class PerExampleBackprop:
         uses_per_source[s] += len(self._uses[pid])
     total = []
     materialize = set()
+    shared = collections.defaultdict(list)  # source -> its unmerged uses
     for pid, itfs in self._uses.items():
       found, simple = self._origins(pid)
       alone = (simple and len(found) == 1 and
@@ -289,8 +294,19 @@ class PerExampleBackprop:
         total.append(tf.cast(self._apply(itfs[0], "sq_norm"), tf.float32))
       elif alone and _one_chunk_set(itfs):
         total.append(self._chunked_sq_norm(itfs))
+      elif (simple and len(found) == 1 and
+            all(itf.chunk_set is None for itf in itfs)):
+        shared[next(iter(found))].extend(itfs)
       else:
         materialize |= found
+    for s, itfs in shared.items():
+      norms = None
+      if s not in materialize and uses_per_source[s] == len(itfs):
+        norms = self._shared_sq_norm(s, itfs)
+      if norms is None:
+        materialize.add(s)
+      else:
+        total.append(norms)
     if materialize:
       for g in self.per_example_gradients(materialize):
         if g is not None:
@@ -310,6 +326,65 @@ class PerExampleBackprop:
       return rule.chunked_sq_norm([self._context(itf) for itf in itfs])
     return base.batch_sq_norm(tf.add_n(
         [base.to_dense(self._apply(itf, "per_example")) for itf in itfs]))
+
+  def _shared_sq_norm(self, source: int, itfs: List[Interface]):
+    """`[B]` squared norms of the sum of a 2-D parameter's per-example
+    gradients over its uses `itfs` (each use one interface of its own: a
+    tied embedding's lookup and LM head), or None where that cannot be
+    done without materialising: `sum_u ||G^u_b||^2` (each rule's `sq_norm`)
+    `+ 2 sum_{u<v} <G^u_b, G^v_b>` (`tf_pxg.rules.factors.inner`, from
+    outer-product factors, so no `[B, V, d]` gradient), when every use's
+    rule has `outer_factors`, reaches `source` through reads, casts and
+    2-D transposes, and the cross terms cost fewer multiply-adds than
+    materialising the uses' gradients."""
+    found = []
+    for itf in itfs:
+      swap = self._factor_orientation(itf.param_id, source)
+      if (swap is None or itf.original_param_shape is not None or
+          itf.copy_axis is not None or
+          not hasattr(itf.rule, "outer_factors")):
+        return None
+      found.append((itf, swap))
+    terms, parts = [], []
+    for itf, swap in found:
+      rule_trace.call(itf.entry.op_type, itf.rule, "outer_factors")
+      f = itf.rule.outer_factors(self._context(itf))
+      if f is None:
+        return None
+      parts.append(f.transposed() if swap else f)
+    shape = [p.left.size for p in parts[:1]] + [p.right.size
+                                                   for p in parts[:1]]
+    rows = [p.rows for p in parts]
+    costs = [factors.inner_cost(u, v) for i, u in enumerate(parts)
+             for v in parts[i + 1:]]
+    if None in rows + costs + shape:
+      return None
+    if sum(costs) >= sum(rows) * shape[0] * shape[1]:
+      return None  # Materialising the uses' gradients is cheaper.
+    for itf, _ in found:
+      terms.append(tf.cast(self._apply(itf, "sq_norm"), tf.float32))
+    for i, u in enumerate(parts):
+      terms.extend(2.0 * factors.inner(u, v) for v in parts[i + 1:])
+    return tf.add_n(terms)
+
+  def _factor_orientation(self, pid: int, source: int) -> Optional[bool]:
+    """Whether the PARAM tensor `pid` is the 2-D `source` transposed
+    (True) or as it is (False), through reads, identities, casts and 2-D
+    transposes; None for any other path."""
+    swap = False
+    while pid != source:
+      entry = self._producer.get(pid)
+      if entry is None or self._classifier.param_inputs(entry) != [0]:
+        return None
+      if entry.op_type == "Transpose":
+        perm = tf.get_static_value(entry.inputs[1])
+        if perm is None or list(perm) != [1, 0]:
+          return None
+        swap = not swap
+      elif entry.op_type not in ("ReadVariableOp", "Identity", "Cast"):
+        return None
+      pid = entry.input_ids[0]
+    return swap
 
   def weighted_sums(self, c) -> list:
     """`sum_b c[b] g_b` per source, the shape of the source."""

@@ -13,7 +13,10 @@ with a batch letter X (examples) on the data operand. Then
 * squared norm of a sum over chunks of one parameter's merged uses
   (`tf_pxg.merge_uses`): the ghost terms of every pair of chunks, or the
   materialised chunks added (`chunked_sq_norm`), the form chosen for all
-  rows together.
+  rows together;
+* outer factors of a matrix parameter (`tf_pxg.rules.factors`): the data
+  rows and dz rows, for the inner product with another use of the
+  parameter (a tied LM head and its embedding lookup).
 
 Letters: R = summed (in data and out, not param), Pd = param letters in data
 only (contracted), Po = param letters in out only, S = param letters in all
@@ -30,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg.rules import base
+from tf_pxg.rules import factors
 from tf_pxg.rules.base import register
 from tf_pxg.tape import recording
 from tf_pxg.tape.recording import Entry
@@ -346,6 +350,21 @@ def norm_dtype(dtype) -> tf.DType:
   return tf.float64 if dtype == tf.float64 else tf.float32
 
 
+def _rows_last(t, sub: str, x: str, summed: str, last: str, sizes):
+  """`t` (letters `sub`) as `[B, R, n]`: the batch letter `x`, the summed
+  letters (R rows, static where their sizes are) and the one letter
+  `last` (n)."""
+  order = f"{x}{summed}{last}"
+  if sub != order:
+    t = tf.transpose(t, [sub.index(c) for c in order])
+  rows = 1
+  for c in summed:
+    rows = None if rows is None or sizes.get(c) is None else rows * sizes[c]
+  out = tf.reshape(t, tf.stack([tf.shape(t)[0], -1, tf.shape(t)[-1]]))
+  out.set_shape([t.shape[0], rows, t.shape[-1]])
+  return out
+
+
 def _sum_of_squares(t, sub: str, keep: str):
   """`einsum(f"{sub},{sub}->{keep}", t, t)` as a reduction (no matmul).
 
@@ -401,6 +420,26 @@ class _Contraction(base.Rule):
       parts.append(_Operands(s, ctx.inputs[s.data_index], ctx.dz,
                              ctx.batch_size, ctx.batch_minor))
     return chunked_sq_norm(parts)
+
+  def outer_factors(self, ctx):
+    """`factors.OuterFactors` of a matrix parameter's per-example gradient
+    `G_b[p, q] = sum_r data[b, r, p] dz[b, r, q]` (or with data and dz
+    swapped when the parameter's first axis is the output's), r over the
+    summed rows; None for other parameters (per-head letters, more than
+    two axes, broadcast axes)."""
+    s = self.spec(ctx)
+    if s.param_keep is not None or len(s.param_sub) != 2:
+      return None
+    ops = _Operands(s, ctx.inputs[s.data_index], ctx.dz, ctx.batch_size,
+                    ctx.batch_minor)
+    if ops.shared or ops.lonely or len(ops.pd) != 1 or len(ops.po) != 1:
+      return None
+    a = factors.Dense(_rows_last(ops.data, ops.data_sub, ops.x, ops.summed,
+                                 ops.pd, ops.sizes))
+    z = factors.Dense(_rows_last(ops.dz, ops.out_sub, ops.x, ops.summed,
+                                 ops.po, ops.sizes))
+    return (factors.OuterFactors(a, z) if s.param_sub[0] == ops.pd else
+            factors.OuterFactors(z, a))
 
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept (a

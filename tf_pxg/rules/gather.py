@@ -10,7 +10,10 @@ asked for), but norms and weighted sums never build it:
   into one loop over the Gram; TF's kernels make three passes, and its
   broadcasting `Equal` alone cost about as much as the Gram's matmul;
   docs/benchmarks.md);
-* weighted sum: TF's IndexedSlices gradient of the rows scaled by c_b.
+* weighted sum: TF's IndexedSlices gradient of the rows scaled by c_b;
+* outer factors (`tf_pxg.rules.factors`): one-hot rows of the ids and dz's
+  rows, for the inner product with another use of the table (a tied LM
+  head) without the `[B, V, D]` gradient.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_pxg.rules import base
+from tf_pxg.rules import factors
 from tf_pxg.rules.base import register
 
 
@@ -72,6 +76,34 @@ class _GatherRule(base.Rule):
   def sq_norm(self, ctx):
     ids, dz = self._rows(ctx)
     return _masked_gram_sum(ids, tf.cast(dz, tf.float32))
+
+  def outer_factors(self, ctx):
+    """`factors.OuterFactors` of a 2-D table's per-example gradient:
+    `sum_t e_{id_t} (x) dz_t` (one-hot rows `[B, L]`, dz `[B, L, D]`);
+    None for a table of another rank."""
+    shape = ctx.param_shape
+    if tf.is_tensor(shape):  # A resource handle's shape: static if known.
+      shape = tf.get_static_value(shape)
+    elif shape.rank is None:
+      return None
+    if shape is None or len(shape) != 2:
+      return None
+    shape = [None if d is None else int(d) for d in shape]
+    ids, dz = self._rows(ctx)
+    ids.set_shape([None, _rows_per_example(ctx)])
+    dtype = tf.float64 if dz.dtype == tf.float64 else tf.float32
+    return factors.OuterFactors(factors.OneHot(ids, shape[0]),
+                                factors.Dense(tf.cast(dz, dtype)))
+
+
+def _rows_per_example(ctx):
+  """The static number of ids per example, or None."""
+  ids = ctx.inputs[1]
+  tail = ids.shape[1:].num_elements()
+  n, b = ids.shape[0], ctx.batch_size
+  if tail is None or n is None or not isinstance(b, int) or b == 0:
+    return None
+  return tail * (n // b)
 
 
 @tf.function(jit_compile=True, autograph=False)
