@@ -67,9 +67,11 @@ _TRAIN = flags.DEFINE_integer("train_examples", 65536, "Training set size.")
 _EPOCHS = flags.DEFINE_float("epochs", 3.0, "Utility training epochs.")
 _LR = flags.DEFINE_float("learning_rate", 0.5, "SGD learning rate.")
 _CLIP = flags.DEFINE_float("l2_norm_clip", 1.0, "C.")
-_THRESHOLD = flags.DEFINE_float(
-    "threshold", 6.0, "DP-AdaFEST tau at sigma = 1 (timing); the utility "
-    "runs use tau = threshold * sigma.")
+_FALSE_POSITIVES = flags.DEFINE_float(
+    "false_positives", 64.0, "DP-AdaFEST: the expected number of untouched "
+    "rows selected per step, V p; tau = sigma_sel Q^-1(false_positives / "
+    "V) (`threshold_for`), so the selection's cost is the same at every V "
+    "and every sigma (a fixed tau would select p V rows, growing with V).")
 _SEL_SIGMA = flags.DEFINE_float(
     "selection_noise_multiplier_ratio", 3.0,
     "DP-AdaFEST sigma_sel as a multiple of the accounted sigma.")
@@ -233,7 +235,22 @@ def make_steps(model, modes, noise_multiplier, batch, fest_rows, threshold,
   }
   return {m: tf.function(steps[m]) for m in modes}, {
       "sigma": sigma, "sigma_sel": sigma_sel, "sigma_g_adafest": sigma_g_ada,
+      "threshold": threshold,
       "false_positive_rate": adafest.false_positive_rate}
+
+
+def threshold_for(num_rows, selection_noise_multiplier, false_positives,
+                  selection_l2_norm_clip=1.0):
+  """DP-AdaFEST's tau for `false_positives` expected untouched rows
+  selected per step: `p = false_positives / V = Q(tau / (sigma_sel
+  C_sel))`. Data-independent (V and the noise only): choosing it leaks
+  nothing."""
+  from scipy import stats  # noqa: PLC0415
+  if not selection_noise_multiplier:
+    return 0.0
+  rate = min(1.0, false_positives / num_rows)
+  return float(selection_noise_multiplier * selection_l2_norm_clip *
+               stats.norm.isf(rate))
 
 
 def _batches(data, batch, seed):
@@ -257,8 +274,9 @@ def time_rows(num_rows, modes, rounds, round_seconds):
                    _SEED.value)
   model = build_model(num_rows, _DIM.value, _SEQ.value, _SEED.value)
   steps, info = make_steps(model, modes, 1.0, _BATCH.value, _FEST_ROWS.value,
-                           _THRESHOLD.value, _SEL_SIGMA.value, _CLIP.value,
-                           1e-3, _SEED.value)
+                           threshold_for(num_rows, _SEL_SIGMA.value,
+                                         _FALSE_POSITIVES.value),
+                           _SEL_SIGMA.value, _CLIP.value, 1e-3, _SEED.value)
   feed = _batches(data, _BATCH.value, 1)
   fixed = [next(feed) for _ in range(4)]
   fixed = [((tf.constant(h), tf.constant(c)), tf.constant(y))
@@ -322,8 +340,9 @@ def memory_of(mode, num_rows):
                    _SEED.value)
   model = build_model(num_rows, _DIM.value, _SEQ.value, _SEED.value)
   steps, _ = make_steps(model, [mode], 1.0, _BATCH.value, _FEST_ROWS.value,
-                        _THRESHOLD.value, _SEL_SIGMA.value, _CLIP.value,
-                        1e-3, _SEED.value)
+                        threshold_for(num_rows, _SEL_SIGMA.value,
+                                      _FALSE_POSITIVES.value),
+                        _SEL_SIGMA.value, _CLIP.value, 1e-3, _SEED.value)
   feed = _batches(data, _BATCH.value, 1)
   batches = [next(feed) for _ in range(4)]
   batches = [((tf.constant(h), tf.constant(c)), tf.constant(y))
@@ -343,7 +362,10 @@ def measure_memory(num_rows, modes):
   for m in modes:
     cmd = [sys.executable, "-m", "benchmarks.recsys", f"--memory_of={m}",
            f"--rows={num_rows}", f"--batch={_BATCH.value}",
-           f"--seq_len={_SEQ.value}", f"--dim={_DIM.value}"]
+           f"--seq_len={_SEQ.value}", f"--dim={_DIM.value}",
+           f"--false_positives={_FALSE_POSITIVES.value}",
+           f"--fest_rows={_FEST_ROWS.value}",
+           f"--selection_noise_multiplier_ratio={_SEL_SIGMA.value}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                           timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -380,10 +402,12 @@ def utility(num_rows, epsilons, modes):
     for m in (["keras"] if eps is None else [m for m in modes
                                             if m != "keras"]):
       model = build_model(num_rows, _DIM.value, _SEQ.value, _SEED.value)
-      # tau scales with sigma (sigma_sel = ratio * sigma): the same
-      # false-positive rate Q(tau / sigma_sel) at every epsilon.
+      # tau scales with sigma_sel = ratio * sigma: the same
+      # false-positive count V Q(tau / sigma_sel) at every epsilon.
       steps, info = make_steps(model, [m], sigma, _BATCH.value,
-                               _FEST_ROWS.value, _THRESHOLD.value * sigma,
+                               _FEST_ROWS.value, threshold_for(
+                                   num_rows, _SEL_SIGMA.value * sigma,
+                                   _FALSE_POSITIVES.value),
                                _SEL_SIGMA.value, _CLIP.value, _LR.value,
                                _SEED.value)
       feed = _batches(train, _BATCH.value, 2)

@@ -138,6 +138,7 @@ __all__ = [
     "false_positive_rate",
     "fixed_selection",
     "gather_ids",
+    "merge_touched_rows",
     "noisy_selected_rows",
     "sample_untouched_rows",
     "select_rows",
@@ -288,12 +289,28 @@ class TouchedRows(NamedTuple):
   num: tf.Tensor
 
 
-def _distinct_per_example(ids):
-  """`[B, L]` ids -> (sorted ids `[B, L]`, first-occurrence flags)."""
-  srt = tf.sort(ids, axis=1)
-  first = tf.concat([tf.ones_like(srt[:, :1], tf.bool),
-                     tf.not_equal(srt[:, 1:], srt[:, :-1])], axis=1)
-  return srt, first
+def _sorted_pairs(ids):
+  """`[B, L]` ids -> the sorted distinct-pair view of one table.
+
+  One sort of the keys `id * B + b` (int64; ids < 2^40 and B < 2^23 keep
+  them exact) orders the (row, example) pairs by row, then example, so
+  that a pair's first occurrence and a row's first occurrence are both
+  "differs from its predecessor": one sort replaces a sort per example and
+  an argsort of the flat ids (half the selection's time at B L = 5376).
+
+  Returns:
+    `(row [N], example [N], pair_first [N] bool, row_first [N] bool)`,
+    N = B L, in key order.
+  """
+  batch = tf.cast(tf.shape(ids)[0], tf.int64)
+  example = tf.range(batch, dtype=tf.int64)[:, None]
+  keys = tf.sort(tf.reshape(ids * batch + example, [-1]))
+  row = keys // tf.maximum(batch, 1)
+  example = keys - row * batch
+  head = tf.ones([1], tf.bool)
+  pair_first = tf.concat([head, tf.not_equal(keys[1:], keys[:-1])], 0)
+  row_first = tf.concat([head, tf.not_equal(row[1:], row[:-1])], 0)
+  return row, example, pair_first, row_first
 
 
 def touched_rows(ids_per_table: Sequence[Sequence[tf.Tensor]],
@@ -305,7 +322,8 @@ def touched_rows(ids_per_table: Sequence[Sequence[tf.Tensor]],
   jointly to `selection_l2_norm_clip` (module docstring): weight
   `w_b = mask_b min(1, C_sel / sqrt(n_b))`, n_b its distinct rows over
   all tables; a row's count is the sum of the weights of the examples
-  touching it.
+  touching it. Cost: one sort of the B L ids per table, O(B L log(B L)),
+  independent of V.
 
   Args:
     ids_per_table: per table, its uses' int64 ids, each `[B, L_u]`.
@@ -321,10 +339,12 @@ def touched_rows(ids_per_table: Sequence[Sequence[tf.Tensor]],
   distinct = None
   for uses in ids_per_table:
     ids = tf.concat(list(uses), axis=1) if len(uses) > 1 else uses[0]
-    srt, first = _distinct_per_example(ids)
-    n = tf.reduce_sum(tf.cast(first, tf.float32), axis=1)
+    ids = tf.cast(ids, tf.int64)
+    row, example, pair_first, row_first = _sorted_pairs(ids)
+    n = tf.math.unsorted_segment_sum(tf.cast(pair_first, tf.float32),
+                                     example, tf.shape(ids)[0])
     distinct = n if distinct is None else distinct + n
-    tables.append((srt, first))
+    tables.append((row, example, pair_first, row_first))
   clip = tf.cast(selection_l2_norm_clip, tf.float32)
   weight = tf.where(distinct > 0,
                     tf.minimum(1.0, clip * tf.math.rsqrt(
@@ -332,22 +352,17 @@ def touched_rows(ids_per_table: Sequence[Sequence[tf.Tensor]],
   if mask is not None:
     weight = weight * tf.cast(mask, tf.float32)
   out = []
-  for (srt, first), vocab in zip(tables, num_rows):
-    contrib = tf.where(first, weight[:, None], 0.0)
-    flat = tf.reshape(srt, [-1])
-    contrib = tf.reshape(contrib, [-1])
-    order = tf.argsort(flat, stable=True)
-    flat = tf.gather(flat, order)
-    contrib = tf.gather(contrib, order)
-    size = tf.size(flat, out_type=tf.int64)
-    new = tf.concat([tf.ones([1], tf.bool),
-                     tf.not_equal(flat[1:], flat[:-1])], 0)
-    seg = tf.cumsum(tf.cast(new, tf.int64)) - 1
-    num = tf.reduce_sum(tf.cast(new, tf.int64))
+  for (row, example, pair_first, row_first), vocab in zip(tables, num_rows):
+    contrib = tf.where(pair_first, tf.gather(weight, example), 0.0)
+    size = tf.size(row, out_type=tf.int64)
+    seg = tf.cumsum(tf.cast(row_first, tf.int64)) - 1
+    num = tf.reduce_sum(tf.cast(row_first, tf.int64))
     slots = tf.range(size, dtype=tf.int64)
     valid = slots < num
     counts = tf.math.unsorted_segment_sum(contrib, seg, size)
-    rows = tf.math.unsorted_segment_max(flat, seg, size)
+    # Each segment's first key is at a row_first position: scatter there.
+    rows = tf.math.unsorted_segment_sum(
+        tf.where(row_first, row, tf.zeros_like(row)), seg, size)
     rows = tf.where(valid, rows, tf.cast(vocab, tf.int64) + slots)
     out.append(TouchedRows(rows, counts, valid, num))
   return out
@@ -478,22 +493,32 @@ def noisy_selected_rows(clipped_sum: tf.IndexedSlices, selection: Selection,
   index = tf.cast(clipped_sum.indices, tf.int64)
   pos = tf.minimum(tf.searchsorted(grid, index, side="left",
                                    out_type=tf.int32), n - 1)
-  # A row outside the grid (DP-FEST: not a fixed row) goes to segment n,
-  # which is dropped.
-  pos = tf.where(tf.equal(tf.gather(grid, pos), index), pos, n)
-  rows_sum = tf.math.unsorted_segment_sum(flat, pos, n + 1)[:n]
-  total = tf.size(selection.rows)
-  extra = tf.zeros(tf.stack([total - n, tf.shape(flat)[1]]), dtype)
-  dense_rows = tf.concat([rows_sum, extra], 0)
-  noise = tf.random.stateless_normal(tf.shape(dense_rows), seed=seed,
-                                     dtype=tf.float32, alg=_ALG)
-  noisy = dense_rows + tf.cast(noise * tf.cast(stddev, tf.float32), dtype)
-  if scale is not None:
-    noisy = noisy * tf.cast(scale, dtype)
+  # A row outside the grid (DP-FEST: not a fixed row) gets slot -1, which
+  # unsorted_segment_sum drops.
+  pos = tf.where(tf.equal(tf.gather(grid, pos), index), pos, -1)
   keep = selection.selected
   if compact:
+    # Only the selected slots are summed and noised: the noise is drawn
+    # for |S| rows, not for the N + K slots (most touched rows are not
+    # selected; drawing their noise was most of the step's cost).
+    slot = tf.cumsum(tf.cast(keep, tf.int32)) - 1
+    slot = tf.where(keep, slot, -1)
+    pos = tf.where(pos >= 0, tf.gather(slot, tf.maximum(pos, 0)), -1)
     out_rows = tf.boolean_mask(selection.rows, keep)
-    out_values = tf.boolean_mask(noisy, keep)
+    rows_sum = tf.math.unsorted_segment_sum(flat, pos, tf.size(out_rows))
+  else:
+    rows_sum = tf.math.unsorted_segment_sum(flat, pos, n)
+    total = tf.size(selection.rows)
+    rows_sum = tf.concat(
+        [rows_sum, tf.zeros(tf.stack([total - n, tf.shape(flat)[1]]),
+                            dtype)], 0)
+  noise = tf.random.stateless_normal(tf.shape(rows_sum), seed=seed,
+                                     dtype=tf.float32, alg=_ALG)
+  noisy = rows_sum + tf.cast(noise * tf.cast(stddev, tf.float32), dtype)
+  if scale is not None:
+    noisy = noisy * tf.cast(scale, dtype)
+  if compact:
+    out_values = noisy
   else:
     first = tf.argmax(tf.cast(keep, tf.int32), output_type=tf.int32)
     pad = tf.where(tf.reduce_any(keep), selection.rows[first],
@@ -617,13 +642,7 @@ class _SparseRows(mechanisms.NoiseMechanism):
     raise NotImplementedError
 
   def _check_step(self, num_replicas, seed_source):
-    if num_replicas > 1:
-      raise NotImplementedError(
-          f"{type(self).__name__} under a strategy with {num_replicas} "
-          "replicas: the row selection must be computed once for the global "
-          "batch, which needs the replicas' touched rows gathered in the "
-          "step; not implemented. Train on one replica, or use dense noise "
-          "(no sparse_embeddings).")
+    del num_replicas  # R > 1: `SparseStep.privatize` selects globally.
     if not isinstance(seed_source, tf.random.Generator):
       raise NotImplementedError(
           f"{type(self).__name__} draws from a tf.random.Generator; the "
@@ -795,7 +814,8 @@ class DPFEST(_SparseRows):
 
 def dense_adaptive_rows(total: tf.Tensor, counts: tf.Tensor, threshold: float,
                         selection_stddev: float, gradient_stddev, seed,
-                        scale=None, compact: bool = True):
+                        scale=None, compact: bool = True,
+                        gradient_seed=None):
   """DP-AdaFEST on dense accumulated sums (a logical step of several
   physical batches): every row's count noised and thresholded, O(V).
 
@@ -803,9 +823,14 @@ def dense_adaptive_rows(total: tf.Tensor, counts: tf.Tensor, threshold: float,
   sampler needed: all rows are noised). With `compact`, `IndexedSlices` of
   the selected rows; without (XLA), a dense tensor that is 0 on the rows
   not selected (a 0 update leaves them bit-for-bit unchanged under SGD).
+  `seed` draws the selection noise and, unless `gradient_seed` is given
+  (a replica's own seed, when `seed` is common to the replicas), the
+  gradient noise.
   """
   seeds = tf.random.experimental.stateless_split(
       tf.cast(seed, tf.int64), num=2, alg=_ALG)
+  if gradient_seed is not None:
+    seeds = tf.stack([seeds[0], tf.cast(gradient_seed, tf.int64)])
   noisy = counts + tf.random.stateless_normal(
       tf.shape(counts), seed=seeds[0], stddev=selection_stddev,
       dtype=counts.dtype, alg=_ALG)
@@ -894,9 +919,18 @@ class SparseStep:
     scaled rows (`IndexedSlices`, or under XLA with accumulation a dense
     tensor that is 0 off the selected rows).
 
+    With R > 1 replicas (called in the replica context, `gradient_stddev`
+    the replica's share sigma_g C / sqrt(R)): DP-AdaFEST's selection is
+    computed once for the global batch on every replica (the replicas'
+    touched rows all-gathered and merged, `merge_touched_rows`, or their
+    dense counts all-reduced; the selection noise drawn from replica 0's
+    seed), so all replicas hold the same S and its noise is added once;
+    each replica then noises its own sum on S with its share, and the
+    optimizer's all-reduce adds the shares: N(0, (sigma_g C)^2) in all.
+
     Raises:
-      NotImplementedError: more than one replica, or a noise source that
-        is not a `tf.random.Generator` (secure mode).
+      NotImplementedError: R > 1 outside a replica context, or a noise
+        source that is not a `tf.random.Generator` (secure mode).
     """
     if not self.order:
       return list(sums)
@@ -906,6 +940,8 @@ class SparseStep:
     out = list(sums)
     seeds = tf.unstack(seed_source.make_seeds(2 * len(self.order)), axis=1)
     if isinstance(self.config, DPFEST):
+      # Fixed rows: each replica adds its share of the noise to its sum on
+      # them (the all-reduce adds the shares), as for a dense variable.
       selections = self.config._selections(  # pylint: disable=protected-access
           self.tables, self.variables, None, None)
       for i, sel, seed in zip(self.order, selections, seeds[1::2]):
@@ -917,16 +953,105 @@ class SparseStep:
                                      scale=scale, compact=not self.xla)
       return out
     config = self.config
-    for k, (i, v, seed) in enumerate(zip(self.order, self.vocab, seeds[::2])):
+    replica = _replica_context(num_replicas, type(config).__name__)
+    # The selection is one release for the global batch: its seeds are
+    # common to the replicas (replica 0's), its counts the replicas'
+    # summed, so that every replica computes the same S with the noise
+    # added once. The gradient noise's seeds stay the replica's own: each
+    # adds an independent share N(0, (sigma_g C)^2 / R).
+    select_seeds = _common(replica, tf.stack(seeds[::2]))
+    touched, counts = self.touched, self.counts
+    if replica is not None and self.accumulated:
+      counts = [replica.all_reduce(tf.distribute.ReduceOp.SUM, c)
+                for c in counts]
+    elif replica is not None:
+      touched = [merge_touched_rows(_all_gather(replica, t), v)
+                 for t, v in zip(touched, self.vocab)]
+    for k, (i, v) in enumerate(zip(self.order, self.vocab)):
       if self.accumulated:
         out[i] = dense_adaptive_rows(
-            tf.convert_to_tensor(sums[i]), self.counts[k], config.threshold,
-            config.selection_stddev, gradient_stddev, seed, scale=scale,
-            compact=not self.xla)
+            tf.convert_to_tensor(sums[i]), counts[k], config.threshold,
+            config.selection_stddev, gradient_stddev, select_seeds[k],
+            scale=scale, compact=not self.xla,
+            gradient_seed=None if replica is None else seeds[2 * k + 1])
         continue
-      sel = select_rows(self.touched[k], v, config.threshold,
-                        config.selection_stddev, config.capacity(v), seed)
+      sel = select_rows(touched[k], v, config.threshold,
+                        config.selection_stddev, config.capacity(v),
+                        select_seeds[k])
       out[i] = noisy_selected_rows(sums[i], sel, gradient_stddev,
                                    seeds[2 * k + 1], scale=scale,
                                    compact=not self.xla)
     return out
+
+
+def _replica_context(num_replicas, name):
+  """The replica context of an R > 1 step (None for one replica).
+
+  Raises:
+    NotImplementedError: R > 1 outside a replica context (the selection
+      must see every replica's batch).
+  """
+  if num_replicas <= 1:
+    return None
+  ctx = tf.distribute.get_replica_context()
+  if ctx is None or ctx.num_replicas_in_sync != num_replicas:
+    raise NotImplementedError(
+        f"{name} with {num_replicas} replicas must run in the strategy's "
+        "replica context (strategy.run, or Keras' fit under the strategy "
+        "scope): the row selection sums every replica's counts.")
+  return ctx
+
+
+def _common(replica, value):
+  """`value` of replica 0 on every replica (None: one replica)."""
+  if replica is None:
+    return value
+  first = tf.equal(replica.replica_id_in_sync_group, 0)
+  return replica.all_reduce(tf.distribute.ReduceOp.SUM,
+                            tf.where(first, value, tf.zeros_like(value)))
+
+
+def _all_gather(replica, touched: TouchedRows) -> TouchedRows:
+  """The replicas' `TouchedRows` of one table, concatenated (`[R N]`)."""
+  gather = lambda t: replica.all_gather(t, axis=0)  # noqa: E731
+  return TouchedRows(gather(touched.rows), gather(touched.counts),
+                     gather(touched.valid),
+                     replica.all_reduce(tf.distribute.ReduceOp.SUM,
+                                        touched.num))
+
+
+def merge_touched_rows(parts: TouchedRows, num_rows: int) -> TouchedRows:
+  """One table's `TouchedRows` from the concatenated `TouchedRows` of
+  several batches (the replicas' shares of a global batch).
+
+  A row's count is the sum of its counts in the parts (the clip weight of
+  an example is computed where the example is, over all its rows: the
+  sum is the global batch's count). O(R N log(R N)), independent of V.
+
+  Args:
+    parts: `TouchedRows` whose fields are the parts' concatenated (each
+      part's valid slots first, `num` ignored).
+    num_rows: V.
+
+  Returns:
+    The merged `TouchedRows`, of the same static size.
+  """
+  size = tf.size(parts.rows, out_type=tf.int64)
+  slots = tf.range(size, dtype=tf.int64)
+  vocab = tf.cast(num_rows, tf.int64)
+  # Distinct sentinels above every real row: sorted after them.
+  keys = tf.where(parts.valid, parts.rows, vocab + slots)
+  order = tf.argsort(keys, stable=True)
+  keys = tf.gather(keys, order)
+  counts = tf.gather(tf.where(parts.valid, parts.counts,
+                              tf.zeros_like(parts.counts)), order)
+  new = tf.concat([tf.ones([1], tf.bool),
+                   tf.not_equal(keys[1:], keys[:-1])], 0)
+  seg = tf.cumsum(tf.cast(new, tf.int64)) - 1
+  num = tf.reduce_sum(tf.cast(tf.logical_and(new, keys < vocab), tf.int64))
+  valid = slots < num
+  counts = tf.math.unsorted_segment_sum(counts, seg, size)
+  rows = tf.math.unsorted_segment_max(keys, seg, size)
+  rows = tf.where(valid, rows, vocab + slots)
+  counts = tf.where(valid, counts, tf.zeros_like(counts))
+  return TouchedRows(rows, counts, valid, num)
