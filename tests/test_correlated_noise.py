@@ -234,9 +234,9 @@ def test_epsilon_logged_is_dp_accountings_amplified_bandmf_composition():
   hist = model.fit(x, y, batch_size=batch, epochs=1, verbose=0,
                    callbacks=[cb], sampling_seed=2)
   steps = int(model.optimizer.iterations)
-  assert steps == 32 and model._dp_data["num_groups"] == bands
+  assert steps == 32 and model.dp_plan.sampler.num_groups == bands
   q = batch * bands / 256
-  assert model._dp_data["sampling_rate"] == pytest.approx(q)
+  assert model.dp_plan.sampler.sampling_rate == pytest.approx(q)
   event = dp_accounting.SelfComposedDpEvent(
       dp_accounting.PoissonSampledDpEvent(
           q, dp_accounting.GaussianDpEvent(sigma)), math.ceil(steps / bands))

@@ -7,9 +7,10 @@ a dict of `[P]` float32 tensors: `dp_mask` (1 sampled, 0 padding),
 `dp_normalizer` (the expected batch size B = `qN` the step's sum is divided
 by; with cyclic sampling, `num_groups=b`, it stays the constant B = `qN / b`,
 the expected batch averaged over the groups, see `tf_pxg.data.poisson`)
-and, only when the user gave sample weights, `dp_weight` (their rows). A
-DP model's `fit` feeds this structure in the `sample_weight` slot; custom
-loops read it directly.
+and, only when the user gave sample weights, `dp_weight` (their rows): the
+wire form of a `tf_pxg.data.BatchInfo` (`BatchInfo.to_element`). A DP
+model's `fit` feeds this structure in the `sample_weight` slot; the train
+step and custom loops read it as `BatchInfo.from_element(info)`.
 """
 
 from __future__ import annotations

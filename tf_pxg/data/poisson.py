@@ -273,6 +273,11 @@ class PoissonSampler:
       or a `group_seed` that is not an int in `[0, 2^64)`.
   """
 
+  # The `tf_pxg.data.samplers.Sampler` protocol: what one ε protects, and
+  # that `dp_event` is a guarantee.
+  privacy_unit = "example"
+  certified = True
+
   def __init__(self, num_examples: int, expected_batch_size: float,
                physical_batch_size: Optional[int] = None,
                accumulation_steps: int = 1, num_replicas: int = 1,

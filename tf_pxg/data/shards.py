@@ -71,6 +71,9 @@ class PoissonShards:
   Raises:
     ValueError: no manifest (the pipeline did not finish) in `output_dir`.
   """
+  # The `tf_pxg.data.samplers.Sampler` protocol (the event: `dp_event`).
+  privacy_unit = "example"
+  certified = True
 
   def __init__(self, output_dir: str, parse_fn: Optional[Callable] = None):
     path = os.path.join(output_dir, MANIFEST)

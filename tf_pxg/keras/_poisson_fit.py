@@ -1,4 +1,9 @@
-"""The Poisson data path of a DP model's `fit` (see `tf_pxg.data.poisson`).
+"""The data path of a DP model's `fit` (see `tf_pxg.data.poisson`).
+
+`fit_input` asks the sampler class of `fit(sampling=...)`
+(`tf_pxg.data.samplers.resolve`) for its input: Keras' own batches for
+`ShuffledSampler`, the masked stream below for every masked sampler
+(`PoissonSampler` and its subclasses), whichever it is.
 
 `prepare` turns `fit`'s arrays or tensors (any dtype, strings included)
 into an endless `tf.data` stream of masked physical batches, sampled and
@@ -34,7 +39,9 @@ the unfinished step is discarded instead: nothing of it was released, and
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Callable, Optional
 
 import keras
 import numpy as np
@@ -42,7 +49,119 @@ import tensorflow as tf
 
 from tf_pxg import _compat
 from tf_pxg import data as dp_data
+from tf_pxg.data import samplers
 from tf_pxg.data import sampling_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class FitData:
+  """`fit`'s data arguments, as the user passed them (see `DPModel.fit`)."""
+  x: Any
+  y: Any
+  batch_size: Optional[int]
+  epochs: int
+  initial_epoch: int
+  callbacks: Any
+  validation_split: float
+  validation_data: Any
+  validation_batch_size: Optional[int]
+  shuffle: bool
+  class_weight: Any
+  sample_weight: Any
+  steps_per_epoch: Optional[int]
+  accumulation_steps: int
+  physical_batch_size: Optional[int]
+  sampling_seed: Optional[int]
+  augmult: int
+  user_ids: Any
+  examples_per_user: Optional[int]
+
+
+class FitInput:
+  """What a sampler gives `keras.Model.fit`.
+
+  Attributes:
+    sampler: the run's `tf_pxg.data.samplers.Sampler` (its `dp_event` is
+      what `PrivacyCallback` composes).
+    keras_args: the data arguments of `keras.Model.fit` (`x`, ...,
+      `callbacks`).
+    finish: called with the model after Keras' `fit` returns.
+  """
+
+  def __init__(self, sampler, keras_args: dict,
+               finish: Callable[[keras.Model], None] = lambda model: None):
+    self.sampler = sampler
+    self.keras_args = keras_args
+    self.finish = finish
+
+
+def fit_input(model, sampling, data: FitData) -> FitInput:
+  """The input of `fit(sampling=...)`: the sampler class
+  (`samplers.resolve`) picks its builder from `_BUILDERS` (by class, most
+  derived first); every masked sampler (a `PoissonSampler` subclass) gets
+  the fixed-shape masked stream.
+
+  Raises:
+    ValueError: an unknown `sampling`, or data the sampler cannot draw from
+      (named, with the fix).
+  """
+  sampler_class = samplers.resolve(sampling)
+  build = next(_BUILDERS[c] for c in sampler_class.__mro__ if c in _BUILDERS)
+  return build(model, sampler_class, data)
+
+
+def _keras_batches(model, sampler_class, data: FitData) -> FitInput:
+  """Keras' own data path (`ShuffledSampler`): the data as given."""
+  if data.augmult != 1 or data.user_ids is not None:
+    raise ValueError("augmult and user_ids need sampling='poisson'.")
+  if model.num_bands > 1:
+    raise ValueError(
+        f"Model {model.name!r} uses BandMF correlated noise "
+        f"(num_bands={model.num_bands}), whose ε needs cyclic Poisson "
+        "sampling (participations at least b steps apart); "
+        "sampling='shuffled' gives no such guarantee. Use the default "
+        "sampling='poisson'.")
+  x = data.x
+  return FitInput(sampler_class(batch_size=data.batch_size), dict(
+      x=x, y=data.y, batch_size=data.batch_size,
+      validation_split=data.validation_split,
+      validation_data=data.validation_data,
+      # Keras ignores (and warns about) `shuffle` for datasets.
+      shuffle=data.shuffle and not isinstance(x, tf.data.Dataset),
+      class_weight=data.class_weight, sample_weight=data.sample_weight,
+      steps_per_epoch=data.steps_per_epoch,
+      validation_batch_size=data.validation_batch_size,
+      callbacks=data.callbacks))
+
+
+def _masked_stream(model, sampler_class, data: FitData) -> FitInput:
+  """A masked sampler's endless stream of fixed-shape physical batches
+  (`prepare`), stopped after the accounted number of logical steps."""
+  dataset, feed, arrays, validation_data = prepare(
+      model, data.x, data.y, data.sample_weight, data.class_weight,
+      data.batch_size, data.validation_split, data.validation_data,
+      data.accumulation_steps, data.physical_batch_size,
+      data.steps_per_epoch, data.sampling_seed, augmult=data.augmult,
+      user_ids=data.user_ids, examples_per_user=data.examples_per_user,
+      sampler_class=sampler_class)
+  inner = feed.sampler
+  sampler = inner
+  if data.augmult != 1 or data.user_ids is not None:
+    sampler = samplers.PrivacyUnits(
+        inner, "user" if data.user_ids is not None else "example",
+        data.augmult, data.examples_per_user)
+  callbacks = data.callbacks
+  if data.steps_per_epoch is None:
+    callbacks = with_step_limit(model, callbacks, inner,
+                                data.epochs - data.initial_epoch)
+  return FitInput(sampler, dict(
+      x=dataset, validation_data=validation_data, shuffle=False,
+      steps_per_epoch=inner.steps_per_epoch * data.accumulation_steps,
+      validation_batch_size=(data.validation_batch_size or data.batch_size or
+                             32)
+      if validation_data is not None and
+      not isinstance(validation_data, tf.data.Dataset) else None,
+      callbacks=callbacks), lambda m: finish(m, feed, arrays))
 
 
 class _Feed:
@@ -366,3 +485,9 @@ def _class_weight_to_sample_weights(y: np.ndarray, class_weight: dict):
   if missing:
     raise ValueError(f"class_weight has no weight for classes {missing}.")
   return np.asarray([class_weight[int(c)] for c in y], np.float32)
+
+
+# The builder of each kind of sampler's `fit` input (looked up along the
+# sampler class's MRO): Keras' batches, or the masked stream.
+_BUILDERS = {samplers.ShuffledSampler: _keras_batches,
+             dp_data.PoissonSampler: _masked_stream}

@@ -25,6 +25,14 @@ class PrivacyCallback(keras.callbacks.Callback):
   every update counts (a non-finite example does not skip a step: its clip
   factor is 0).
 
+  The sampler: ε is `event_epsilon(sampler.dp_event(mechanism, sigma,
+  T))` for the sampler of the model's plan (`model.dp_plan.sampler`: the
+  `tf_pxg.data.samplers.Sampler` of the last `fit`, e.g. Poisson, cyclic
+  Poisson, balls-in-bins, Beam shards, users), composed with the model's
+  noise mechanism and nothing else; before any `fit` (a custom loop), the
+  Poisson sampler at this callback's rate. A sampler that is not
+  `certified` (shuffled batches) is refused or labelled (`allow_shuffled`).
+
   At each epoch end `logs["epsilon"]` is set (progress bar, `History`,
   TensorBoard show it).
 
@@ -57,7 +65,8 @@ class PrivacyCallback(keras.callbacks.Callback):
       (its own or its DPOptimizer's).
     delta: the δ of (ε, δ)-DP.
     target_epsilon: optional budget; training stops before exceeding it.
-    accountant: "rdp" or "pld".
+    accountant: "rdp" or "pld"; default: the model's plan's
+      (`DPPlan.accountant`, "rdp" unless set).
     num_bands: b of BandMF correlated noise (`tf_pxg.mf.BandedToeplitz`);
       default: the model's (1 for DP-SGD). With b > 1, `fit` samples
       cyclically (b groups, step i from group i mod b, rate `B b / N`) and
@@ -85,7 +94,8 @@ class PrivacyCallback(keras.callbacks.Callback):
                batch_size: Optional[int] = None,
                noise_multiplier: Optional[float] = None, delta: float = 1e-5,
                target_epsilon: Optional[float] = None,
-               accountant: str = "rdp", allow_shuffled: bool = False, *,
+               accountant: Optional[str] = None,
+               allow_shuffled: bool = False, *,
                num_users: Optional[int] = None,
                num_bands: Optional[int] = None):
     super().__init__()
@@ -109,7 +119,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     self.batch_size = batch_size
     self.delta = delta
     self.target_epsilon = target_epsilon
-    self.accountant = accountant
+    self._accountant = accountant
     self.allow_shuffled = allow_shuffled
     self._log_key = self._base_key()
     self._noise_multiplier = noise_multiplier
@@ -119,7 +129,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     accounting.compute_epsilon(num_examples, batch_size,
                                noise_multiplier if noise_multiplier is not None
                                else 1.0, steps=0, delta=delta,
-                               accountant=accountant,
+                               accountant=accountant or "rdp",
                                num_bands=num_bands or 1)
 
   @property
@@ -159,12 +169,21 @@ class PrivacyCallback(keras.callbacks.Callback):
     from tf_pxg import mf  # noqa: PLC0415
     return mechanisms.BandMF(mf.BandedToeplitz(self.num_bands))
 
+  def _plan(self):
+    """The model's `DPPlan` (None: not a tf_pxg DP model, or no model)."""
+    return getattr(getattr(self, "model", None), "dp_plan", None)
+
   def _sampler(self):
-    """The sampler of the model's last `fit` (its `dp_event`), or None."""
-    model = getattr(self, "model", None)
-    info = getattr(model, "_dp_data", None) or {}
-    sampler = info.get("sampler")
-    return sampler if hasattr(sampler, "dp_event") else None
+    """The plan's `tf_pxg.data.samplers.Sampler` (the model's last `fit`'s
+    unless the plan names one), or None (no `fit` yet, a custom loop)."""
+    return getattr(self._plan(), "sampler", None)
+
+  @property
+  def accountant(self) -> str:
+    """The accountant, "rdp" or "pld": the one given, else the plan's."""
+    if self._accountant is not None:
+      return self._accountant
+    return getattr(self._plan(), "accountant", "rdp")
 
   def epsilon(self, steps: Optional[int] = None) -> float:
     """ε after `steps` steps (default: the steps taken so far): the
@@ -174,7 +193,9 @@ class PrivacyCallback(keras.callbacks.Callback):
     `tf_pxg.accounting.mechanism_epsilon`)."""
     steps = self.steps() if steps is None else steps
     mechanism, sampler = self._mechanism(), self._sampler()
-    if sampler is None or self._log_key == "epsilon_if_poisson":
+    if sampler is None or not sampler.certified:
+      # No sampler known yet (or shuffled batches, `epsilon_if_poisson`):
+      # the Poisson sampler at this callback's rate.
       return accounting.mechanism_epsilon(
           mechanism, self.num_examples, self.batch_size,
           self.noise_multiplier, steps, delta=self.delta,
@@ -219,9 +240,9 @@ class PrivacyCallback(keras.callbacks.Callback):
 
   def _check_sampling(self):
     """Matches the accounting to how the model's `fit` samples batches."""
-    info = getattr(self.model, "_dp_data", None) or {}
+    sampler = self._sampler()
     self._log_key = self._base_key()
-    unit = info.get("privacy_unit")
+    unit = getattr(sampler, "privacy_unit", None)
     if self.user_level and unit == "example":
       raise ValueError(
           "PrivacyCallback(num_users=...) reports user-level ε, but fit "
@@ -231,7 +252,7 @@ class PrivacyCallback(keras.callbacks.Callback):
       raise ValueError(
           "fit samples users (user_ids=...): give PrivacyCallback "
           "num_users=U (the ε is then per user), not num_examples.")
-    if info.get("sampling") == "shuffled":
+    if sampler is not None and not sampler.certified:
       if not self.allow_shuffled:
         raise ValueError(
             "PrivacyCallback: fit was called with sampling='shuffled' "
@@ -246,8 +267,8 @@ class PrivacyCallback(keras.callbacks.Callback):
           "'epsilon_if_poisson' is the ε of Poisson sampling at rate "
           f"{self.batch_size}/{self.num_examples}, not a guarantee for "
           "these batches.", stacklevel=2)
-    elif info.get("sampling") == "poisson":
-      groups = info.get("num_groups", 1)
+    elif sampler is not None:
+      groups = sampler.num_groups
       if groups != self.num_bands:
         raise ValueError(
             f"PrivacyCallback: accounts for num_bands={self.num_bands}, but "
@@ -256,13 +277,13 @@ class PrivacyCallback(keras.callbacks.Callback):
             "ε needs b groups for b bands: give the callback the model's "
             "num_bands (or leave it unset).")
       rate = self.batch_size * self.num_bands / self.num_examples
-      if not math.isclose(rate, info["sampling_rate"], rel_tol=1e-9):
+      if not math.isclose(rate, sampler.sampling_rate, rel_tol=1e-9):
         raise ValueError(
             f"PrivacyCallback: accounts for sampling rate {rate:.6g} "
             f"(batch_size={self.batch_size} * num_bands={self.num_bands} / "
             f"num_examples={self.num_examples}) but fit samples with rate "
-            f"{info['sampling_rate']:.6g} (batch_size="
-            f"{info['expected_batch_size']:g}, {info['num_examples']} "
+            f"{sampler.sampling_rate:.6g} (batch_size="
+            f"{sampler.expected_batch_size:g}, {sampler.num_examples} "
             "examples). Give the callback the same numbers.")
 
   def on_train_begin(self, logs=None):

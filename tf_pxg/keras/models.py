@@ -218,8 +218,14 @@ class _DPTrainingMixin:
   @property
   def dp_plan(self):
     """The `tf_pxg.dp.plan.DPPlan` in use: the compiled `DPOptimizer`'s,
-    else the model's own (constructor) settings."""
-    return self._dp_plan(getattr(self, "optimizer", None))
+    else the model's own (constructor) settings; its `sampler` is the
+    `tf_pxg.data.samplers.Sampler` of the last `fit` when the plan names
+    none (what `PrivacyCallback` composes)."""
+    plan = self._dp_plan(getattr(self, "optimizer", None))
+    sampler = self.__dict__.get("_dp_sampler")
+    if plan.sampler is None and sampler is not None:
+      plan = plan.replace(sampler=sampler)
+    return plan
 
   def _dp_plan(self, optimizer, strict: bool = False):
     """The plan of `optimizer` if it is a DPOptimizer (the one owner;
@@ -356,10 +362,10 @@ class _DPTrainingMixin:
           "one.")
     count_stddev, sigma_g = 0.0, noise_multiplier
     if policy.adaptive:
-      info = getattr(self, "_dp_data", None) or {}
-      count_stddev = policy.resolve_count_stddev(
-          info.get("expected_batch_size")
-          if info.get("sampling") == "poisson" else None)
+      # The expected batch of the run's sampler (None: a plain batch's
+      # realised size, e.g. shuffled batches or before any fit).
+      count_stddev = policy.resolve_count_stddev(getattr(
+          self.__dict__.get("_dp_sampler"), "expected_batch_size", None))
       if noise_multiplier:
         sigma_g = accounting.split_noise_multipliers(noise_multiplier,
                                                      count_stddev)
@@ -528,7 +534,7 @@ class _DPTrainingMixin:
           shuffle=True, class_weight=None, sample_weight=None,
           initial_epoch=0, steps_per_epoch=None, validation_steps=None,
           validation_batch_size=None, validation_freq=1, *,
-          sampling: str = "poisson", accumulation_steps: int = 1,
+          sampling="poisson", accumulation_steps: int = 1,
           physical_batch_size: Optional[int] = None,
           sampling_seed: Optional[int] = None, augmult: int = 1,
           user_ids=None, examples_per_user: Optional[int] = None,
@@ -568,10 +574,15 @@ class _DPTrainingMixin:
     it; `PrivacyCallback` refuses it unless told otherwise.
 
     Args:
-      sampling: "poisson", "shuffled", or a `tf_pxg.data` sampler class
-        (a `PoissonSampler` subclass, e.g.
-        `tf_pxg.data.balls_in_bins.BallsInBinsSampler`), built with the
-        same arguments; its `dp_event` is what `PrivacyCallback` composes.
+      sampling: "poisson", "shuffled" (the names of
+        `tf_pxg.data.samplers.SAMPLINGS`), or a sampler class
+        (`tf_pxg.data.samplers.ShuffledSampler`, or a `PoissonSampler`
+        subclass, e.g. `tf_pxg.data.balls_in_bins.BallsInBinsSampler`,
+        built with `PoissonSampler`'s arguments). `fit` asks the class for
+        its input (`tf_pxg.keras._poisson_fit.fit_input`) and keeps the
+        sampler as `dp_plan.sampler`; its `dp_event` is what
+        `PrivacyCallback` composes (with `augmult` or `user_ids`, a
+        `tf_pxg.data.samplers.PrivacyUnits` over it).
       accumulation_steps: k physical batches per logical step.
       physical_batch_size: rows per physical batch (global).
       sampling_seed: seeds the sampler (tests); default OS entropy.
@@ -606,69 +617,27 @@ class _DPTrainingMixin:
       self._check_trainable_for_dp(self.optimizer)  # before building
     if _compat.compile_loss(self) is None:
       pe_losses.per_example_losses(self, None, None)  # raises, names fix
-    keras_kwargs = dict(
-        epochs=epochs, verbose=verbose, callbacks=callbacks,
-        validation_freq=validation_freq, initial_epoch=initial_epoch,
-        validation_steps=validation_steps)
-    if sampling == "shuffled" and (augmult != 1 or user_ids is not None):
-      raise ValueError("augmult and user_ids need sampling='poisson'.")
-    if sampling == "shuffled" and self.num_bands > 1:
-      raise ValueError(
-          f"Model {self.name!r} uses BandMF correlated noise "
-          f"(num_bands={self.num_bands}), whose ε needs cyclic Poisson "
-          "sampling (participations at least b steps apart); "
-          "sampling='shuffled' gives no such guarantee. Use the default "
-          "sampling='poisson'.")
-    if sampling == "shuffled":
-      self._dp_data = {"sampling": "shuffled"}
-      return super().fit(
-          x, y, batch_size=batch_size, validation_split=validation_split,
-          validation_data=validation_data,
-          # Keras ignores (and warns about) `shuffle` for datasets.
-          shuffle=shuffle and not isinstance(x, tf.data.Dataset),
-          class_weight=class_weight, sample_weight=sample_weight,
-          steps_per_epoch=steps_per_epoch,
-          validation_batch_size=validation_batch_size, **keras_kwargs)
-    from tf_pxg import data as dp_data_module  # noqa: PLC0415
-    if sampling == "poisson":
-      sampler_class = dp_data_module.PoissonSampler
-    elif (isinstance(sampling, type) and
-          issubclass(sampling, dp_data_module.PoissonSampler)):
-      sampler_class = sampling  # e.g. BallsInBinsSampler
-    else:
-      raise ValueError(f"`sampling` must be 'poisson' (the default, the "
-                       f"sampling DP-SGD's ε assumes), 'shuffled', or a "
-                       f"tf_pxg.data sampler class such as "
-                       f"BallsInBinsSampler; got {sampling!r}.")
     from tf_pxg.keras import _poisson_fit  # noqa: PLC0415
-    dataset, feed, data, validation_data = _poisson_fit.prepare(
-        self, x, y, sample_weight, class_weight, batch_size,
-        validation_split, validation_data, accumulation_steps,
-        physical_batch_size, steps_per_epoch, sampling_seed,
-        augmult=augmult, user_ids=user_ids,
-        examples_per_user=examples_per_user, sampler_class=sampler_class)
-    sampler = feed.sampler
-    self._dp_data = {
-        "sampler": sampler,
-        "privacy_unit": "user" if user_ids is not None else "example",
-        "augmult": augmult,
-        "sampling": "poisson", "sampling_rate": sampler.sampling_rate,
-        "num_groups": getattr(sampler, "num_groups", 1),
-        "num_examples": sampler.num_examples,
-        "expected_batch_size": sampler.expected_batch_size,
-        "accumulation_steps": sampler.accumulation_steps,
-        "physical_batch_size": sampler.physical_batch_size}
-    if steps_per_epoch is None:
-      keras_kwargs["callbacks"] = _poisson_fit.with_step_limit(
-          self, callbacks, sampler, epochs - initial_epoch)
+    run = _poisson_fit.fit_input(self, sampling, _poisson_fit.FitData(
+        x=x, y=y, batch_size=batch_size, epochs=epochs,
+        initial_epoch=initial_epoch, callbacks=callbacks,
+        validation_split=validation_split, validation_data=validation_data,
+        validation_batch_size=validation_batch_size, shuffle=shuffle,
+        class_weight=class_weight, sample_weight=sample_weight,
+        steps_per_epoch=steps_per_epoch,
+        accumulation_steps=accumulation_steps,
+        physical_batch_size=physical_batch_size,
+        sampling_seed=sampling_seed, augmult=augmult, user_ids=user_ids,
+        examples_per_user=examples_per_user))
+    # The run's sampler (typed): `dp_plan.sampler`, whose event
+    # PrivacyCallback composes.
+    # Not tracked by Keras or tf.train.Checkpoint (not model state).
+    object.__setattr__(self, "_dp_sampler", run.sampler)
     history = super().fit(
-        dataset, validation_data=validation_data, shuffle=False,
-        steps_per_epoch=sampler.steps_per_epoch * accumulation_steps,
-        validation_batch_size=(validation_batch_size or batch_size or 32)
-        if validation_data is not None and
-        not isinstance(validation_data, tf.data.Dataset) else None,
-        **keras_kwargs)
-    _poisson_fit.finish(self, feed, data)
+        epochs=epochs, verbose=verbose, validation_freq=validation_freq,
+        initial_epoch=initial_epoch, validation_steps=validation_steps,
+        **run.keras_args)
+    run.finish(self)
     return history
 
   def get_config(self):
