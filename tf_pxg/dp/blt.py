@@ -275,25 +275,61 @@ class BLT(mechanisms.NoiseMechanism):
 
   def add(self, clipped_sum, state, step, *, noise_multiplier, l2_norm_clip,
           num_replicas, source, normalizer=None, write=None):
+    """`(g + x_t) / normalizer` per variable, and the states advanced.
+
+    Three passes, the first and last each one XLA-compiled function over
+    all variables (fused loops; `jit_compile` also inside a non-XLA train
+    step): `past = sum_j omega'_j S_j`; `x_t = past + z_t` (the noise
+    kernel, `tf_pxg.dp.noise.add_gaussian_noise`, as DP-SGD draws z);
+    `S_j <- theta'_j S_j + (x_t - past)` and the output. A step that is not
+    applied (`write` false) keeps the states: the gate is on the [d]
+    coefficients (theta' -> 1, z -> 0), not a select over the buffers.
+    """
     del step  # the states carry the past; the recurrence is step-free
     stddev = dp_noise.replica_noise_stddev(
         noise_multiplier * tf.cast(l2_norm_clip, tf.float64), num_replicas)
-    past = [tf.tensordot(tf.constant(self.inverse_omega, buf.dtype),
-                         buf.read_value(), 1) for buf in state]
+    state = list(state)
+    past_sums, advance = self._compiled(state)
+    past = past_sums()
     x = dp_noise.add_gaussian_noise(past, stddev, generator=source)
-    out = []
-    for g, buf, p, x_t in zip(clipped_sum, state, past, x):
-      theta = tf.reshape(tf.constant(self.inverse_theta, buf.dtype),
-                         [-1] + [1] * (buf.shape.rank - 1))
-      new = theta * buf.read_value() + (x_t - p)[tf.newaxis]  # + z_t
-      if write is not None:
-        new = tf.where(write, new, buf.read_value())
-      buf.assign(new)
-      noisy = tf.cast(dp_noise.densify(g), x_t.dtype) + x_t
-      out.append(noisy if normalizer is None else
-                 noisy * tf.cast(1.0 / tf.cast(normalizer, tf.float64),
-                                 x_t.dtype))
-    return out, state
+    scale = (tf.constant(1.0, tf.float64) if normalizer is None else
+             1.0 / tf.cast(normalizer, tf.float64))
+    out = advance(x, past, [dp_noise.densify(g) for g in clipped_sum],
+                  tf.constant(True) if write is None else
+                  tf.convert_to_tensor(write), scale)
+    return list(out), state
+
+  def _compiled(self, state):
+    """The two XLA functions of `add` for these state variables (the last
+    state's kept, so eager steps do not recompile)."""
+    last = self.__dict__.get("_compiled_last")
+    if last is not None and len(last[0]) == len(state) and all(
+        a is b for a, b in zip(last[0], state)):
+      return last[1]
+    omega, theta = self.inverse_omega, self.inverse_theta
+
+    @tf.function(jit_compile=True)
+    def past_sums():  # d contiguous rows, one fused loop (not a [d] dot)
+      out = []
+      for buf in state:
+        value = buf.read_value()
+        out.append(tf.add_n([float(w) * value[j] for j, w in
+                             enumerate(omega)]))
+      return out
+
+    @tf.function(jit_compile=True)
+    def advance(xs, pasts, sums, write, scale):
+      out = []
+      for buf, x_t, p, g in zip(state, xs, pasts, sums):
+        w = tf.cast(write, buf.dtype)
+        shape = [-1] + [1] * (buf.shape.rank - 1)
+        decay = tf.reshape(w * tf.constant(theta, buf.dtype) + (1 - w), shape)
+        buf.assign(decay * buf.read_value() + (w * (x_t - p))[tf.newaxis])
+        out.append((tf.cast(g, x_t.dtype) + x_t) * tf.cast(scale, x_t.dtype))
+      return out
+
+    self._compiled_last = (list(state), (past_sums, advance))
+    return past_sums, advance
 
   def dp_event(self, noise_multiplier):
     """`GaussianDpEvent(sigma / sens)`: the whole run's event (at most
