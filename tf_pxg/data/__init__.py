@@ -14,6 +14,10 @@ that a DP model's `fit` and custom loops consume;
 Beam pipeline `tf_pxg.data.beam` (optional extra `tf_pxg[beam]`) writes for
 data beyond memory. See `tf_pxg.data.poisson` for the semantics and the
 overflow rule, `docs/sampling.md` for which path to use at which size.
+Every sampler states its accounting event (`tf_pxg.data.samplers.Sampler`:
+`PoissonSampler`, `PoissonShards`, `PrivacyUnits`, `ShuffledSampler`,
+`balls_in_bins.BallsInBinsSampler`); each physical batch's information is
+a typed `BatchInfo`.
 """
 
 from tf_pxg.data.batch_info import BatchInfo
@@ -34,6 +38,9 @@ from tf_pxg.data.poisson import group_assignment
 from tf_pxg.data.poisson import max_num_groups
 from tf_pxg.data.poisson import PhysicalBatch
 from tf_pxg.data.poisson import PoissonSampler
+from tf_pxg.data.samplers import PrivacyUnits
+from tf_pxg.data.samplers import Sampler
+from tf_pxg.data.samplers import ShuffledSampler
 from tf_pxg.data.shards import PoissonShards
 
 __all__ = [
@@ -43,8 +50,11 @@ __all__ = [
     "PhysicalBatch",
     "PoissonSampler",
     "PoissonShards",
+    "PrivacyUnits",
     "ROW_MASK",
     "STEP_END",
+    "Sampler",
+    "ShuffledSampler",
     "WEIGHT",
     "default_physical_batch_size",
     "dp_batch_info",

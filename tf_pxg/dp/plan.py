@@ -4,8 +4,11 @@ The plan holds everything the privacy guarantee is computed from: the clip
 `l2_norm_clip`, the noise multiplier sigma, the clipping policy
 (`tf_pxg.clipping`), the noise mechanism setting (`None`, a
 `tf_pxg.mf.BandedToeplitz`, or a `tf_pxg.dp.mechanisms.NoiseMechanism`),
-secure mode, the sampler (`tf_pxg.data.samplers`; None: `fit` builds
-Poisson sampling) and the accountant ("rdp" or "pld"). It is immutable
+secure mode, the sampler (a `tf_pxg.data.samplers.Sampler`; None in an
+optimizer's plan: a DP model's `dp_plan` fills in the sampler of its last
+`fit`) and the accountant ("rdp" or "pld"). `tf_pxg.keras.PrivacyCallback`
+reads the sampler and the accountant from `model.dp_plan` and composes
+`sampler.dp_event(mechanism, ...)`, the mechanism being `plan.mechanism`. It is immutable
 (`dataclasses.replace` makes a changed copy) and owned by ONE object: the
 `tf_pxg.keras.DPOptimizer` (its natural owner, which also holds the
 mechanism's state and saves the plan in its config). A DP model reads the
@@ -41,8 +44,10 @@ class DPPlan:
     noise_mechanism: the mechanism setting (None: independent Gaussian).
     secure_mode: draw noise and sampling keys from the OS CSPRNG.
     sampler: a `tf_pxg.data.samplers.Sampler`, or None (`fit` decides from
-      its `sampling=` argument).
-    accountant: "rdp" or "pld".
+      its `sampling=` argument; `model.dp_plan` then holds the one it
+      built).
+    accountant: "rdp" or "pld" (`PrivacyCallback`'s, unless it is given
+      one).
   """
   l2_norm_clip: Optional[float]
   noise_multiplier: Optional[float]
