@@ -46,8 +46,9 @@ def _data():
 
 
 def _model():
-  model = dpk.DPSequential([keras.Input((3,)), keras.layers.Dense(1)],
-                           l2_norm_clip=1.0, noise_multiplier=SIGMA, seed=0)
+  model = dpk.DPSequential(
+      [keras.Input((3,)), keras.layers.Dense(1, kernel_initializer="zeros")],
+      l2_norm_clip=1.0, noise_multiplier=SIGMA, seed=0)
   model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
   return model
 
@@ -129,3 +130,30 @@ def test_batch_info_is_typed_on_both_sides_of_the_wire():
   assert set(dpd.dp_batch_info(mask, False, 2.0)) == {
       dpd.MASK, dpd.STEP_END, dpd.NORMALIZER}
   assert dpd.BatchInfo.from_element(tf.ones([3])) is None
+
+
+def test_fit_takes_a_sampler_instance():
+  """An instance is the sampler fit draws from: with its seed it trains
+  exactly as the class with that sampling_seed (same noise seed), another
+  seed trains differently; one that does not fit the data raises."""
+  x, y = _data()
+
+  def weights(sampling, **kwargs):
+    model = _model()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, sampling=sampling,
+              **kwargs)
+    assert int(model.optimizer.iterations) == accounting.steps_for(N, 4, 1)
+    return model, np.concatenate([w.ravel() for w in model.get_weights()])
+
+  given = dpd.PoissonSampler(N, 4, seed=5)
+  model, by_instance = weights(given)
+  assert model.dp_plan.sampler is given
+  _, by_class = weights("poisson", sampling_seed=5)
+  _, other_seed = weights(dpd.PoissonSampler(N, 4, seed=6))
+  np.testing.assert_array_equal(by_instance, by_class)
+  assert np.abs(by_instance - other_seed).max() > 1e-6
+  with pytest.raises(ValueError, match="num_examples is 17"):
+    _model().fit(x, y, verbose=0, sampling=dpd.PoissonSampler(N + 1, 4))
+  with pytest.raises(ValueError, match="drop sampling_seed"):
+    _model().fit(x, y, verbose=0, sampling_seed=1,
+                 sampling=dpd.PoissonSampler(N, 4, seed=1))

@@ -156,7 +156,8 @@ SAMPLINGS = {"poisson": poisson.PoissonSampler, "shuffled": ShuffledSampler}
 def resolve(sampling) -> type:
   """The sampler class of `fit(sampling=...)`: a name of `SAMPLINGS`, or a
   sampler class (`ShuffledSampler`, or a `PoissonSampler` subclass, built
-  by `fit` with `PoissonSampler`'s arguments).
+  by `fit` with `PoissonSampler`'s arguments). (`fit` also takes an
+  instance of such a class: it resolves the instance's class.)
 
   Raises:
     ValueError: anything else (the message lists the names).

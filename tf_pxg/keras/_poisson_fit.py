@@ -97,20 +97,26 @@ class FitInput:
 
 def fit_input(model, sampling, data: FitData) -> FitInput:
   """The input of `fit(sampling=...)`: the sampler class
-  (`samplers.resolve`) picks its builder from `_BUILDERS` (by class, most
-  derived first); every masked sampler (a `PoissonSampler` subclass) gets
-  the fixed-shape masked stream.
+  (`samplers.resolve`; of an instance, its class) picks its builder from
+  `_BUILDERS` (by class, most derived first); every masked sampler (a
+  `PoissonSampler` subclass) gets the fixed-shape masked stream. A class is
+  built from the data and the model; an instance is used as it is, once
+  checked against them.
 
   Raises:
-    ValueError: an unknown `sampling`, or data the sampler cannot draw from
-      (named, with the fix).
+    ValueError: an unknown `sampling`, data the sampler cannot draw from,
+      or an instance that does not fit the data or the model (named, with
+      the fix).
   """
-  sampler_class = samplers.resolve(sampling)
+  given = None if isinstance(sampling, (str, type)) else sampling
+  sampler_class = samplers.resolve(sampling if given is None else
+                                   type(given))
   build = next(_BUILDERS[c] for c in sampler_class.__mro__ if c in _BUILDERS)
-  return build(model, sampler_class, data)
+  return build(model, sampler_class, data, given)
 
 
-def _keras_batches(model, sampler_class, data: FitData) -> FitInput:
+def _keras_batches(model, sampler_class, data: FitData,
+                   given=None) -> FitInput:
   """Keras' own data path (`ShuffledSampler`): the data as given."""
   if data.augmult != 1 or data.user_ids is not None:
     raise ValueError("augmult and user_ids need sampling='poisson'.")
@@ -122,7 +128,8 @@ def _keras_batches(model, sampler_class, data: FitData) -> FitInput:
         "sampling='shuffled' gives no such guarantee. Use the default "
         "sampling='poisson'.")
   x = data.x
-  return FitInput(sampler_class(batch_size=data.batch_size), dict(
+  sampler = given or sampler_class(batch_size=data.batch_size)
+  return FitInput(sampler, dict(
       x=x, y=data.y, batch_size=data.batch_size,
       validation_split=data.validation_split,
       validation_data=data.validation_data,
@@ -134,7 +141,8 @@ def _keras_batches(model, sampler_class, data: FitData) -> FitInput:
       callbacks=data.callbacks))
 
 
-def _masked_stream(model, sampler_class, data: FitData) -> FitInput:
+def _masked_stream(model, sampler_class, data: FitData,
+                   given=None) -> FitInput:
   """A masked sampler's endless stream of fixed-shape physical batches
   (`prepare`), stopped after the accounted number of logical steps."""
   dataset, feed, arrays, validation_data = prepare(
@@ -143,7 +151,7 @@ def _masked_stream(model, sampler_class, data: FitData) -> FitInput:
       data.accumulation_steps, data.physical_batch_size,
       data.steps_per_epoch, data.sampling_seed, augmult=data.augmult,
       user_ids=data.user_ids, examples_per_user=data.examples_per_user,
-      sampler_class=sampler_class)
+      sampler_class=sampler_class, sampler=given)
   inner = feed.sampler
   sampler = inner
   if data.augmult != 1 or data.user_ids is not None:
@@ -156,7 +164,7 @@ def _masked_stream(model, sampler_class, data: FitData) -> FitInput:
                                 data.epochs - data.initial_epoch)
   return FitInput(sampler, dict(
       x=dataset, validation_data=validation_data, shuffle=False,
-      steps_per_epoch=inner.steps_per_epoch * data.accumulation_steps,
+      steps_per_epoch=inner.steps_per_epoch * inner.accumulation_steps,
       validation_batch_size=(data.validation_batch_size or data.batch_size or
                              32)
       if validation_data is not None and
@@ -291,8 +299,11 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
             validation_split, validation_data, accumulation_steps,
             physical_batch_size, steps_per_epoch, seed, augmult=1,
             user_ids=None, examples_per_user=None,
-            sampler_class=dp_data.PoissonSampler):
+            sampler_class=dp_data.PoissonSampler, sampler=None):
   """The Poisson input of a DP `fit`, with the model and accumulator built.
+
+  `sampler`: an instance to draw from (checked by `_check_instance`);
+  None builds one of `sampler_class` from the data and the model.
 
   Returns:
     `(dataset, feed, data, validation_data)`: the endless dataset, its
@@ -358,13 +369,18 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
            if getattr(model, "optimizer", None) is not None else 0)
   if user_ids is not None:
     n = users.num_users  # sampled units are users
-  sampler = sampler_class(
-      n, min(32, n) if batch_size is None else batch_size,
-      physical_batch_size=physical_batch_size,
-      accumulation_steps=accumulation_steps,
-      num_replicas=strategy.num_replicas_in_sync,
-      steps_per_epoch=steps_per_epoch, seed=seed, secure_mode=secure,
-      start_step=start, **_cyclic_groups(model))
+  if sampler is not None:
+    _check_instance(model, sampler, n, secure, batch_size,
+                    physical_batch_size, accumulation_steps,
+                    steps_per_epoch, seed)
+  else:
+    sampler = sampler_class(
+        n, min(32, n) if batch_size is None else batch_size,
+        physical_batch_size=physical_batch_size,
+        accumulation_steps=accumulation_steps,
+        num_replicas=strategy.num_replicas_in_sync,
+        steps_per_epoch=steps_per_epoch, seed=seed, secure_mode=secure,
+        start_step=start, **_cyclic_groups(model))
   feed = _Feed(sampler, start)
   feed.units = units
   dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,
@@ -379,6 +395,45 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
   with strategy.scope():
     model._dp_accumulator_for(list(model.trainable_variables)).reset()
   return dataset, feed, (x, y, sample_weight), validation_data
+
+
+def _check_instance(model, sampler, n, secure, batch_size,
+                    physical_batch_size, accumulation_steps,
+                    steps_per_epoch, seed):
+  """Checks that a sampler instance given to `fit` draws from this data
+  for this model: the same number of units, replicas, secure mode and
+  cyclic groups (the optimizer's persisted `group_seed`), and no `fit`
+  argument that the instance already fixes set to another value.
+
+  Raises:
+    ValueError: naming the first mismatch and the fix.
+  """
+  name = type(sampler).__name__
+  groups = {"num_groups": 1, "group_seed": None, **_cyclic_groups(model)}
+  expected = {
+      "num_examples": n,
+      "num_replicas": model.distribute_strategy.num_replicas_in_sync,
+      "secure_mode": secure, "num_groups": groups["num_groups"]}
+  if groups["num_groups"] > 1:
+    expected["group_seed"] = groups["group_seed"]
+  fixed = {"expected_batch_size": batch_size,
+           "physical_batch_size": physical_batch_size,
+           "accumulation_steps": None if accumulation_steps == 1 else
+                                 accumulation_steps,
+           "steps_per_epoch": steps_per_epoch}
+  expected.update({k: v for k, v in fixed.items() if v is not None})
+  for key, value in expected.items():
+    if getattr(sampler, key, None) != value:
+      raise ValueError(
+          f"fit(sampling=<{name} instance>): its {key} is "
+          f"{getattr(sampler, key, None)!r}, but this fit needs {value!r} "
+          "(the data's units, the model's strategy, secure mode and noise "
+          "mechanism, or fit's own argument). Build the sampler with "
+          f"{key}={value!r}, or pass the class, sampling={name}, and fit "
+          "builds it.")
+  if seed is not None:
+    raise ValueError(f"fit(sampling=<{name} instance>) takes the "
+                     "instance's seed; drop sampling_seed.")
 
 
 def _cyclic_groups(model) -> dict:
