@@ -578,7 +578,9 @@ class _DPTrainingMixin:
         `tf_pxg.data.samplers.SAMPLINGS`), or a sampler class
         (`tf_pxg.data.samplers.ShuffledSampler`, or a `PoissonSampler`
         subclass, e.g. `tf_pxg.data.balls_in_bins.BallsInBinsSampler`,
-        built with `PoissonSampler`'s arguments). `fit` asks the class for
+        built with `PoissonSampler`'s arguments), or an instance of one
+        (drawn from as it is, after checking that it fits the data and
+        the model; raises naming the mismatch). `fit` asks the class for
         its input (`tf_pxg.keras._poisson_fit.fit_input`) and keeps the
         sampler as `dp_plan.sampler`; its `dp_event` is what
         `PrivacyCallback` composes (with `augmult` or `user_ids`, a
