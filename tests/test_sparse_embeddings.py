@@ -9,7 +9,9 @@ dp-accounting's composition of the two Gaussians, and the Keras step
 """
 
 import math
+import textwrap
 
+import _multi_worker as multi_worker
 import dp_accounting
 import numpy as np
 import pytest
@@ -132,9 +134,10 @@ def test_selection_equals_noising_every_row():
   counts = touched.counts.numpy()
   picks = np.zeros(int(touched.num))
   trials = 400
+  select = tf.function(lambda seed: ss.select_rows(touched, vocab, tau, s, 0,
+                                                   seed).selected)
   for i in range(trials):
-    sel = ss.select_rows(touched, vocab, tau, s, 0, tf.constant([i, 3]))
-    picks += sel.selected.numpy()[:int(touched.num)]
+    picks += select(tf.constant([i, 3], tf.int64)).numpy()[:int(touched.num)]
   want = stats.norm.sf((tau - counts[:int(touched.num)]) / s)
   sd = np.sqrt(want * (1 - want) / trials)
   np.testing.assert_array_less(np.abs(picks / trials - want), 5 * sd + 1e-9)
@@ -198,7 +201,7 @@ def test_eager_function_and_xla_agree():
   eager and tf.function (stateless seeds); XLA's Philox streams differ
   from TF's kernels, so there the noiseless step is compared exactly and
   the noisy one against the closed forms."""
-  vocab = 10**6
+  vocab = 10**5
   ids = tf.constant(np.random.default_rng(1).integers(0, 500, size=(8, 6)),
                     tf.int64)
   clipped, _ = _sum_slices(ids.numpy(), 8)
@@ -440,26 +443,33 @@ def test_attack_a_row_reveals_only_its_selection():
   table = rng.normal(size=(vocab, 4)).astype(np.float32)
   moved = {}
   trials = 300
+  var = tf.Variable(table)
+  cap = ss.false_positive_capacity(vocab, ss.false_positive_rate(tau,
+                                                                 sigma_sel))
   for world, ids in (("D", base), ("D'", np.concatenate([base, extra]))):
-    hits = 0
-    for i in range(trials):
-      touched = ss.touched_rows([[tf.constant(ids, tf.int64)]], [vocab],
-                                1.0)[0]
-      sel = ss.select_rows(touched, vocab, tau, sigma_sel,
-                           ss.false_positive_capacity(
-                               vocab, ss.false_positive_rate(tau, sigma_sel)),
-                           tf.constant([i, 1], tf.int64))
-      values = np.ones((ids.size, 4), np.float32)
+
+    @tf.function
+    def trial(i, ids=tf.constant(ids, tf.int64)):
+      """One step's release and the SGD update, on the table reset."""
+      var.assign(table)
+      touched = ss.touched_rows([[ids]], [vocab], 1.0)[0]
+      sel = ss.select_rows(touched, vocab, tau, sigma_sel, cap,
+                           tf.stack([i, tf.constant(1, tf.int64)]))
+      values = tf.ones([tf.size(ids), 4])
       update = ss.noisy_selected_rows(
-          tf.IndexedSlices(tf.constant(values), tf.constant(ids.ravel()),
+          tf.IndexedSlices(values, tf.reshape(ids, [-1]),
                            tf.constant([vocab, 4], tf.int64)),
-          sel, 0.5, tf.constant([i, 2], tf.int64))
-      var = tf.Variable(table)
+          sel, 0.5, tf.stack([i, tf.constant(2, tf.int64)]))
       var.scatter_sub(tf.IndexedSlices(0.1 * update.values,
                                        update.indices))
-      changed = not np.array_equal(var.numpy()[row], table[row])
-      in_selection = row in set(update.indices.numpy().tolist())
-      assert changed == in_selection
+      return var.read_value()[row], tf.reduce_any(
+          tf.equal(update.indices, row))
+
+    hits = 0
+    for i in range(trials):
+      value, in_selection = trial(tf.constant(i, tf.int64))
+      changed = not np.array_equal(value.numpy(), table[row])
+      assert changed == bool(in_selection)
       hits += changed
     moved[world] = hits / trials
   w = 1.0 / math.sqrt(3)  # the added example's clipped weight (3 rows)
@@ -473,7 +483,122 @@ def test_attack_a_row_reveals_only_its_selection():
   assert want["D'"] <= stats.norm.cdf(stats.norm.ppf(want["D"]) + mu) + 1e-12
 
 
-def test_mirrored_strategy_is_refused_clearly():
-  config = ss.DPAdaFEST(threshold=1.0, selection_noise_multiplier=3.0)
-  with pytest.raises(NotImplementedError, match="replicas"):
-    config._check_step(2, tf.random.Generator.from_seed(0))  # pylint: disable=protected-access
+_MIRRORED = textwrap.dedent("""
+    import json, math, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_pxg.keras as dpk
+    from tf_pxg.dp import sparse_selection as ss
+
+    V, D, B, L, LR = 4000, 8, 16, 5, 1.0
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 40, size=(B, L)).astype(np.int32)
+    y = rng.normal(size=(B, 1)).astype(np.float32)
+
+    def build(mech, sigma, strategy=None):
+      def make():
+        keras.utils.set_random_seed(0)
+        m = dpk.DPSequential(
+            [keras.Input((L,), dtype="int32"),
+             keras.layers.Embedding(V, D, name="table"),
+             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)],
+            l2_norm_clip=1.0, noise_multiplier=sigma, seed=3,
+            noise_mechanism=mech)
+        m.compile(optimizer=keras.optimizers.SGD(LR), jit_compile=False,
+                  loss=keras.losses.MeanSquaredError(reduction=None))
+        m.optimizer.build(m.trainable_variables)
+        return m
+      if strategy is None:
+        return make()
+      with strategy.scope():
+        return make()
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+
+    def mirrored_step(model):
+      @tf.function
+      def step(batch):
+        strategy.run(model.train_step, args=(batch,))
+      before = model.layers[0].embeddings.numpy().copy()
+      for batch in strategy.experimental_distribute_dataset(ds):
+        step(batch)
+      return before, model.layers[0].embeddings.numpy().copy()
+
+    out = {}
+    # A: no noise, tau = 0: equals one replica's dense DP-SGD step.
+    exact = build(ss.DPAdaFEST(threshold=0.0, selection_noise_multiplier=0.0),
+                  0.0, strategy)
+    before, after = mirrored_step(exact)
+    dense = build(None, 0.0)
+    dense.train_on_batch(x, y)
+    want = dense.layers[0].embeddings.numpy()
+    out["max_abs_err"] = float(np.max(np.abs(after - want)))
+    out["scale"] = float(np.max(np.abs(want - before)))
+    untouched = np.setdiff1d(np.arange(V), np.unique(x))
+    out["untouched_unchanged"] = bool(np.array_equal(after[untouched],
+                                                     before[untouched]))
+    # B: tau = 0, sigma_sel = 3: each untouched row selected w.p. 1/2, once
+    # for the global batch; its update is the noise, std lr sigma_g C / B.
+    sigma, sigma_sel = 1.0, 3.0
+    noisy = build(ss.DPAdaFEST(threshold=0.0,
+                               selection_noise_multiplier=sigma_sel), sigma,
+                  strategy)
+    before, after = mirrored_step(noisy)
+    delta = (after - before)[untouched]
+    moved = np.any(delta != 0, axis=1)
+    out["moved_fraction"] = float(moved.mean())
+    out["untouched"] = int(untouched.size)
+    out["noise_std"] = float(np.std(delta[moved]))
+    out["noise_n"] = int(delta[moved].size)
+    out["replicas"] = strategy.num_replicas_in_sync
+    print("RESULT", json.dumps(out))
+    """)
+
+
+def test_mirrored_strategy_selects_once_for_the_global_batch():
+  """Two replicas (MirroredStrategy on 2 logical CPUs), one global batch
+  of 16 split 8 + 8: with no noise and tau = 0 the table equals one
+  replica's dense DP-SGD step (tf_pxg's clipped sum, the sparse path
+  off) and untouched rows are bit-for-bit unchanged; with tau = 0 and
+  sigma_sel = 3 each untouched row is selected with probability
+  Q(0) = 1/2 once (two independent per-replica selections, unioned,
+  would select 3/4) and moves by the noise alone, whose std is
+  lr sigma_g C / B with sigma_g = (1 - 1/9)^-1/2 (not sqrt(2) or
+  1/sqrt(2) times it: the replicas' shares add up to one draw)."""
+  r = multi_worker.run_script(_MIRRORED, timeout=600)
+  assert r["replicas"] == 2
+  assert r["untouched_unchanged"]
+  assert r["max_abs_err"] <= 1e-5 * r["scale"] + 1e-8, r
+  n = r["untouched"]
+  assert abs(r["moved_fraction"] - 0.5) < 5 * math.sqrt(0.25 / n), r
+  want = 1.0 * (1.0 - 1.0 / 9.0)**-0.5 * 1.0 / 16
+  # The sample std's sd is about want / sqrt(2 n).
+  assert abs(r["noise_std"] - want) < 5 * want / math.sqrt(2 * r["noise_n"]), r
+
+
+def test_merge_touched_rows_sums_the_parts():
+  """Two batches' TouchedRows merged = the TouchedRows of their union
+  (each example's clip weight is its own, so the counts add)."""
+  rng = np.random.default_rng(4)
+  vocab = 60
+  a, b = rng.integers(0, vocab, (4, 5)), rng.integers(0, vocab, (3, 5))
+  parts = [ss.touched_rows([[tf.constant(i, tf.int64)]], [vocab], 1.0)[0]
+           for i in (a, b)]
+  cat = ss.TouchedRows(*[tf.concat([p[k] for p in parts], 0)
+                         for k in range(3)], parts[0].num + parts[1].num)
+  got = ss.merge_touched_rows(cat, vocab)
+  want = ss.touched_rows([[tf.constant(np.concatenate([a, b]), tf.int64)]],
+                         [vocab], 1.0)[0]
+  num = int(want.num)
+  assert int(got.num) == num
+  np.testing.assert_array_equal(got.rows.numpy()[:num], want.rows.numpy()[:num])
+  np.testing.assert_allclose(got.counts.numpy(), np.pad(
+      want.counts.numpy(), (0, got.counts.shape[0] - want.counts.shape[0])),
+                             rtol=1e-6, atol=1e-7)
+  assert np.all(got.rows.numpy()[num:] >= vocab)

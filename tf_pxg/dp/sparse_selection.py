@@ -1014,8 +1014,9 @@ def _common(replica, value):
 def _all_gather(replica, touched: TouchedRows) -> TouchedRows:
   """The replicas' `TouchedRows` of one table, concatenated (`[R N]`)."""
   gather = lambda t: replica.all_gather(t, axis=0)  # noqa: E731
-  return TouchedRows(gather(touched.rows), gather(touched.counts),
-                     gather(touched.valid),
+  # (all_gather takes no bool.)
+  valid = tf.cast(gather(tf.cast(touched.valid, tf.int32)), tf.bool)
+  return TouchedRows(gather(touched.rows), gather(touched.counts), valid,
                      replica.all_reduce(tf.distribute.ReduceOp.SUM,
                                         touched.num))
 
