@@ -277,59 +277,56 @@ class BLT(mechanisms.NoiseMechanism):
           num_replicas, source, normalizer=None, write=None):
     """`(g + x_t) / normalizer` per variable, and the states advanced.
 
-    Three passes, the first and last each one XLA-compiled function over
-    all variables (fused loops; `jit_compile` also inside a non-XLA train
-    step): `past = sum_j omega'_j S_j`; `x_t = past + z_t` (the noise
-    kernel, `tf_pxg.dp.noise.add_gaussian_noise`, as DP-SGD draws z);
-    `S_j <- theta'_j S_j + (x_t - past)` and the output. A step that is not
-    applied (`write` false) keeps the states: the gate is on the [d]
-    coefficients (theta' -> 1, z -> 0), not a select over the buffers.
+    z_t is drawn as DP-SGD draws it (`tf_pxg.dp.noise.add_gaussian_noise`,
+    onto zeros: the same Gaussians for the same generator state); then one
+    XLA-compiled function over all variables (fused loops; `jit_compile`
+    also inside a non-XLA train step) reads each state once:
+    `x_t = z_t + sum_j omega'_j S_j`, `S_j <- theta'_j S_j + z_t`, and the
+    output. A step that is not applied (`write` false) keeps the states:
+    the gate is on the [d] coefficients (theta' -> 1, z -> 0), not a
+    select over the buffers.
     """
     del step  # the states carry the past; the recurrence is step-free
     stddev = dp_noise.replica_noise_stddev(
         noise_multiplier * tf.cast(l2_norm_clip, tf.float64), num_replicas)
     state = list(state)
-    past_sums, advance = self._compiled(state)
-    past = past_sums()
-    x = dp_noise.add_gaussian_noise(past, stddev, generator=source)
+    z = dp_noise.add_gaussian_noise(
+        [tf.zeros(buf.shape[1:], buf.dtype) for buf in state], stddev,
+        generator=source)
     scale = (tf.constant(1.0, tf.float64) if normalizer is None else
              1.0 / tf.cast(normalizer, tf.float64))
-    out = advance(x, past, [dp_noise.densify(g) for g in clipped_sum],
-                  tf.constant(True) if write is None else
-                  tf.convert_to_tensor(write), scale)
+    out = self._advance(state)(
+        z, [dp_noise.densify(g) for g in clipped_sum],
+        tf.constant(True) if write is None else tf.convert_to_tensor(write),
+        scale)
     return list(out), state
 
-  def _compiled(self, state):
-    """The two XLA functions of `add` for these state variables (the last
-    state's kept, so eager steps do not recompile)."""
-    last = self.__dict__.get("_compiled_last")
+  def _advance(self, state):
+    """`add`'s XLA function for these state variables (the last state's
+    kept, so eager steps do not recompile)."""
+    last = self.__dict__.get("_advance_last")
     if last is not None and len(last[0]) == len(state) and all(
         a is b for a, b in zip(last[0], state)):
       return last[1]
     omega, theta = self.inverse_omega, self.inverse_theta
 
     @tf.function(jit_compile=True)
-    def past_sums():  # d contiguous rows, one fused loop (not a [d] dot)
+    def advance(zs, sums, write, scale):
       out = []
-      for buf in state:
+      for buf, z_t, g in zip(state, zs, sums):
         value = buf.read_value()
-        out.append(tf.add_n([float(w) * value[j] for j, w in
-                             enumerate(omega)]))
-      return out
-
-    @tf.function(jit_compile=True)
-    def advance(xs, pasts, sums, write, scale):
-      out = []
-      for buf, x_t, p, g in zip(state, xs, pasts, sums):
+        # d contiguous rows summed in the loop (not a [d]-long dot).
+        x_t = z_t + tf.add_n([float(w) * value[j]
+                              for j, w in enumerate(omega)])
         w = tf.cast(write, buf.dtype)
         shape = [-1] + [1] * (buf.shape.rank - 1)
         decay = tf.reshape(w * tf.constant(theta, buf.dtype) + (1 - w), shape)
-        buf.assign(decay * buf.read_value() + (w * (x_t - p))[tf.newaxis])
+        buf.assign(decay * value + (w * z_t)[tf.newaxis])
         out.append((tf.cast(g, x_t.dtype) + x_t) * tf.cast(scale, x_t.dtype))
       return out
 
-    self._compiled_last = (list(state), (past_sums, advance))
-    return past_sums, advance
+    self._advance_last = (list(state), advance)
+    return advance
 
   def dp_event(self, noise_multiplier):
     """`GaussianDpEvent(sigma / sens)`: the whole run's event (at most
