@@ -3,7 +3,8 @@
 `tf.broadcast_to(w, [B, T, d])`, `tf.tile(w, [B, 1, 1])` and `tf.repeat`
 (an ExpandDims, a Tile and a Reshape) give every example its own copy of a
 parameter: KerasHub's PositionEmbedding, ViT's class token, DeBERTa's
-relative table. Such an op's output is data whose example b holds copy b
+relative table; a gather by constant ids whose rows are equal (BERT's
+segment ids made as `zeros_like` of the token ids). Such an op's output is data whose example b holds copy b
 (`copy_layout`), so the op itself is the interface: example b's gradient
 of the parameter is its output gradient's rows for example b, summed over
 the copy's other axes (`tf_pxg.rules.copies`). Everything after it is
@@ -18,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg.batch_axis import Layout
+from tf_pxg.tape import recording
 
 # Op type -> index of the input that gives the output's size per axis
 # (BroadcastTo's shape, Tile's multiples).
@@ -28,9 +30,59 @@ _COPY_SIZES = {"BroadcastTo": 1, "Tile": 1}
 _SIZE_PASSTHROUGH = ("Cast", "Identity", "Reshape", "ExpandDims", "Squeeze")
 
 
+# Gathers of a table by constant ids whose B rows are equal: KerasHub's
+# `BertBackbone` given `ops.zeros_like(token_ids)` as segment ids, which TF
+# folds into a constant `[B, T]` when B is static.
+_GATHERS = ("GatherV2", "ResourceGather")
+
+
 def is_batch_copy_op(op_type: str) -> bool:
   """Whether `op_type` may copy a parameter along the batch axis."""
-  return op_type in _COPY_SIZES
+  return op_type in _COPY_SIZES or op_type in _GATHERS
+
+
+def _gather_copy_layout(entry, batch_size) -> Layout:
+  """`(0, False)` if `entry` gathers rows of its table (input 0, on axis
+  0) by constant ids (input 1) of a static `[B, ...]` shape whose B
+  entries along axis 0 are equal, so every example gathers the same rows:
+  a copy of those rows along the batch axis; else None."""
+  ids = entry.inputs[1] if len(entry.inputs) > 1 else None
+  if (ids is None or not isinstance(batch_size, int) or
+      ids.shape.rank is None or ids.shape.rank < 1 or
+      ids.shape[0] != batch_size or
+      (recording.get_attr(entry, "batch_dims") or 0) != 0):
+    return None
+  if entry.op_type == "GatherV2":
+    axis = tf.get_static_value(entry.inputs[2])
+    if axis is None or int(axis) != 0:
+      return None
+  return (0, False) if _equal_rows(ids) else None
+
+
+# Elementwise ops through which equal rows stay equal (Keras' `ops.take`
+# wraps negative ids: `where(ids < 0, ids + V, ids)`).
+_ELEMENTWISE = ("Identity", "Cast", "SelectV2", "Select", "Less",
+                "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual",
+                "AddV2", "Add", "Sub", "Mul", "Maximum", "Minimum",
+                "FloorMod", "Neg")
+
+
+def _equal_rows(t, rank=None, depth: int = 8) -> bool:
+  """Whether the (constant) `t`, broadcast to rank `rank`, has equal rows
+  along axis 0: its static value does, or it is an elementwise op of
+  tensors that do (a scalar or an operand without that axis does)."""
+  rank = t.shape.rank if rank is None else rank
+  if t.shape.rank is None:
+    return False
+  if t.shape.rank < rank or (t.shape.rank == rank and t.shape[0] == 1):
+    return True  # Broadcast along axis 0.
+  value = tf.get_static_value(t)
+  if value is not None:
+    return bool(np.all(value == value[:1]))
+  op = getattr(t, "op", None)
+  if depth == 0 or op is None or op.type not in _ELEMENTWISE:
+    return False
+  return all(_equal_rows(x, rank, depth - 1) for x in op.inputs)
 
 
 def _is_batch_size_of(t, layout_of) -> bool:
@@ -87,6 +139,8 @@ def copy_layout(entry, batch_size: Optional[int],
   Returns:
     `(a, False)`, or None if `entry` is not such a copy.
   """
+  if entry.op_type in _GATHERS:
+    return _gather_copy_layout(entry, batch_size)
   index = _COPY_SIZES.get(entry.op_type)
   if index is None or len(entry.inputs) <= index or not entry.outputs:
     return None
@@ -109,7 +163,10 @@ def copy_layout(entry, batch_size: Optional[int],
 
 def copy_batch_size(entry, axis: int):
   """B for a copy along `axis` (`copy_layout`): the output's size there
-  over the parameter's (int if static, else a scalar int32 tensor)."""
+  over the parameter's (int if static, else a scalar int32 tensor); for
+  a gather, the ids' static axis 0."""
+  if entry.op_type in _GATHERS:
+    return entry.inputs[1].shape[0]
   p, out = entry.inputs[0], entry.outputs[0]
   shift = out.shape.rank - p.shape.rank
   k = 1 if axis < shift else p.shape[axis - shift]

@@ -108,8 +108,8 @@ def _fully_defined_tail(t) -> bool:
 
 def _group_key(itf: Interface, keys: ValueKeys):
   entry = itf.entry
-  if (not itf.rule.mergeable or itf.batch_minor or
-      itf.rule.batch_axes(itf) != (0, 0)):
+  if (not itf.rule.mergeable or itf.batch_minor or itf.copy_axis is not None
+      or itf.rule.batch_axes(itf) != (0, 0)):
     return None  # Rows are merged on axis 0 of the data and the outputs.
   data = set(itf.data_indices)
   tensors = [entry.inputs[i] for i in data] + list(entry.outputs)
