@@ -107,7 +107,11 @@ def in_venv() -> bool:
 def setup_process_env() -> None:
   """Environment the benchmark processes need before TF is imported."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  os.environ["TF_USE_LEGACY_KERAS"] = "1"
+  import importlib.util  # noqa: PLC0415
+  if importlib.util.find_spec("tf_keras") is not None:
+    # Without tf_keras the flag makes TF's `tf.keras` lazy loader recurse
+    # (RecursionError) in a `--no_venv` process that touches `tf.keras`.
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
   sys.skip_tf_privacy_import = True
   from absl import logging  # noqa: PLC0415
   logging.set_verbosity(logging.WARNING)  # TF Privacy logs every trace
