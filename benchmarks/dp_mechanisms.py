@@ -5,11 +5,12 @@ Two parts, from the repository root with the project's venv:
   .venv/bin/python -m benchmarks.dp_mechanisms --part=cost
   .venv/bin/python -m benchmarks.dp_mechanisms --part=accuracy --runs=5
 
-`cost`: the DP step with BandMF (b = 16) and with DP-SGD, each over the
-non-private Keras step of the same model (`benchmarks.models`: mlp, cnn;
-batch 32), timed in interleaved rounds in one process (the ratio is the
-median of the per-round ratios), and the noise buffers' bytes against the
-parameters' bytes.
+`cost`: the DP step with BandMF (b = 16), with BLT (d = `--blt_buffers`
+buffers, `tf_pxg.dp.blt.BLT`) and with DP-SGD, each over the non-private
+Keras step of the same model (`benchmarks.models`: mlp, cnn; batch 32),
+timed in interleaved rounds in one process (the ratio is the median of the
+per-round ratios; BLT also over DP-SGD's step), and the noise buffers'
+bytes against the parameters' bytes.
 
 `synthetic`: where BandMF should win, many steps at a fixed ε: DP linear
 regression (d = 100 with feature scales 1 to 0.03, N = 10000, B = 50,
@@ -52,6 +53,8 @@ _PARALLEL = flags.DEFINE_integer("parallel", 2, "Example runs at a time.")
 _ROUNDS = flags.DEFINE_integer("rounds", 15, "Timing rounds.")
 _STEPS = flags.DEFINE_integer("steps_per_round", 10, "Steps per round.")
 _BANDS = flags.DEFINE_integer("bands", 16, "b for the cost part.")
+_BLT_BUFFERS = flags.DEFINE_list("blt_buffers", ["3", "4", "5"],
+                                 "BLT buffer counts d for the cost part.")
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _RESULTS = _ROOT / "benchmarks" / "results"
@@ -71,8 +74,10 @@ def _cost():
 
   from benchmarks import models  # noqa: PLC0415
   from tf_pxg import mf  # noqa: PLC0415
+  from tf_pxg.dp import blt  # noqa: PLC0415
   import tf_pxg.keras as dpk  # noqa: PLC0415
 
+  blts = [f"blt{int(d)}" for d in _BLT_BUFFERS.value]
   out = {}
   for name in ("mlp", "cnn"):
     x, y = models.batch(name, 32)
@@ -84,6 +89,9 @@ def _cost():
         model = net
       else:
         mech = mf.BandedToeplitz(_BANDS.value) if kind == "bandmf" else None
+        if kind.startswith("blt"):  # min_separation as BandMF's b
+          mech = blt.BLT(num_steps=10_000, min_separation=_BANDS.value,
+                         num_buffers=int(kind[3:]))
         model = dpk.make_private(net, l2_norm_clip=1.0, noise_multiplier=1.0,
                                  noise_mechanism=mech)
       model.compile(optimizer=keras.optimizers.SGD(0.01),
@@ -93,7 +101,7 @@ def _cost():
       model.train_on_batch(x, y)
       return model
 
-    steps = {k: make(k) for k in ("keras", "dpsgd", "bandmf")}
+    steps = {k: make(k) for k in ["keras", "dpsgd", "bandmf"] + blts}
     times = {k: [] for k in steps}
     for _ in range(_ROUNDS.value):
       for k, model in steps.items():
@@ -103,19 +111,28 @@ def _cost():
         times[k].append((time.perf_counter() - start) / _STEPS.value)
     ratio = {k: statistics.median(t / b for t, b in zip(times[k],
                                                         times["keras"]))
-             for k in ("dpsgd", "bandmf")}
+             for k in ["dpsgd", "bandmf"] + blts}
+    over_dpsgd = {k: statistics.median(t / b for t, b in zip(
+        times[k], times["dpsgd"])) for k in ["bandmf"] + blts}
     params = sum(int(np.prod(v.shape)) * 4
                  for v in steps["keras"].trainable_variables)
     buffers = steps["bandmf"].optimizer.dp_state.noise.nbytes
     out[name] = {"step_ms": {k: 1e3 * statistics.median(t)
                              for k, t in times.items()},
-                 "ratio_over_keras": ratio, "param_bytes": params,
+                 "ratio_over_keras": ratio, "ratio_over_dpsgd": over_dpsgd,
+                 "blt_buffer_bytes": {
+                     k: sum(int(v.numpy().nbytes) for v in
+                            steps[k].optimizer.dp_state.noise)
+                     for k in blts},
+                 "param_bytes": params,
                  "buffer_bytes": buffers, "num_bands": _BANDS.value,
                  "load": os.getloadavg()[0]}
     print(f"{name}: keras {out[name]['step_ms']['keras']:.2f} ms, DP-SGD "
           f"{ratio['dpsgd']:.2f}x, BandMF b={_BANDS.value} "
           f"{ratio['bandmf']:.2f}x; buffers {buffers / 2**20:.1f} MiB = "
-          f"{buffers / params:.0f}x the parameters", flush=True)
+          f"{buffers / params:.0f}x the parameters; " + ", ".join(
+              f"BLT d={k[3:]} {ratio[k]:.2f}x ({over_dpsgd[k]:.2f}x "
+              "DP-SGD)" for k in blts), flush=True)
   return out
 
 
