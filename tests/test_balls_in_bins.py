@@ -230,9 +230,14 @@ def test_fit_uses_the_sampler_and_the_callback_composes_its_event():
   model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
   callback = tf_pxg.keras.PrivacyCallback(num_examples=64, batch_size=16)
   history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                      sampling=BallsInBinsSampler, sampling_seed=3,
-                      callbacks=[callback])
+                      sampling=BallsInBinsSampler.configured(
+                          accounting="monte_carlo", num_samples=1000),
+                      sampling_seed=3, callbacks=[callback])
   assert int(model.optimizer.iterations.numpy()) == 8
+  sampler = model.dp_plan.sampler
+  assert isinstance(sampler, BallsInBinsSampler) and (
+      sampler.accounting, sampler.num_samples) == ("monte_carlo", 1000)
+  # The callback composes events: it logs the certified bound.
   want = accounting.event_epsilon(
       BallsInBinsSampler(64, 16, seed=0).dp_event(
           mechanisms.IndependentGaussian(), 1.0, 8), 1e-5)

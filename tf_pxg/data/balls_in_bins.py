@@ -93,8 +93,8 @@ class BallsInBinsSampler(poisson.PoissonSampler):
     secure_mode: must be False (module docstring).
     num_groups: must be 1 (no cyclic schema).
     accounting: what `epsilon` states: "upper_bound" (the default, the
-      certified bound) or "monte_carlo" (module docstring). Through `fit`,
-      which builds the sampler from its class: `configured(...)`.
+      certified bound) or "monte_carlo" (module docstring). Through `fit`:
+      pass the instance, or the class `configured(...)`.
     confidence, num_samples, accounting_seed: the Monte-Carlo accountant's
       (`balls_in_bins_accounting.monte_carlo_epsilon`); unused for
       "upper_bound".
@@ -163,7 +163,8 @@ class BallsInBinsSampler(poisson.PoissonSampler):
     """A subclass whose accounting options default to `options` (keys:
     accounting, confidence, num_samples, accounting_seed), for
     `fit(..., sampling=BallsInBinsSampler.configured(
-    accounting="monte_carlo"))`, which builds the sampler from a class."""
+    accounting="monte_carlo"))` (fit builds the sampler from the class; an
+    instance works too)."""
     unknown = set(options) - {"accounting", "confidence", "num_samples",
                               "accounting_seed"}
     if unknown:
