@@ -69,6 +69,8 @@ from keras_hub.src.models.clip.clip_text_encoder import CLIPTextEncoder  # noqa:
 from keras_hub.src.models.clip.clip_vision_encoder import CLIPVisionEncoder  # noqa: E402,E501
 from keras_hub.src.models.siglip.siglip_text_encoder import SigLIPTextEncoder  # noqa: E402,E501
 from keras_hub.src.models.siglip.siglip_vision_encoder import SigLIPVisionEncoder  # noqa: E402,E501
+from keras_hub.src.models.metaclip_2.metaclip_2_text_encoder import MetaCLIP2TextEncoder  # noqa: E402,E501
+from keras_hub.src.models.metaclip_2.metaclip_2_vision_encoder import MetaCLIP2VisionEncoder  # noqa: E402,E501
 
 B, T, VOCAB, CLASSES = 4, 6, 32, 3
 TEXT = dict(num_layers=1, hidden_dim=8, intermediate_dim=16)
@@ -427,6 +429,27 @@ MORE_FAMILIES.update({
         intermediate_dim=16, image_shape=(8, 8, 3), num_register_tokens=1),
                      inputs="image"),
 })
+# MetaCLIP 2's towers (one at a time, as CLIP's) and VideoPrism (a
+# factorised video transformer: spatial then temporal layers over frames).
+MORE_FAMILIES.update({
+    "metaclip2_vision": Family(lambda: MetaCLIP2VisionEncoder(
+        patch_size=4, image_shape=(8, 8, 3), **_SIGLIP), inputs="spec"),
+    "metaclip2_text": Family(lambda: MetaCLIP2TextEncoder(
+        vocabulary_size=VOCAB, embedding_dim=8, max_sequence_length=8,
+        **_SIGLIP), inputs="spec"),
+    "video_prism": Family(lambda: models.VideoPrismBackbone(
+        num_frames=2, patch_size=4, hidden_dim=8, intermediate_dim=16,
+        num_heads=2, num_spatial_layers=1, num_temporal_layers=1,
+        num_auxiliary_layers=0, image_shape=(8, 8, 3)), inputs="spec"),
+    # Scene-text recognition: a ViT encoder and a permuted-language decoder.
+    "parseq": Family(lambda: models.PARSeqBackbone(
+        image_encoder=models.ViTBackbone(
+            image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
+            hidden_dim=8, mlp_dim=16, use_class_token=False),
+        vocabulary_size=VOCAB, max_label_length=5, decoder_hidden_dim=8,
+        num_decoder_layers=1, num_decoder_heads=2, decoder_mlp_dim=16,
+        dropout_rate=0.0, attention_dropout=0.0), inputs="spec"),
+})
 FAMILIES.update(MORE_FAMILIES)
 TRAINABLE = sorted(set(FAMILIES) - {"resnet"} - set(MORE_FAMILIES))
 
@@ -465,6 +488,23 @@ def _fit_error(model: keras.Model, x, y) -> str:
   with pytest.raises(ValueError) as info:
     dp.fit(x, y, batch_size=B, epochs=1, verbose=0)
   return str(info.value)
+
+
+def test_bert_segment_ids_made_inside_the_model_is_exact():
+  """`ops.zeros_like(token_ids)` as BERT's segment ids inside the model:
+  TF folds it into a constant `[B, T]`, whose equal rows make the segment
+  embedding's rows a copy along the batch axis (`tf_pxg.batch_copies`)."""
+  keras.utils.set_random_seed(0)
+  backbone = models.BertBackbone(**ENCODER)
+  ids = keras.Input((T,), dtype="int32", name="token_ids")
+  mask = keras.Input((T,), dtype="int32", name="padding_mask")
+  out = backbone({"token_ids": ids, "padding_mask": mask,
+                  "segment_ids": keras.ops.zeros_like(ids)})
+  model = keras.Model({"token_ids": ids, "padding_mask": mask},
+                      keras.layers.Dense(CLASSES)(out["pooled_output"]))
+  x = _text(np.random.default_rng(0))
+  _ERRORS["bert-full-zeros_like_segments"] = dp_step_error(
+      model, x, np.arange(B) % CLASSES)
 
 
 def test_xlnet_attention_mask_reshape_is_refused_by_name():
