@@ -520,6 +520,21 @@ def test_xlnet_attention_mask_reshape_is_refused_by_name():
   assert "mixes examples" in msg, msg
 
 
+def test_rwkv7_tensor_list_is_refused_by_name():
+  """RWKV-7's time mix writes its per-step states into a `TensorArray`
+  (`TensorListSetItem`) in a Python-unrolled loop; the engine does not
+  follow the batch axis through TensorList variants, so the step is
+  refused at trace time naming the op and its layer."""
+  keras.utils.set_random_seed(0)
+  backbone = models.RWKV7Backbone(
+      hidden_size=8, head_size=4, num_layers=1, vocabulary_size=VOCAB,
+      intermediate_dim=16, gate_lora=4, mv_lora=4, aaa_lora=4, decay_lora=4)
+  msg = _fit_error(classifier(backbone), batch(backbone, "spec"),
+                   np.zeros(B))
+  assert "'TensorListSetItem'" in msg and "RWKV_TIME_MIX" in msg, msg
+  assert "register_row_wise" in msg, msg
+
+
 def test_clip_contrastive_logits_are_refused():
   """CLIP's joint logits `z_image @ z_text^T` compare each example with
   the others of its batch (in-batch negatives): no per-example loss, so
