@@ -449,6 +449,16 @@ MORE_FAMILIES.update({
         vocabulary_size=VOCAB, max_label_length=5, decoder_hidden_dim=8,
         num_decoder_layers=1, num_decoder_heads=2, decoder_mlp_dim=16,
         dropout_rate=0.0, attention_dropout=0.0), inputs="spec"),
+    # Monocular depth: a DINOv2 encoder, a DPT neck and head (no BN).
+    "depth_anything": Family(lambda: models.DepthAnythingBackbone(
+        image_encoder=models.DINOV2Backbone(
+            patch_size=4, num_layers=4, hidden_dim=8, num_heads=2,
+            intermediate_dim=16, image_shape=(32, 32, 3),
+            position_embedding_shape=(32, 32)),
+        reassemble_factors=[4, 2, 1, 0.5], neck_hidden_dims=[4, 4, 4, 4],
+        fusion_hidden_dim=4, head_hidden_dim=4, head_in_index=-1,
+        feature_keys=["stage1", "stage2", "stage3", "stage4"]),
+                           inputs="image"),
 })
 FAMILIES.update(MORE_FAMILIES)
 TRAINABLE = sorted(set(FAMILIES) - {"resnet"} - set(MORE_FAMILIES))
