@@ -596,7 +596,10 @@ def _mlp_with_bias(x, w1, b1, w2):
 
 
 STRUCTURE_CASES = [
-    # Tied or transformed weights: norms materialise (no sq_norm call).
+    # Tied or transformed weights. A tied table's norm is the uses' own
+    # norms plus their cross term from outer-product factors where that is
+    # cheaper (`tf_pxg.rules.factors`, tests/test_tied_embedding.py); at
+    # this size materialising is, so no sq_norm call is declared.
     raw_case("tied_embedding_gather_and_matmul_transpose_b", (),
              _tied_embedding, (4,), [(6, 3)], ids_vocab=6,
              rules=expect("ResourceGather", "MatMul")),
