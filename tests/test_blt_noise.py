@@ -202,14 +202,11 @@ _MIRRORED = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import keras
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    """) + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
     import tf_pxg.keras as dpk
     from tf_pxg.dp import blt
 
     SIGMA, CLIP, B, LR = 1.3, 0.7, 16, 1.0
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     mech = blt.BLT(num_steps=20, min_separation=2, num_buffers=3)
     with strategy.scope():
       inp = keras.Input((100,))

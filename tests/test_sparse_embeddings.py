@@ -489,9 +489,7 @@ _MIRRORED = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import keras
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    """) + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
     import tf_pxg.keras as dpk
     from tf_pxg.dp import sparse_selection as ss
 
@@ -518,7 +516,6 @@ _MIRRORED = textwrap.dedent("""
       with strategy.scope():
         return make()
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
 
     def mirrored_step(model):
