@@ -27,16 +27,24 @@ subclass: it overrides `step_indices(step, key)` (TF ops: the sorted
 indices of global logical step `step`) and `dp_event`, and `fit` takes the
 class as `sampling=`. That is the whole of adding a sampler: one file
 (see `tests/test_samplers.py`, which defines one in the test).
+
+Names. `SAMPLINGS` maps the names `fit(sampling=...)` and
+`DPOptimizer(sampling=...)` take to classes ("poisson", "shuffled",
+"balls_in_bins"); `register(name, cls)` adds one. A DP plan's sampling
+choice is a class (`choice`) and is saved by its name (`sampling_name`),
+which is why a class without one cannot be saved.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional, Protocol, runtime_checkable
 
 from tf_pxg.data import poisson
 
 __all__ = ["NotCertifiedError", "PrivacyUnits", "SAMPLINGS", "Sampler",
-           "ShuffledSampler", "resolve"]
+           "ShuffledSampler", "choice", "known_names", "register", "resolve",
+           "sampling_name"]
 
 
 @runtime_checkable
@@ -149,8 +157,68 @@ class PrivacyUnits:
     return self.inner.dp_event(mechanism, noise_multiplier, steps)
 
 
-#: `fit(sampling=...)`'s strings and the sampler classes they stand for.
+#: `fit(sampling=...)`'s names and the sampler classes they stand for; the
+#: name is also how a `DPOptimizer(sampling=...)` choice is saved
+#: (`sampling_name`). `register` adds to it.
 SAMPLINGS = {"poisson": poisson.PoissonSampler, "shuffled": ShuffledSampler}
+
+# Built-in samplings whose module is imported on first use (it pulls in the
+# accountants): name -> (module, class name).
+_LAZY_SAMPLINGS = {
+    "balls_in_bins": ("tf_pxg.data.balls_in_bins", "BallsInBinsSampler")}
+
+# What `fit` can draw from: Keras' batches or the masked stream
+# (`tf_pxg.keras._poisson_fit` has one builder for each).
+_BASES = (poisson.PoissonSampler, ShuffledSampler)
+
+
+def _table() -> dict:
+  """`SAMPLINGS` with the built-in lazy entries loaded."""
+  for name, (module, attr) in _LAZY_SAMPLINGS.items():
+    if name not in SAMPLINGS:
+      SAMPLINGS[name] = getattr(importlib.import_module(module), attr)
+  return SAMPLINGS
+
+
+def register(name: str, sampler_class: Optional[type] = None, *,
+             override: bool = False):
+  """Registers a sampler class under `name` in `SAMPLINGS`.
+
+  `fit(sampling=name)` then builds it, and a `DPOptimizer(sampling=cls)`
+  is saved as `name` (load the model in a process that has registered it
+  again, as for Keras' custom objects). Usable as a decorator,
+  `@register("full_batch")`.
+
+  Raises:
+    ValueError: `name` is taken by another class (pass `override=True`),
+      or the class is not a `PoissonSampler` or `ShuffledSampler` subclass.
+  """
+  def add(cls):
+    if not (isinstance(cls, type) and issubclass(cls, _BASES)):
+      raise ValueError(
+          f"samplers.register({name!r}): {cls!r} is not a subclass of "
+          "tf_pxg.data.PoissonSampler (masked batches) or ShuffledSampler, "
+          "the two data paths fit has.")
+    if not isinstance(name, str) or not name:
+      raise ValueError(f"samplers.register: name must be a non-empty "
+                       f"string; got {name!r}.")
+    taken = _table().get(name)
+    if taken is not None and taken is not cls and not override:
+      raise ValueError(
+          f"samplers.register: {name!r} already names {taken!r}; choose "
+          "another name, or pass override=True to replace it.")
+    SAMPLINGS[name] = cls
+    return cls
+  return add if sampler_class is None else add(sampler_class)
+
+
+def known_names() -> tuple:
+  """The names `resolve` takes (`SAMPLINGS`' keys, built-ins loaded)."""
+  return tuple(_table())
+
+
+def _names() -> str:
+  return ", ".join(repr(name) for name in known_names())
 
 
 def resolve(sampling) -> type:
@@ -162,13 +230,53 @@ def resolve(sampling) -> type:
   Raises:
     ValueError: anything else (the message lists the names).
   """
-  if isinstance(sampling, str) and sampling in SAMPLINGS:
+  if isinstance(sampling, str) and sampling in _table():
     return SAMPLINGS[sampling]
-  if isinstance(sampling, type) and issubclass(
-      sampling, tuple(SAMPLINGS.values())):
+  if isinstance(sampling, type) and issubclass(sampling, _BASES):
     return sampling
-  names = ", ".join(repr(name) for name in SAMPLINGS)
   raise ValueError(
-      f"`sampling` must be one of {names} ('poisson', the default, is the "
-      "sampling DP-SGD's ε assumes) or a tf_pxg.data sampler class such as "
-      f"BallsInBinsSampler (a PoissonSampler subclass); got {sampling!r}.")
+      f"`sampling` must be one of {_names()} ('poisson', the default, is "
+      "the sampling DP-SGD's ε assumes) or a tf_pxg.data sampler class such "
+      f"as BallsInBinsSampler (a PoissonSampler subclass); got {sampling!r}.")
+
+
+def choice(sampling, where: str) -> Optional[type]:
+  """A DP plan's sampling choice: None (not chosen) or the sampler class
+  `resolve(sampling)`; an instance is refused (it is built from the data:
+  give it to `fit`).
+
+  Raises:
+    ValueError: naming `where`, the argument, and what it accepts.
+  """
+  if sampling is None:
+    return None
+  if not isinstance(sampling, (str, type)):
+    raise ValueError(
+        f"{where}: sampling must be None, one of {_names()} or a sampler "
+        f"class; got the instance {sampling!r}. A sampler instance is "
+        "built from the data: pass its class (or name) here, or the "
+        "instance to fit(sampling=...).")
+  try:
+    return resolve(sampling)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+
+
+def sampling_name(sampler_class: type) -> str:
+  """The name a sampler class is saved under: its `SAMPLINGS` key (the
+  class itself, not a subclass of the same name, e.g. one made by
+  `BallsInBinsSampler.configured(...)`).
+
+  Raises:
+    ValueError: the class has no name (register it with `register`).
+  """
+  for name, cls in _table().items():
+    if cls is sampler_class:
+      return name
+  raise ValueError(
+      f"The sampler class {sampler_class!r} has no registered name, so a "
+      "DP plan that chose it cannot be saved (a class made by "
+      "BallsInBinsSampler.configured(...) is a new class). Register it, "
+      "tf_pxg.data.samplers.register('my_sampling', cls), before saving and "
+      "before loading; or choose the sampling in fit(sampling=...), which "
+      "is not saved.")

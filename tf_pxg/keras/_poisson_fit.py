@@ -127,14 +127,13 @@ def _keras_batches(model, sampler_class, data: FitData,
         "sampling (participations at least b steps apart); "
         "sampling='shuffled' gives no such guarantee. Use the default "
         "sampling='poisson'.")
-  x = data.x
   sampler = given or sampler_class(batch_size=data.batch_size)
   return FitInput(sampler, dict(
-      x=x, y=data.y, batch_size=data.batch_size,
+      x=data.x, y=data.y, batch_size=data.batch_size,
       validation_split=data.validation_split,
       validation_data=data.validation_data,
       # Keras ignores (and warns about) `shuffle` for datasets.
-      shuffle=data.shuffle and not isinstance(x, tf.data.Dataset),
+      shuffle=data.shuffle and not isinstance(data.x, tf.data.Dataset),
       class_weight=data.class_weight, sample_weight=data.sample_weight,
       steps_per_epoch=data.steps_per_epoch,
       validation_batch_size=data.validation_batch_size,

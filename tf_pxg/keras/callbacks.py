@@ -65,8 +65,13 @@ class PrivacyCallback(keras.callbacks.Callback):
       (its own or its DPOptimizer's).
     delta: the δ of (ε, δ)-DP.
     target_epsilon: optional budget; training stops before exceeding it.
-    accountant: "rdp" or "pld"; default: the model's plan's
-      (`DPPlan.accountant`, "rdp" unless set).
+    accountant: "rdp" or "pld"; default (None): the model's plan's
+      (`DPOptimizer(accountant=...)`, `model.dp_plan.accountant`; "rdp"
+      unless set there). Given here, it wins over the plan's: the plan
+      fixes the event (sampler, mechanism, σ, steps), and RDP and PLD each
+      give an upper bound on the ε of that same event, so choosing either
+      here claims nothing the run does not satisfy (`accountant` shows
+      the one in use).
     num_bands: b of BandMF correlated noise (`tf_pxg.mf.BandedToeplitz`);
       default: the model's (1 for DP-SGD). With b > 1, `fit` samples
       cyclically (b groups, step i from group i mod b, rate `B b / N`) and
@@ -216,7 +221,8 @@ class PrivacyCallback(keras.callbacks.Callback):
     """
     if self.target_epsilon is None:
       return None
-    key = (self.noise_multiplier, self.num_bands, id(self._sampler()))
+    key = (self.noise_multiplier, self.num_bands, id(self._sampler()),
+           self.accountant)
     if self._max_steps_cache.get("key") != key:
       within = lambda s: self.epsilon(s) <= self.target_epsilon  # noqa: E731
       lo, hi = 0, 1

@@ -122,6 +122,13 @@ class _DPTrainingMixin:
       (BandMF correlated noise with cyclic Poisson sampling in `fit`); see
       `tf_pxg.keras.DPOptimizer`. With either set, `compile` wraps a
       plain optimizer in a `DPOptimizer`, which holds their state.
+    sampling: how `fit` draws batches (None: `fit`'s argument decides,
+      "poisson" by default; a `tf_pxg.data.samplers.SAMPLINGS` name or a
+      sampler class); see `tf_pxg.keras.DPOptimizer`. Like the settings
+      above it is a request: with a plain optimizer it is the plan's; a
+      `DPOptimizer` without a sampling takes it at `compile`, one with
+      another raises. Saved in the config. (The accountant is chosen on
+      the `DPOptimizer` or on `PrivacyCallback`.)
     noisy_loss: a `tf_pxg.keras.NoisyLoss(bound, noise_multiplier)`: log
       a private training `loss` (per-example losses clamped to `[0,
       bound]`, summed, Gaussian-noised once per step, divided as the
@@ -184,7 +191,7 @@ class _DPTrainingMixin:
   def __init__(self, *args, l2_norm_clip: Optional[float] = None,
                noise_multiplier: Optional[float] = None,
                seed: Optional[int] = None, secure_mode: bool = False,
-               clipping=None, noise_mechanism=None,
+               clipping=None, noise_mechanism=None, sampling=None,
                unprotected_training_metrics: bool = False,
                noisy_loss=None, **kwargs):
     clip, noise = _validation.validate_dp_params(
@@ -192,13 +199,15 @@ class _DPTrainingMixin:
     clipping, noise_mechanism = _validation.validate_mechanism(
         clip, noise, clipping, noise_mechanism, type(self).__name__)
     secure_mode = _check_secure_mode(secure_mode, seed, type(self).__name__)
+    from tf_pxg.data import samplers  # noqa: PLC0415
+    sampling = samplers.choice(sampling, type(self).__name__)
     super().__init__(*args, **kwargs)
     from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
     from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
     # The constructor's request: handed to the optimizer at `compile` (see
     # `_dp_plan`), saved in the config; the step reads the optimizer's.
     self._dp_request = dp_plan.DPPlan(clip, noise, clipping, noise_mechanism,
-                                      secure_mode)
+                                      secure_mode, sampling=sampling)
     self._dp_seed_given = seed is not None
     self._dp_noisy_loss = _check_noisy_loss(noisy_loss, type(self).__name__)
     self._dp_unprotected_metrics = _check_bool(
@@ -218,9 +227,10 @@ class _DPTrainingMixin:
   @property
   def dp_plan(self):
     """The `tf_pxg.dp.plan.DPPlan` in use: the compiled `DPOptimizer`'s,
-    else the model's own (constructor) settings; its `sampler` is the
-    `tf_pxg.data.samplers.Sampler` of the last `fit` when the plan names
-    none (what `PrivacyCallback` composes)."""
+    else the model's own (constructor) settings; its `sampling` is the
+    optimizer's choice (None: `fit`'s argument decides) and its `sampler`
+    the `tf_pxg.data.samplers.Sampler` instance the last `fit` built
+    (what `PrivacyCallback` composes)."""
     plan = self._dp_plan(getattr(self, "optimizer", None))
     sampler = self.__dict__.get("_dp_sampler")
     if plan.sampler is None and sampler is not None:
@@ -330,8 +340,20 @@ class _DPTrainingMixin:
           f"Model {self.name!r} was created with a noise seed, but its "
           "DPOptimizer has secure_mode=True, which cannot be "
           "reproducible. Create the model without `seed`.")
+    if (own.sampling is not None and plan.sampling is not None and
+        own.sampling is not plan.sampling):
+      raise ValueError(
+          f"Model {self.name!r} has sampling={own.sampling.__name__} but "
+          f"its DPOptimizer has sampling={plan.sampling.__name__}. Choose "
+          "the sampling in one place: on the DPOptimizer, or on the model "
+          "(then create the DPOptimizer without `sampling`).")
+    # The model's request fills what the optimizer's plan leaves open.
+    # pylint: disable=protected-access
     if own.secure_mode and not plan.secure_mode:
-      optimizer._require_secure_mode()  # pylint: disable=protected-access
+      optimizer._require_secure_mode()
+    if own.sampling is not None and plan.sampling is None:
+      optimizer._require_sampling(own.sampling)
+    # pylint: enable=protected-access
 
   def _dp_step_mechanism(self, noise_multiplier):
     """The train step's `_train_step.Mechanism`: the clipping policy and
@@ -421,6 +443,7 @@ class _DPTrainingMixin:
       optimizer = DPOptimizer(
           optimizer, request.l2_norm_clip, request.noise_multiplier,
           secure_mode=request.secure_mode, clipping=request.clipping,
+          sampling=request.sampling,
           noise_mechanism=request.noise_mechanism)
     self._agree_with(optimizer)
     self._check_trainable_for_dp(optimizer)
@@ -534,12 +557,15 @@ class _DPTrainingMixin:
           shuffle=True, class_weight=None, sample_weight=None,
           initial_epoch=0, steps_per_epoch=None, validation_steps=None,
           validation_batch_size=None, validation_freq=1, *,
-          sampling="poisson", accumulation_steps: int = 1,
+          sampling=None, accumulation_steps: int = 1,
           physical_batch_size: Optional[int] = None,
           sampling_seed: Optional[int] = None, augmult: int = 1,
           user_ids=None, examples_per_user: Optional[int] = None,
           unprotected_training_metrics: Optional[bool] = None):
     """Keras `fit`, by default on Poisson-sampled logical batches.
+
+    The sampling is the DP plan's (`DPOptimizer(sampling=...)`) when it
+    chose one, else this `sampling=` argument, else "poisson".
 
     With `sampling="poisson"` (the default) `x`, `y` and `sample_weight`
     must be arrays (or nests of arrays, or an unbatched finite
@@ -574,8 +600,9 @@ class _DPTrainingMixin:
     it; `PrivacyCallback` refuses it unless told otherwise.
 
     Args:
-      sampling: "poisson", "shuffled" (the names of
-        `tf_pxg.data.samplers.SAMPLINGS`), or a sampler class
+      sampling: None (the plan's choice, `DPOptimizer(sampling=...)`, else
+        "poisson"), a name of `tf_pxg.data.samplers.SAMPLINGS` ("poisson",
+        "shuffled", "balls_in_bins", ...), or a sampler class
         (`tf_pxg.data.samplers.ShuffledSampler`, or a `PoissonSampler`
         subclass, e.g. `tf_pxg.data.balls_in_bins.BallsInBinsSampler`,
         built with `PoissonSampler`'s arguments), or an instance of one
@@ -584,7 +611,10 @@ class _DPTrainingMixin:
         its input (`tf_pxg.keras._poisson_fit.fit_input`) and keeps the
         sampler as `dp_plan.sampler`; its `dp_event` is what
         `PrivacyCallback` composes (with `augmult` or `user_ids`, a
-        `tf_pxg.data.samplers.PrivacyUnits` over it).
+        `tf_pxg.data.samplers.PrivacyUnits` over it). When the plan has
+        chosen a sampling, this must be None, the same class or its name,
+        or an instance of that class: anything else raises (the model
+        keeps no second copy of the choice).
       accumulation_steps: k physical batches per logical step.
       physical_batch_size: rows per physical batch (global).
       sampling_seed: seeds the sampler (tests); default OS entropy.
@@ -610,7 +640,8 @@ class _DPTrainingMixin:
       steps.)
 
     Raises:
-      ValueError: unknown `sampling`; data that cannot be Poisson-sampled
+      ValueError: unknown `sampling`, or one that differs from the plan's
+        (`DPOptimizer(sampling=...)`); data that cannot be Poisson-sampled
         (a batched dataset, a generator, a `PyDataset`); a `batch_size`
         larger than the dataset.
     """
@@ -620,6 +651,7 @@ class _DPTrainingMixin:
     if _compat.compile_loss(self) is None:
       pe_losses.per_example_losses(self, None, None)  # raises, names fix
     from tf_pxg.keras import _poisson_fit  # noqa: PLC0415
+    sampling = self._dp_fit_sampling(sampling)
     run = _poisson_fit.fit_input(self, sampling, _poisson_fit.FitData(
         x=x, y=y, batch_size=batch_size, epochs=epochs,
         initial_epoch=initial_epoch, callbacks=callbacks,
@@ -642,6 +674,33 @@ class _DPTrainingMixin:
     run.finish(self)
     return history
 
+  def _dp_fit_sampling(self, sampling):
+    """`fit`'s sampling: the plan's choice (`DPPlan.sampling`) when it has
+    one, else `sampling`, else "poisson".
+
+    Raises:
+      ValueError: `sampling` names another class than the plan's (both
+        named, and which to change).
+    """
+    from tf_pxg.data import samplers  # noqa: PLC0415
+    chosen = self._dp_plan(getattr(self, "optimizer", None)).sampling
+    if sampling is None:
+      return "poisson" if chosen is None else chosen
+    if chosen is None:
+      return sampling
+    given = samplers.resolve(sampling if isinstance(sampling, (str, type))
+                             else type(sampling))
+    if given is not chosen:
+      raise ValueError(
+          f"Model {self.name!r}.fit got sampling={sampling!r} "
+          f"({given.__name__}), but its DP plan chose sampling="
+          f"{chosen.__name__} (DPOptimizer(sampling=...), or the model's "
+          "sampling=). The plan holds the sampling in one place: drop "
+          "fit's `sampling=` to use the plan's, or create the DPOptimizer "
+          f"(or the model) with sampling={given.__name__}, or without "
+          "`sampling` to choose it in fit.")
+    return sampling
+
   def get_config(self):
     config = super().get_config()
     request = self._dp_request
@@ -652,6 +711,8 @@ class _DPTrainingMixin:
       config["unprotected_training_metrics"] = True
     if getattr(self, "_dp_noisy_loss", None) is not None:
       config["noisy_loss"] = self._dp_noisy_loss.get_config()
+    if request.sampling is not None:
+      config["sampling"] = request.sampling_name  # raises if unnamed
     if not request.is_default_mechanism:
       from tf_pxg.dp import clipping as policies  # noqa: PLC0415
       from tf_pxg.keras import _dp_state  # noqa: PLC0415
@@ -665,6 +726,7 @@ class _DPTrainingMixin:
     config = dict(config)
     dp = {k: config.pop(k, None) for k in _DP_CONFIG_KEYS}
     secure_mode = bool(config.pop("secure_mode", False))
+    sampling = config.pop("sampling", None)
     unprotected = bool(config.pop("unprotected_training_metrics", False))
     noisy_loss = config.pop("noisy_loss", None)
     if noisy_loss is not None:
@@ -682,7 +744,7 @@ class _DPTrainingMixin:
         dp["l2_norm_clip"], dp["noise_multiplier"], cls.__name__)
     from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
     model._dp_request = dp_plan.DPPlan(clip, noise, clipping, mechanism,
-                                       secure_mode)
+                                       secure_mode, sampling=sampling)
     return model
 
 
@@ -741,12 +803,12 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                  noise_multiplier: Optional[float] = None,
                  seed: Optional[int] = None,
                  secure_mode: bool = False, clipping=None,
-                 noise_mechanism=None,
+                 noise_mechanism=None, sampling=None,
                  unprotected_training_metrics: bool = False,
                  noisy_loss=None) -> keras.Model:
   """A DP model sharing `model`'s layers and weights.
 
-  `secure_mode`, `clipping`, `noise_mechanism`,
+  `secure_mode`, `clipping`, `noise_mechanism`, `sampling`,
   `unprotected_training_metrics`, `noisy_loss`: see `_DPTrainingMixin`
   (secure mode raises with a `seed`).
 
@@ -766,7 +828,7 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
   _validation.check_no_batch_mixing_layers(model)
   kwargs = dict(l2_norm_clip=clip, noise_multiplier=noise, seed=seed,
                 secure_mode=secure_mode, clipping=clipping,
-                noise_mechanism=noise_mechanism,
+                noise_mechanism=noise_mechanism, sampling=sampling,
                 unprotected_training_metrics=unprotected_training_metrics,
                 noisy_loss=noisy_loss)
   if isinstance(model, keras.Sequential):

@@ -1,9 +1,10 @@
 """`DPOptimizer`: any Keras optimizer carrying the run's DP plan.
 
 The optimizer owns the frozen `tf_pxg.dp.plan.DPPlan` (`l2_norm_clip`,
-`noise_multiplier`, clipping policy, noise mechanism, secure mode): the one
-place the DP configuration lives, saved in its config; a DP model reads it
-from the optimizer it is compiled with. The private
+`noise_multiplier`, clipping policy, noise mechanism, secure mode, the
+sampling choice and the accountant): the one place the DP configuration
+lives, saved in its config; a DP model reads it from the optimizer it is
+compiled with. The private
 gradient itself (per-example clipping, noise, division by the batch size) is
 computed by a DP model's `train_step` (`tf_pxg.keras.DPModel`,
 `DPSequential`, `make_dp_model_class`, `make_private`), which then applies it
@@ -22,6 +23,7 @@ from __future__ import annotations
 import keras
 
 from tf_pxg import _compat
+from tf_pxg.data import samplers
 from tf_pxg.dp import clipping as clipping_policies
 from tf_pxg.dp import plan as dp_plan
 from tf_pxg.keras import _dp_state as dp_state
@@ -55,12 +57,27 @@ class DPOptimizer(keras.optimizers.Optimizer):
       ε holds with `fit`'s cyclic Poisson sampling (b groups, rate
       `B b / N`), which the model then uses; `PrivacyCallback` accounts
       for it. Saved in the config.
+    sampling: how `fit` draws batches: None (not chosen here: `fit`'s own
+      `sampling=` argument decides, "poisson" by default), a name of
+      `tf_pxg.data.samplers.SAMPLINGS` ("poisson", "shuffled",
+      "balls_in_bins", or one added with `samplers.register`) or such a
+      sampler class. It is the plan's `sampling` (a class); `fit` builds
+      the instance from the data (`model.dp_plan.sampler`), and a `fit`
+      given a different `sampling=` raises. An instance is refused here
+      (pass it to `fit`). Saved in the config by name: a class without one
+      (e.g. made by `BallsInBinsSampler.configured(...)`) raises at
+      `get_config`; register it first.
+    accountant: "rdp" (default) or "pld": what `PrivacyCallback` computes
+      ε with unless it is given its own `accountant=` (the callback's
+      wins; either is an upper bound for the same event). Saved in the
+      config.
     name: optimizer name.
 
   Raises:
-    ValueError/TypeError: invalid settings, or base-optimizer arguments
-      (`clipnorm`, `weight_decay`, ...) passed to the wrapper (set them on the
-      inner optimizer).
+    ValueError/TypeError: invalid settings (an unknown `sampling` or
+      `accountant`, a sampler instance, shuffled sampling with BandMF/BLT
+      noise), or base-optimizer arguments (`clipnorm`, `weight_decay`,
+      ...) passed to the wrapper (set them on the inner optimizer).
 
   Use it with a DP model (`DPModel`, `DPSequential`, `make_private(...)`,
   `make_dp_model_class(...)`), which takes its settings from it when it has
@@ -72,7 +89,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   def __init__(self, inner_optimizer, l2_norm_clip, noise_multiplier,
                name=None, secure_mode=False, clipping=None,
-               noise_mechanism=None, **kwargs):
+               noise_mechanism=None, sampling=None, accountant="rdp",
+               **kwargs):
     if kwargs:
       raise ValueError(
           f"DPOptimizer does not take `{'`, `'.join(kwargs)}`; set them on "
@@ -90,10 +108,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
                       f"{secure_mode!r}.")
     clipping, noise_mechanism = _validation.validate_mechanism(
         clip, noise, clipping, noise_mechanism, "DPOptimizer")
+    sampling = samplers.choice(sampling, "DPOptimizer")
+    if accountant not in dp_plan.ACCOUNTANTS:
+      raise ValueError(
+          f"DPOptimizer: accountant must be one of {dp_plan.ACCOUNTANTS}; "
+          f"got {accountant!r}.")
+    plan = dp_plan.DPPlan(clip, noise, clipping, noise_mechanism,
+                          secure_mode, sampling=sampling,
+                          accountant=accountant)
     super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
     self.inner_optimizer = inner_optimizer
-    self._plan = dp_plan.DPPlan(clip, noise, clipping, noise_mechanism,
-                                secure_mode)
+    self._plan = plan
     # The mechanism's state (adaptive clip, noise buffers): tf.Variables in
     # a tf.Module, so tf.train.Checkpoint tracks them; `variables` lists
     # them for Keras' saving.
@@ -127,10 +152,28 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def noise_mechanism(self):
     return self._plan.noise_mechanism
 
+  @property
+  def sampling(self):
+    """The sampling choice: a sampler class, or None (`fit` decides)."""
+    return self._plan.sampling
+
+  @property
+  def accountant(self) -> str:
+    return self._plan.accountant
+
   def _require_secure_mode(self) -> None:
     """Turns secure mode on (a model created with `secure_mode=True` is
     compiled with this optimizer): the plan is replaced, never weakened."""
     self._plan = self._plan.replace(secure_mode=True)
+
+  def _require_sampling(self, sampling) -> None:
+    """Takes the sampling choice of a model created with `sampling=` (at
+    `compile`; only when this plan has none: a different one raises
+    there)."""
+    if self._plan.sampling is not None:
+      raise ValueError(f"DPOptimizer {self.name!r} already has sampling="
+                       f"{self._plan.sampling.__name__}.")
+    self._plan = self._plan.replace(sampling=sampling)
 
   @_compat.no_automatic_dependency_tracking
   def build(self, var_list):
@@ -188,6 +231,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self.inner_optimizer.finalize_variable_values(var_list)
 
   def get_config(self):
+    """The config; the sampling choice by its `SAMPLINGS` name.
+
+    Raises:
+      ValueError: the sampling class has no registered name
+        (`tf_pxg.data.samplers.register`).
+    """
     return {
         "name": self.name,
         "inner_optimizer":
@@ -197,6 +246,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "secure_mode": self.secure_mode,
         "clipping": clipping_policies.serialize(self.clipping),
         "noise_mechanism": dp_state.serialize_mechanism(self.noise_mechanism),
+        "sampling": self._plan.sampling_name,
+        "accountant": self.accountant,
     }
 
   @classmethod
@@ -207,22 +258,33 @@ class DPOptimizer(keras.optimizers.Optimizer):
     config["clipping"] = clipping_policies.get(config.get("clipping"))
     config["noise_mechanism"] = dp_state.deserialize_mechanism(
         config.get("noise_mechanism"))
+    name = config.get("sampling")
+    if name is not None and name not in samplers.known_names():
+      raise ValueError(
+          f"DPOptimizer.from_config: the plan was saved with sampling="
+          f"{name!r}, which is not a registered sampling in this process "
+          f"(known: {samplers.known_names()}). Register the class first, "
+          f"tf_pxg.data.samplers.register({name!r}, cls), then load.")
     return cls(inner, **config)
 
 
 def DPSGD(l2_norm_clip: float, noise_multiplier: float,
           secure_mode: bool = False, clipping=None, noise_mechanism=None,
+          sampling=None, accountant: str = "rdp",
           **sgd_kwargs) -> DPOptimizer:  # noqa: N802  (optimizer-class style)
   """DP-SGD: `DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), ...)`."""
   return DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), l2_norm_clip,
                      noise_multiplier, secure_mode=secure_mode,
-                     clipping=clipping, noise_mechanism=noise_mechanism)
+                     clipping=clipping, noise_mechanism=noise_mechanism,
+                     sampling=sampling, accountant=accountant)
 
 
 def DPAdam(l2_norm_clip: float, noise_multiplier: float,
            secure_mode: bool = False, clipping=None, noise_mechanism=None,
+           sampling=None, accountant: str = "rdp",
            **adam_kwargs) -> DPOptimizer:  # noqa: N802
   """DP-Adam: `DPOptimizer(keras.optimizers.Adam(**adam_kwargs), ...)`."""
   return DPOptimizer(keras.optimizers.Adam(**adam_kwargs), l2_norm_clip,
                      noise_multiplier, secure_mode=secure_mode,
-                     clipping=clipping, noise_mechanism=noise_mechanism)
+                     clipping=clipping, noise_mechanism=noise_mechanism,
+                     sampling=sampling, accountant=accountant)
