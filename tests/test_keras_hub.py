@@ -21,18 +21,23 @@ Poisson batches (the default DP data path) runs for six family/mode pairs.
 
 FNet (token mixing by a 2-D FFT) and Swin (attention windows folded into
 the batch axis, `[B*W*s, d]` rows split into `[B*W, s, d]`) run both modes;
-33 more families full fine-tuning only (`slow`): Bloom, Falcon, GPT-NeoX,
+41 more families full fine-tuning (`slow`): Bloom, Falcon, GPT-NeoX,
 XLM-RoBERTa, RoFormer-V2, ESM, ESM-2, Llama 3, Qwen 2, Qwen 3.5 (linear
 attention layers), Gemma 3n (AltUp, LAuReL, per-layer inputs), Gemma 4,
 SmolLM 3, T5Gemma, T5Gemma 2, EdRec, DeiT, DINOv2, DINOv3, ViTDet,
-MiT (SegFormer's encoder), VGG, the CLIP and SigLIP text and vision towers, audio (Whisper on mel features, Moonshine on a raw
-waveform), vision-language (PaliGemma) and mixture-of-experts (GPT-OSS;
-Mixtral, Qwen-MoE and Qwen 3-MoE with `router_aux_loss_coefficient=0`),
-their inputs built from the backbone's `Input` specs; Whisper, PaliGemma,
-GPT-OSS and Gemma 4 with LoRA too. Refused by name: Mixtral's batch-level router
-loss (`add_loss`) when on, XLNet's attention mask (KerasHub reshapes the
-`[B, T]` padding mask to `[T, B]`, which mixes examples) and CLIP's joint
-contrastive logits (in-batch negatives).
+MiT (SegFormer's encoder), VGG, the CLIP, SigLIP and MetaCLIP 2 text and
+vision towers, VideoPrism, PARSeq, DepthAnything, audio (Whisper on mel
+features, Moonshine on a raw waveform), vision-language (PaliGemma,
+BLIP-2), mixture-of-experts (GPT-OSS; Mixtral, Qwen-MoE and Qwen 3-MoE
+with `router_aux_loss_coefficient=0`), Segment Anything (image encoder,
+point and box prompts, mask decoder) and Stable Diffusion 3's MMDiT,
+their inputs built from the backbone's `Input` specs; 11 of them with
+LoRA too (Whisper, PaliGemma, GPT-OSS, Gemma 4, the MetaCLIP 2 towers,
+VideoPrism, PARSeq, DepthAnything, BLIP-2, MMDiT). Refused by name:
+Mixtral's batch-level router loss (`add_loss`) when on, XLNet's attention
+mask (KerasHub reshapes the `[B, T]` padding mask to `[T, B]`, which mixes
+examples), CLIP's joint contrastive logits (in-batch negatives), RWKV-7's
+TensorArray, and BatchNormalization (ResNet, D-FINE) in full fine-tuning.
 
 The families exercise the engine's parameter copies along the batch axis
 (`tf_pxg.rules.copies`): KerasHub's `PositionEmbedding` broadcasts its
@@ -50,7 +55,7 @@ Skipped when keras-hub is not installed (`pip install "tf_pxg[hub]"`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import keras
 import numpy as np
@@ -71,6 +76,8 @@ from keras_hub.src.models.siglip.siglip_text_encoder import SigLIPTextEncoder  #
 from keras_hub.src.models.siglip.siglip_vision_encoder import SigLIPVisionEncoder  # noqa: E402,E501
 from keras_hub.src.models.metaclip_2.metaclip_2_text_encoder import MetaCLIP2TextEncoder  # noqa: E402,E501
 from keras_hub.src.models.metaclip_2.metaclip_2_vision_encoder import MetaCLIP2VisionEncoder  # noqa: E402,E501
+# Stable Diffusion 3's diffusion transformer: `backbone.diffuser` of a preset.
+from keras_hub.src.models.stable_diffusion_3.mmdit import MMDiT  # noqa: E402,E501
 
 B, T, VOCAB, CLASSES = 4, 6, 32, 3
 TEXT = dict(num_layers=1, hidden_dim=8, intermediate_dim=16)
@@ -82,9 +89,15 @@ DECODER = dict(TEXT, vocabulary_size=VOCAB, num_query_heads=2,
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """How to build one family's backbone and a batch of its inputs."""
+  """How to build one family's backbone, a batch of its inputs, the
+  outputs its head reads and its LoRA targets."""
   build: Callable[[], keras.Model]
-  inputs: str = "text"  # "text", "seq2seq", "image", "audio" or "spec".
+  # "text", "seq2seq", "image", "audio", "spec", or (backbone, rng) -> x.
+  inputs: Union[str, Callable] = "text"
+  # backbone -> the outputs the head pools (default `backbone(inputs)`).
+  outputs: Optional[Callable[[keras.Model], Any]] = None
+  # `enable_lora`'s `target_layer_names` (default: the backbone's own).
+  lora_targets: Optional[Sequence[str]] = None
 
 
 FAMILIES: Dict[str, Family] = {
@@ -171,6 +184,8 @@ def _from_specs(backbone: keras.Model, rng, length: int = T):
 def batch(backbone: keras.Model, kind: str, seed: int = 0):
   """A batch of B inputs in the structure `backbone` takes."""
   rng = np.random.default_rng(seed)
+  if callable(kind):
+    return kind(backbone, rng)
   if kind == "spec":
     return _from_specs(backbone, rng)
   if kind == "audio":  # Moonshine: a raw waveform, 1600 samples.
@@ -193,10 +208,11 @@ def batch(backbone: keras.Model, kind: str, seed: int = 0):
           if any(n.endswith(k) or k in n for n in names)}
 
 
-def classifier(backbone: keras.Model) -> keras.Model:
-  """A functional classifier over `backbone`: the sequence (or feature
-  map) mean-pooled, plus the pooled output where there is one."""
-  out = backbone(backbone.input)
+def classifier(backbone: keras.Model, outputs=None) -> keras.Model:
+  """A functional classifier over `backbone` (its outputs, or
+  `outputs(backbone)`): the sequence (or feature map) mean-pooled, with
+  the pooled output where there is one."""
+  out = backbone(backbone.input) if outputs is None else outputs(backbone)
   if isinstance(out, dict):
     seq = out.get("sequence_output", out.get("decoder_sequence_output"))
     pooled = out.get("pooled_output")
@@ -208,8 +224,9 @@ def classifier(backbone: keras.Model) -> keras.Model:
   pool = (keras.layers.GlobalAveragePooling2D() if len(seq.shape) == 4 else
           keras.layers.GlobalAveragePooling1D())
   h = pool(seq)
-  if pooled is not None:
-    h = keras.layers.Add()([h, pooled])
+  if pooled is not None:  # Added, or concatenated if its width differs.
+    h = (keras.layers.Add() if pooled.shape[-1] == h.shape[-1] else
+         keras.layers.Concatenate())([h, pooled])
   logits = keras.layers.Dense(CLASSES, name="head")(h)
   return keras.Model(backbone.input, logits)
 
@@ -226,9 +243,9 @@ def build(name: str, lora: bool):
   keras.utils.set_random_seed(0)
   family = FAMILIES[name]
   backbone = family.build()
-  model = classifier(backbone)
+  model = classifier(backbone, family.outputs)
   if lora:
-    backbone.enable_lora(2)
+    backbone.enable_lora(2, family.lora_targets)
     _randomize_lora(model, np.random.default_rng(1))
   x = batch(backbone, family.inputs)
   y = np.random.default_rng(2).integers(0, CLASSES, size=(B,))
@@ -460,6 +477,75 @@ MORE_FAMILIES.update({
         feature_keys=["stage1", "stage2", "stage3", "stage4"]),
                            inputs="image"),
 })
+def _sam_prompts(backbone: keras.Model, rng):
+  """Images and SAM prompts in pixel coordinates: two points (one
+  foreground, one background or padding, label -1) and one box per
+  example, no mask prompt (`masks` with 0 masks, as SAMImageSegmenter's
+  placeholder)."""
+  size = backbone.image_encoder.input.shape[1]
+  labels = np.array([[1, 0], [1, -1], [0, 1], [1, 1]], "float32")[:B]
+  corners = np.sort(rng.uniform(0, size, (B, 1, 2, 2)), axis=2)
+  return {"images": rng.standard_normal((B, size, size, 3)).astype(
+              "float32"),
+          "points": rng.uniform(0, size, (B, 2, 2)).astype("float32"),
+          "labels": labels,
+          "boxes": corners.astype("float32"),
+          "masks": np.zeros((B, 0, size, size, 1), "float32")}
+
+
+def _sam_masks(backbone: keras.Model):
+  """SAM's outputs as `SAMImageSegmenter` computes them (its mask decoder
+  over the backbone's image and prompt embeddings): the masks `[B, 4, H,
+  W]` as a channels-last map, the IoU predictions `[B, 4]` as the pooled
+  output."""
+  out = backbone.mask_decoder(**backbone(backbone.input))
+  return {"sequence_output": keras.ops.transpose(out["masks"], (0, 2, 3, 1)),
+          "pooled_output": out["iou_pred"]}
+
+
+# Segment Anything (ViTDet image encoder, prompt encoder, two-way mask
+# decoder), BLIP-2 (ViT, Q-Former, OPT) and Stable Diffusion 3's MMDiT
+# (the network SD3 trains; `StableDiffusion3Backbone.diffuser` of a preset,
+# here with SD3.5's q/k RMS norm and a dual-attention block). SAM's and
+# MMDiT's attention projections are not named as `enable_lora`'s defaults
+# (`query`, `value`, ...): SAM's are unnamed Dense layers, so it has no
+# LoRA target; MMDiT's LoRA targets its `attention_qkv`/`attention_proj`.
+MORE_FAMILIES.update({
+    "sam": Family(lambda: models.SAMBackbone(
+        image_encoder=models.ViTDetBackbone(
+            hidden_size=8, num_layers=1, intermediate_dim=16, num_heads=2,
+            global_attention_layer_indices=[0], image_shape=(16, 16, 3),
+            patch_size=4, num_output_channels=8, window_size=2),
+        prompt_encoder=keras_hub.layers.SAMPromptEncoder(
+            hidden_size=8, image_embedding_size=(4, 4),
+            input_image_size=(16, 16), mask_in_channels=4),
+        mask_decoder=keras_hub.layers.SAMMaskDecoder(
+            num_layers=1, hidden_size=8, intermediate_dim=16, num_heads=2,
+            embedding_dim=8, num_multimask_outputs=3, iou_head_depth=2,
+            iou_head_hidden_dim=8)),
+                  inputs=_sam_prompts, outputs=_sam_masks),
+    "blip2": Family(lambda: models.BLIP2Backbone(
+        vision_encoder=models.BLIP2VisionEncoder(
+            image_size=8, patch_size=4, num_layers=1, num_heads=2,
+            hidden_dim=8, intermediate_dim=16, use_patch_bias=True,
+            use_class_token=True, use_mha_bias=True, use_mlp_bias=True,
+            dropout_rate=0.0, layer_norm_epsilon=1e-6,
+            initializer_range=0.02),
+        qformer=models.BLIP2QFormer(
+            num_query_tokens=2, num_layers=1, num_heads=2, hidden_dim=8,
+            intermediate_dim=16, vision_dim=8, cross_attention_frequency=1,
+            dropout=0.0, layer_norm_epsilon=1e-6),
+        language_model=models.BLIP2CustomOPT(
+            vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8,
+            intermediate_dim=16, num_query_tokens=2, dropout=0.0,
+            max_sequence_length=16, qformer_hidden_dim=8)), inputs="spec"),
+    "sd3_mmdit": Family(lambda: MMDiT(
+        patch_size=2, hidden_dim=8, num_layers=2, num_heads=2,
+        position_size=4, latent_shape=(4, 4, 4), context_shape=(None, 8),
+        pooled_projection_shape=(8,), qk_norm="rms_norm",
+        dual_attention_indices=(0,)), inputs="spec",
+                        lora_targets=("attention_qkv", "attention_proj")),
+})
 FAMILIES.update(MORE_FAMILIES)
 TRAINABLE = sorted(set(FAMILIES) - {"resnet"} - set(MORE_FAMILIES))
 
@@ -480,12 +566,16 @@ def test_more_families_dp_step_is_exact(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["whisper", "paligemma", "gpt_oss",
-                                  "gemma4"])
+@pytest.mark.parametrize("name", [
+    "whisper", "paligemma", "gpt_oss", "gemma4", "metaclip2_vision",
+    "metaclip2_text", "video_prism", "parseq", "depth_anything", "blip2",
+    "sd3_mmdit"])
 def test_more_families_lora_dp_step_is_exact(name):
-  """LoRA on an audio seq2seq, a vision-language, a mixture-of-experts
-  and the newest Gemma backbone."""
+  """LoRA on an audio seq2seq, a vision-language, a mixture-of-experts,
+  the newest Gemma backbone, and the families added since; each has LoRA
+  weights that train (not only the head)."""
   model, x, y = build(name, lora=True)
+  assert any("lora_kernel_a" in v.path for v in model.trainable_variables)
   _ERRORS[f"{name}-lora"] = dp_step_error(model, x, y)
 
 
@@ -684,12 +774,43 @@ def test_mixed_precision_dp_step_matches_float32(policy, rtol):
   _ERRORS[f"gpt2-full-{policy}"] = err * rtol
 
 
-def test_resnet_full_fine_tuning_names_the_batch_norm():
-  model, _, _ = build("resnet", lora=False)
+# D-FINE (a real-time DETR: HGNetV2 backbone, hybrid encoder, deformable
+# decoder) normalises with BatchNormalization throughout: refused by name.
+_D_FINE = dict(
+    decoder_in_channels=[8, 8], encoder_hidden_dim=8, num_labels=CLASSES,
+    num_denoising=0, learn_initial_query=False, num_queries=4,
+    anchor_image_size=(32, 32), feat_strides=[4, 8], num_feature_levels=2,
+    hidden_dim=8, encoder_in_channels=[8, 8], encode_proj_layers=[1],
+    num_attention_heads=2, encoder_ffn_dim=16, num_encoder_layers=1,
+    hidden_expansion=0.5, depth_multiplier=0.5, eval_idx=-1,
+    num_decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=16,
+    decoder_n_points=[2, 2], lqe_hidden_dim=4, num_lqe_layers=1,
+    out_features=["stage1", "stage2"], image_shape=(32, 32, 3), seed=0)
+
+
+def _d_fine() -> keras.Model:
+  return models.DFineBackbone(backbone=models.HGNetV2Backbone(
+      stem_channels=[3, 4, 4], embedding_size=4, hidden_sizes=[8, 8],
+      stackwise_stage_filters=[[4, 4, 8, 1, 1, 3], [8, 4, 8, 1, 1, 3]],
+      apply_downsample=[False, True], use_lightweight_conv_block=[False, True],
+      depths=[1, 1], use_learnable_affine_block=True, hidden_act="relu",
+      image_shape=(32, 32, 3), out_features=["stage1", "stage2"]),
+                              **_D_FINE)
+
+
+@pytest.mark.parametrize("build_model", [
+    lambda: build("resnet", lora=False)[0], _d_fine], ids=["resnet", "d_fine"])
+def test_batch_norm_full_fine_tuning_is_refused_by_name(build_model):
+  """`make_private` names the first trainable BatchNormalization layer
+  (ResNet's; D-FINE's, in its HGNetV2 stem) and suggests a replacement."""
+  keras.utils.set_random_seed(0)
+  model = build_model()
+  first = next(layer.name for layer in _compat.flatten_layers(model)
+               if isinstance(layer, keras.layers.BatchNormalization))
   with pytest.raises(ValueError) as info:
     dpk.make_private(model, l2_norm_clip=1.0, noise_multiplier=0.0)
   msg = str(info.value)
-  assert "BatchNormalization" in msg or "batch_norm" in msg.lower(), msg
+  assert f"{first!r}" in msg and "BatchNormalization" in msg, msg
   assert "GroupNormalization" in msg or "LayerNormalization" in msg, msg
 
 
