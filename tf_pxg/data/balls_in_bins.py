@@ -74,6 +74,7 @@ import tensorflow as tf
 from tf_pxg import accounting as tf_pxg_accounting
 from tf_pxg.data import balls_in_bins_accounting
 from tf_pxg.data import poisson
+from tf_pxg.data import samplers
 
 __all__ = ["BallsInBinsSampler"]
 
@@ -81,6 +82,7 @@ _EPOCH_SALT = 0x62616C6C  # "ball": keeps epoch keys apart from step keys
 _ACCOUNTINGS = ("upper_bound", "monte_carlo")
 
 
+@samplers.register("balls_in_bins")  # fit/DPOptimizer(sampling=) name
 class BallsInBinsSampler(poisson.PoissonSampler):
   """Balls-in-bins logical batches, laid out as `PoissonSampler`'s.
 

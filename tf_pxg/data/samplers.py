@@ -29,15 +29,15 @@ class as `sampling=`. That is the whole of adding a sampler: one file
 (see `tests/test_samplers.py`, which defines one in the test).
 
 Names. `SAMPLINGS` maps the names `fit(sampling=...)` and
-`DPOptimizer(sampling=...)` take to classes ("poisson", "shuffled",
-"balls_in_bins"); `register(name, cls)` adds one. A DP plan's sampling
+`DPOptimizer(sampling=...)` take to classes ("poisson", "shuffled";
+`tf_pxg.data.balls_in_bins` adds "balls_in_bins" when imported);
+`register(name, cls)` adds one. A DP plan's sampling
 choice is a class (`choice`) and is saved by its name (`sampling_name`),
 which is why a class without one cannot be saved.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Optional, Protocol, runtime_checkable
 
 from tf_pxg.data import poisson
@@ -162,22 +162,9 @@ class PrivacyUnits:
 #: (`sampling_name`). `register` adds to it.
 SAMPLINGS = {"poisson": poisson.PoissonSampler, "shuffled": ShuffledSampler}
 
-# Built-in samplings whose module is imported on first use (it pulls in the
-# accountants): name -> (module, class name).
-_LAZY_SAMPLINGS = {
-    "balls_in_bins": ("tf_pxg.data.balls_in_bins", "BallsInBinsSampler")}
-
 # What `fit` can draw from: Keras' batches or the masked stream
 # (`tf_pxg.keras._poisson_fit` has one builder for each).
 _BASES = (poisson.PoissonSampler, ShuffledSampler)
-
-
-def _table() -> dict:
-  """`SAMPLINGS` with the built-in lazy entries loaded."""
-  for name, (module, attr) in _LAZY_SAMPLINGS.items():
-    if name not in SAMPLINGS:
-      SAMPLINGS[name] = getattr(importlib.import_module(module), attr)
-  return SAMPLINGS
 
 
 def register(name: str, sampler_class: Optional[type] = None, *,
@@ -186,8 +173,9 @@ def register(name: str, sampler_class: Optional[type] = None, *,
 
   `fit(sampling=name)` then builds it, and a `DPOptimizer(sampling=cls)`
   is saved as `name` (load the model in a process that has registered it
-  again, as for Keras' custom objects). Usable as a decorator,
-  `@register("full_batch")`.
+  again, as for Keras' custom objects: a sampler's module registers it
+  when imported, e.g. `tf_pxg.data.balls_in_bins` registers
+  "balls_in_bins"). Usable as a decorator, `@register("full_batch")`.
 
   Raises:
     ValueError: `name` is taken by another class (pass `override=True`),
@@ -202,7 +190,7 @@ def register(name: str, sampler_class: Optional[type] = None, *,
     if not isinstance(name, str) or not name:
       raise ValueError(f"samplers.register: name must be a non-empty "
                        f"string; got {name!r}.")
-    taken = _table().get(name)
+    taken = SAMPLINGS.get(name)
     if taken is not None and taken is not cls and not override:
       raise ValueError(
           f"samplers.register: {name!r} already names {taken!r}; choose "
@@ -213,8 +201,8 @@ def register(name: str, sampler_class: Optional[type] = None, *,
 
 
 def known_names() -> tuple:
-  """The names `resolve` takes (`SAMPLINGS`' keys, built-ins loaded)."""
-  return tuple(_table())
+  """The names `resolve` takes (`SAMPLINGS`' keys)."""
+  return tuple(SAMPLINGS)
 
 
 def _names() -> str:
@@ -230,7 +218,7 @@ def resolve(sampling) -> type:
   Raises:
     ValueError: anything else (the message lists the names).
   """
-  if isinstance(sampling, str) and sampling in _table():
+  if isinstance(sampling, str) and sampling in SAMPLINGS:
     return SAMPLINGS[sampling]
   if isinstance(sampling, type) and issubclass(sampling, _BASES):
     return sampling
@@ -270,7 +258,7 @@ def sampling_name(sampler_class: type) -> str:
   Raises:
     ValueError: the class has no name (register it with `register`).
   """
-  for name, cls in _table().items():
+  for name, cls in SAMPLINGS.items():
     if cls is sampler_class:
       return name
   raise ValueError(

@@ -602,7 +602,7 @@ class _DPTrainingMixin:
     Args:
       sampling: None (the plan's choice, `DPOptimizer(sampling=...)`, else
         "poisson"), a name of `tf_pxg.data.samplers.SAMPLINGS` ("poisson",
-        "shuffled", "balls_in_bins", ...), or a sampler class
+        "shuffled", or a registered one), or a sampler class
         (`tf_pxg.data.samplers.ShuffledSampler`, or a `PoissonSampler`
         subclass, e.g. `tf_pxg.data.balls_in_bins.BallsInBinsSampler`,
         built with `PoissonSampler`'s arguments), or an instance of one

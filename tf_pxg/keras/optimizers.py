@@ -59,9 +59,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
       for it. Saved in the config.
     sampling: how `fit` draws batches: None (not chosen here: `fit`'s own
       `sampling=` argument decides, "poisson" by default), a name of
-      `tf_pxg.data.samplers.SAMPLINGS` ("poisson", "shuffled",
-      "balls_in_bins", or one added with `samplers.register`) or such a
-      sampler class. It is the plan's `sampling` (a class); `fit` builds
+      `tf_pxg.data.samplers.SAMPLINGS` ("poisson", "shuffled", or one
+      added with `samplers.register`, e.g. "balls_in_bins" by
+      `tf_pxg.data.balls_in_bins`) or such a sampler class. It is the plan's `sampling` (a class); `fit` builds
       the instance from the data (`model.dp_plan.sampler`), and a `fit`
       given a different `sampling=` raises. An instance is refused here
       (pass it to `fit`). Saved in the config by name: a class without one
@@ -263,7 +263,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
       raise ValueError(
           f"DPOptimizer.from_config: the plan was saved with sampling="
           f"{name!r}, which is not a registered sampling in this process "
-          f"(known: {samplers.known_names()}). Register the class first, "
+          f"(known: {samplers.known_names()}). Import the module that "
+          "registers it (e.g. tf_pxg.data.balls_in_bins for "
+          "'balls_in_bins'), or register the class, "
           f"tf_pxg.data.samplers.register({name!r}, cls), then load.")
     return cls(inner, **config)
 
