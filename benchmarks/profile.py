@@ -296,7 +296,7 @@ def _define_flags():
       by_type=flags.DEFINE_bool("by_type", False, "Group ops by type."),
       families=flags.DEFINE_bool("families", False,
                                  "Op time per family (see module doc)."),
-      size=flags.DEFINE_enum("size", "full", ["full", "tiny"],
+      size=flags.DEFINE_enum("size", "full", ["full", "small", "tiny"],
                              "Model size (--families)."),
       batch_size=flags.DEFINE_integer("batch_size", 0, "0: the model's."),
       json=flags.DEFINE_bool("json", False, "--families: print one JSON "

@@ -131,6 +131,28 @@ def test_dense_ghost_and_materialised(bad, form, rows, d, units, mode):
       None, "from per-example"}
 
 
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+@pytest.mark.parametrize("mode", ["graph", "jit"])
+def test_dense_head_non_finite_output_gradient(bad, mode):
+  # An LM-head-like MatMul ([B*T, d] x [d, V], V > d) with ghost norms: its
+  # weighted sum scales the smaller operand, the data; the bad example's
+  # output gradient rows (inf/NaN from its loss scale, data finite) must
+  # still add exactly 0.
+  rng = _rng()
+  t, d, v = 2, 8, 16
+  x = rng.standard_normal((B, t, d)).astype("float32")
+  scale = rng.uniform(0.5, 1.5, (B, 1)).astype("float32")
+  scale[BAD] = bad
+  w = tf.Variable(rng.standard_normal((d, v)).astype("float32") * .3)
+
+  def loss_fn(x, scale):
+    logits = tf.matmul(tf.reshape(x, [-1, d]), w)
+    return tf.reduce_sum(tf.reshape(tf.tanh(logits), [-1, t * v]) * scale, 1)
+
+  records = _check_tape(loss_fn, [w], [x, scale], mode)
+  assert _forms(records, "MatMul") == {"ghost"}
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph", "jit"])
 def test_nan_loss_with_finite_gradient_is_dropped(mode):
   # log of a negative number: the loss is NaN, its gradient 1/z finite; the

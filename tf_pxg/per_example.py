@@ -82,6 +82,8 @@ class PerExampleBackprop:
     self._recorder = recorder
     # What rules' sq_norm kept for their weighted_sum (`base.keep_per_example`).
     self._kept: dict = {}
+    # Products several interfaces share (`base.shared_product`).
+    self._grams: dict = {}
     self._source_names = dict(zip(source_ids, source_names or ()))
     self._producer = recorder.producer
     self._source_ids = list(source_ids)
@@ -191,7 +193,7 @@ class PerExampleBackprop:
       b = d.shape[0] if d.shape[0] is not None else tf.shape(d)[0]
     return base.Context(itf.entry, itf.param_index, itf.output_grads, b,
                         itf.data_indices, itf.batch_minor, self._kept,
-                        itf.copy_axis)
+                        itf.copy_axis, self._grams)
 
   # Rules --------------------------------------------------------------------
 

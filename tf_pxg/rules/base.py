@@ -76,6 +76,10 @@ class Context:
     copy_axis: for a parameter copied along the batch axis (an op without
       data operands, `tf_pxg.rules.copies`), the output axis holding the
       examples (`[B, k]` merged); None otherwise.
+    grams: the backprop's store for products that several interfaces
+      share (`tf_pxg.rules.grams.shared_product`: the query, key and value
+      projections of one attention layer read one data tensor), one per
+      backward pass; None: share nothing.
   """
   entry: Entry
   param_index: int
@@ -87,6 +91,7 @@ class Context:
   # (`PerExampleBackprop` owns it, one per backward pass); None: keep nothing.
   kept: Optional[dict] = None
   copy_axis: Optional[int] = None
+  grams: Optional[dict] = None
 
   @property
   def op_type(self) -> str:

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from tf_pxg.rules import base
 from tf_pxg.rules import factors
+from tf_pxg.rules import grams as grams_lib
 from tf_pxg.rules.base import register
 from tf_pxg.tape import recording
 from tf_pxg.tape.recording import Entry
@@ -213,10 +214,34 @@ class _Operands:
         f"{self.data_sub},{self.out_sub}->{self.x}{self.param_sub}",
         self.data, self.dz)
 
-  def ghost_terms(self, other):
+  def _as_rows(self, t, sub: str):
+    """`t` (letters `sub`) as `[B, R, n]` by a reshape: when its letters
+    are the batch, the summed letters, then the rest, all sizes static;
+    else None."""
+    head = self.x + self.summed
+    n = self.prod(sub[len(head):])
+    rows = self.prod(self.summed)
+    if not sub.startswith(head) or None in (n, rows, t.shape[0]):
+      return None
+    return tf.reshape(t, [t.shape[0], rows, n])
+
+  def _gram(self, other, t, sub, u, other_sub, equation, grams):
+    """`[B, ...]` Gram of this operand's `t` (letters `sub`) and `other`'s
+    `u` (`other_sub`, primed), by `grams.row_gram` where both reshape to
+    rows, else `tf.einsum(equation)`; shared through `grams`."""
+    def build():
+      a, b = self._as_rows(t, sub), other._as_rows(u, other_sub)
+      if a is None or b is None or self.shared:
+        return tf.einsum(equation, t, u)
+      return grams_lib.row_gram(a, b if u is not t else a)
+    return grams_lib.shared_product(grams, (equation, t.ref(), u.ref()),
+                                    build)
+
+  def ghost_terms(self, other, grams=None):
     """`[B]` `sum <d_r, d_r'> <dz_r, dz_r'>` over this operand's rows r and
     `other`'s rows r' (the same parameter letters); `other` is `self` for
-    the ghost norm of one interface."""
+    the ghost norm of one interface. `grams`: the backprop's store of
+    shared products (`tf_pxg.rules.grams.shared_product`), or None."""
     keep = f"{self.x}{self.shared}"
     if other is self and not self.summed:  # One row: 1 x 1 Grams.
       gram_d = _sum_of_squares(self.data, self.data_sub, keep)
@@ -226,19 +251,21 @@ class _Operands:
       primed = _fresh(letters, len(other.summed))
       prime = str.maketrans(other.summed, primed)
       keep = f"{keep}{self.summed}{primed}"
-      gram_d = tf.einsum(
-          f"{self.data_sub},{other.data_sub.translate(prime)}->{keep}",
-          self.data, other.data)
-      gram_z = tf.einsum(
-          f"{self.out_sub},{other.out_sub.translate(prime)}->{keep}",
-          self.dz, other.dz)
+      gram_d = self._gram(
+          other, self.data, self.data_sub, other.data, other.data_sub,
+          f"{self.data_sub},{other.data_sub.translate(prime)}->{keep}", grams)
+      gram_z = self._gram(
+          other, self.dz, self.out_sub, other.dz, other.out_sub,
+          f"{self.out_sub},{other.out_sub.translate(prime)}->{keep}", grams)
+      if gram_d.shape != gram_z.shape:  # One side was an einsum.
+        gram_d = tf.reshape(gram_d, tf.shape(gram_z))
     return tf.cast(tf.reduce_sum(
         tf.reshape(gram_d * gram_z, [tf.shape(gram_d)[0], -1]), axis=1),
                    tf.float32)
 
 
 def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False,
-                            keeps=False):
+                            keeps=False, grams=None):
   """(`[B]` float32 squared norms, the per-example gradient or None).
 
   The per-example gradient `[B, *param_sub sizes]` is returned when it was
@@ -250,10 +277,11 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False,
 
   `keeps`: the caller keeps a materialised gradient for its weighted sum
   (`base.keep_per_example`), so the form is chosen for the norm and the
-  weighted sum together (`_prefer_ghost`).
+  weighted sum together (`_prefer_ghost`). `grams`: the backprop's store
+  of products shared between interfaces (`base.shared_product`), or None.
   """
   ops = _Operands(s, data, dz, batch_size, minor)
-  ghost = lambda: ops.ghost_terms(ops)
+  ghost = lambda: ops.ghost_terms(ops, grams)
   rows = ops.rows()
   form = _form(ops, rows, keeps)
   base.trace_note(sq_norm=form)
@@ -406,7 +434,8 @@ class _Contraction(base.Rule):
     s = self.spec(ctx)
     norms, g = sq_norm_and_per_example(s, ctx.inputs[s.data_index], ctx.dz,
                                        ctx.batch_size, ctx.batch_minor,
-                                       keeps=ctx.kept is not None)
+                                       keeps=ctx.kept is not None,
+                                       grams=ctx.grams)
     if g is not None:
       base.keep_per_example(ctx, g)
     return norms
@@ -444,18 +473,27 @@ class _Contraction(base.Rule):
   def weighted_sum(self, ctx, c):
     """From the per-example gradients the norm materialised, if kept (a
     sum over B instead of a weight gradient over B*R rows), else TF's
-    weight gradient with dz scaled per example and, since `x^T diag(c) dz`
-    is NaN when an example with `c_b = 0` has an inf row in `x`, that
-    example's data rows selected to 0 (both exact zeros: `scale_examples`)."""
+    weight gradient with the smaller of data and dz scaled per example
+    (`x^T diag(c) dz` either way: an LM head's `[B*T, V]` dz is not passed
+    over, its `[B*T, d]` data is) and, since the product is NaN when an
+    example with `c_b = 0` has an inf row in the other operand, that
+    example's rows of the other selected to 0 (both exact zeros:
+    `scale_examples`, `drop_examples`)."""
     s = self.spec(ctx)
     g = base.take_per_example(ctx)
     if g is not None:
       w = base.weighted_sum_of(g, c, ctx.param_dtype)
       return w if s.param_keep is None else tf.reshape(w, ctx.param_shape)
-    dz = ctx.scale_examples(ctx.dz, c, s.out_sub.index(s.batch))
     inputs = list(ctx.inputs)
-    inputs[s.data_index] = ctx.drop_examples(
-        inputs[s.data_index], c, s.data_sub.index(s.batch))
+    data, dz = inputs[s.data_index], ctx.dz
+    data_axis, dz_axis = s.data_sub.index(s.batch), s.out_sub.index(s.batch)
+    sizes = (data.shape.num_elements(), dz.shape.num_elements())
+    if None not in sizes and sizes[0] < sizes[1]:
+      inputs[s.data_index] = ctx.scale_examples(data, c, data_axis)
+      dz = ctx.drop_examples(dz, c, dz_axis)
+    else:
+      dz = ctx.scale_examples(dz, c, dz_axis)
+      inputs[s.data_index] = ctx.drop_examples(data, c, data_axis)
     return ctx.tf_gradient([dz] + list(ctx.output_grads[1:]), inputs=inputs)
 
 

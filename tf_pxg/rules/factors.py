@@ -42,6 +42,8 @@ from typing import Optional, Union
 
 import tensorflow as tf
 
+from tf_pxg.rules import grams
+
 
 @dataclasses.dataclass(frozen=True)
 class Dense:
@@ -99,8 +101,8 @@ def _gram(u: Side, v: Side):
   if isinstance(v, OneHot):  # v_s = e_{id_s}: the column id_s of u's rows.
     picked = tf.gather(u.rows, v.ids, axis=2, batch_dims=1)
     return tf.cast(picked, tf.float32)
-  return tf.cast(tf.einsum("brm,bsm->brs", u.rows,
-                           tf.cast(v.rows, u.rows.dtype)), tf.float32)
+  return tf.cast(grams.row_gram(u.rows, tf.cast(v.rows, u.rows.dtype)),
+                 tf.float32)
 
 
 def inner(f: OuterFactors, g: OuterFactors):
