@@ -806,7 +806,7 @@ def _d_fine() -> keras.Model:
     lambda: build("resnet", lora=False)[0], _d_fine], ids=["resnet", "d_fine"])
 def test_batch_norm_full_fine_tuning_is_refused_by_name(build_model):
   """`make_private` names the first trainable BatchNormalization layer
-  (ResNet's; D-FINE's, in its HGNetV2 stem) and suggests a replacement."""
+  (ResNet's; D-FINE's, in its HGNetV2 backbone) and suggests a replacement."""
   keras.utils.set_random_seed(0)
   model = build_model()
   first = next(layer.name for layer in _compat.flatten_layers(model)
