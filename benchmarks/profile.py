@@ -169,16 +169,19 @@ def graph_families(graph, optimizer_name: str = "") -> dict:
       children[i].append(o)
   by_name = {o.name: o for o in ops}
   family = {}
+  loss = {n for n in by_name if n.startswith("compile_loss/")}
+  # Random ops the loss depends on (dropout masks) are the forward pass's.
+  before_loss = _closure(loss, parents)
   noise = {o.name for o in ops
-           if re.match(r"^TfPxg\w*Noise", o.type) or _RNG_TYPES.match(o.type)
-           or o.name.split("/")[0].startswith("stateful_uniform")}
+           if (re.match(r"^TfPxg\w*Noise", o.type) or _RNG_TYPES.match(o.type)
+               or o.name.split("/")[0].startswith("stateful_uniform"))
+           and o.name not in before_loss}
   opt_scope = re.compile(
       rf"^{re.escape(optimizer_name.lower())}(_\d+)?/", re.I) if (
           optimizer_name) else None
   optimizer = (_closure(noise, children) - noise) | {
       n for n in by_name if opt_scope and opt_scope.match(n)}
-  loss = {n for n in by_name if n.startswith("compile_loss/")}
-  forward = _closure(loss, parents) - noise - optimizer
+  forward = before_loss - noise - optimizer
   factors = {o.name for o in ops if o.type in ("SelectV2", "Select")
              and o.outputs and o.outputs[0].shape.rank == 1
              and any(t.op.type == "IsFinite" for t in o.inputs)}
