@@ -6,7 +6,9 @@ alone (`[B]`) or merged with neighbouring rows — examples contiguous
 `[B*T, d]`, or the ragged rows of a string split) or interleaved
 (`minor=True`, `[k, B]`, as after reshaping a time-major `[T, B, d]` to
 `[T*B, d]`, or `SpaceToBatchND`). `None` means the examples' position is
-lost.
+lost. A TensorList (the scalar variant a `tf.TensorArray` is in a
+`tf.function`) has the layout of its elements: the list's index is never
+the batch axis (see the TensorLists section).
 
 **The allowlist contract.** DP-SGD clips each example's gradient, which
 bounds its influence only if example b's loss depends on example b alone.
@@ -922,6 +924,102 @@ def _einsum(entry, layouts):
   if not eq or parsed is None:
     return _lost(entry, "has an equation whose ellipsis cannot be expanded")
   return contract(entry, parsed[0], parsed[1], layouts)
+
+
+# TensorLists: a tf.TensorArray in a tf.function -------------------------------
+#
+# A TensorList is a scalar variant holding a list of tensors (the elements).
+# Its layout is the layout of its *elements*: `(a, minor)` when each element
+# holds the rows of every example on its axis a (the `[B, H, N]` output of
+# one time step, written at index t). The list's index is never a batch
+# axis. A list reserved or made empty from shapes alone holds no examples
+# (a CONST, so it has no layout); the list's length and element shape are
+# shapes (`tf_pxg.interface`'s shape ops), not data.
+
+
+def _list_write(entry, layouts, list_index: int, item_index: int,
+                item_shift: int = 0) -> Result:
+  """A list with an item written into it (`TensorListSetItem`,
+  `TensorListPushBack`; `TensorListScatterIntoExistingList`, whose tensor
+  holds the new elements on axis 0, `item_shift=1`): the list's elements
+  and the item must hold the examples on the same axis."""
+  lay_list, lay_item = layouts.get(list_index), layouts.get(item_index)
+  if lay_item is not None and item_shift:
+    if lay_item[0] < item_shift:
+      return _mixes(entry, "scatters the batch axis 0 of a tensor into the "
+                    "list's elements (each element would hold one example)")
+    lay_item = (lay_item[0] - item_shift, lay_item[1])
+  known = [l for l in (lay_list, lay_item) if l is not None]
+  if not known:
+    return _all(entry, None), None
+  if len(set(known)) > 1:
+    return _mixes(entry, f"writes an element whose examples are on axis "
+                  f"{lay_item[0]} into a list whose elements hold them on "
+                  f"axis {lay_list[0]} (stacking or reading the list would "
+                  "pair rows of different examples)")
+  return _all(entry, known[0]), None
+
+
+@_rule("TensorListSetItem")
+def _list_set_item(entry, layouts):
+  """(list, index, item) -> list; the index is not data."""
+  return _list_write(entry, layouts, 0, 2)
+
+
+@_rule("TensorListPushBack")
+def _list_push_back(entry, layouts):
+  """(list, tensor) -> list."""
+  return _list_write(entry, layouts, 0, 1)
+
+
+@_rule("TensorListScatterIntoExistingList")
+def _list_scatter_into(entry, layouts):
+  """(list, tensor `[n, *element]`, indices) -> list."""
+  if layouts.get(2) is not None:
+    return _lost(entry, "scatters a tensor to list indices that carry "
+                 "examples")
+  return _list_write(entry, layouts, 0, 1, item_shift=1)
+
+
+@_rule("TensorListGetItem", "TensorListPopBack", "TensorListResize")
+def _list_read(entry, layouts):
+  """An element read from a list (`GetItem`: (list, index, element shape)
+  -> item; `PopBack`: (list, element shape) -> (list, item)), or the list
+  resized: every output has the elements' layout."""
+  return _all(entry, layouts.get(0)), None
+
+
+@_rule("TensorListStack", "TensorListGather")
+def _list_stack(entry, layouts):
+  """Elements stacked on a new axis 0 (`Stack`: all of them; `Gather`:
+  those at `indices`, which must not be chosen by the examples' values):
+  the examples move one axis up."""
+  if layouts.get(1) is not None and entry.op_type == "TensorListGather":
+    return _lost(entry, "gathers list elements at indices that carry "
+                 "examples")
+  lay = layouts.get(0)
+  if lay is None:
+    return _all(entry, None), None
+  return _all(entry, (lay[0] + 1, lay[1])), None
+
+
+@_rule("TensorListFromTensor", "TensorListScatter", "TensorListScatterV2")
+def _list_from_tensor(entry, layouts):
+  """A list made of a tensor's rows on axis 0 (`FromTensor`, a
+  `TensorArray.unstack`; `Scatter`: at `indices`): each element is a row,
+  so the examples move one axis down. Refused when they are on axis 0 —
+  every example would be its own list element."""
+  if layouts.get(1) is not None and entry.op_type != "TensorListFromTensor":
+    return _lost(entry, "scatters a tensor to list indices that carry "
+                 "examples")
+  lay = layouts.get(0)
+  if lay is None:
+    return _all(entry, None), None
+  if lay[0] == 0:
+    return _mixes(entry, "makes the batch axis 0 of a tensor the list's "
+                  "index (each list element would hold one example, as "
+                  "TensorArray.unstack of a batch-major tensor does)")
+  return _all(entry, (lay[0] - 1, lay[1])), None
 
 
 # Other ops --------------------------------------------------------------------

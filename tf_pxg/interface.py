@@ -79,7 +79,8 @@ INTEGER_DATA_INPUTS = {
 _NON_DATA_DTYPES = (tf.resource, tf.variant)
 
 # Ops whose outputs never depend on parameter values (only on shapes).
-_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "VariableShape")
+_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "VariableShape",
+              "TensorListLength", "TensorListElementShape")
 
 # Ops creating a tensor from a shape; one of batch shape is data (it stands
 # for the examples' initial RNN state, say), judged like an external tensor.
@@ -372,6 +373,11 @@ def _mixing(entry: Entry, classifier: Classifier):
 
 def _hint(entry: Entry, mixing) -> str:
   why = mixing.why
+  if entry.op_type.startswith("TensorList"):
+    return (" A tf.TensorArray in a tf.function (a TensorList) must hold "
+            "the whole batch in each element: write one [B, ...] step per "
+            "index, and unstack or scatter time-major [T, B, ...] tensors, "
+            "not batch-major ones.")
   if "statistics" in why:
     return (" BatchNormalization in training does this; use "
             "keras.layers.GroupNormalization or "
