@@ -124,3 +124,32 @@ def test_list_indexed_by_examples_is_refused_by_name(make, op, why):
   msg = str(info.value)
   assert f"op '{op}'" in msg and "mixes examples" in msg, msg
   assert why in msg and "TensorArray" in msg, msg
+
+
+def _written_steps(dtype):
+  """RWKV-7's pattern alone (reserve, write each `[B, U]` step, stack): the
+  list ops XLA compiles (it has no kernel for `ScatterIntoExistingList`,
+  which `_steps_through_lists` uses)."""
+  keras.utils.set_random_seed(0)
+  layer = keras.layers.Dense(U, activation="tanh", dtype=dtype)
+  layer.build((None, D))
+
+  def fn(x):  # [B, T, D] -> [B]
+    steps = tf.TensorArray(dtype, size=T).unstack(tf.transpose(x, [1, 0, 2]))
+    out = tf.TensorArray(dtype, size=T, element_shape=[None, U])
+    for t in range(T):
+      out = out.write(t, layer(steps.read(t)))
+    return tf.reduce_sum(tf.square(out.stack()), axis=[0, 2])
+  return Fn(fn, layer.trainable_variables)
+
+
+@pytest.mark.parametrize("mode,batch,dtype", [
+    ("jit", 1, "float64"), ("jit", B, "float32"), ("function", 1, "float32"),
+    ("function", B, "float64")])
+def test_written_steps_match_reference(mode, batch, dtype):
+  """Batch 1 and N, float32 and float64 (pairwise with the mode), under XLA
+  (`jit_compile=True`) too."""
+  model = _written_steps(dtype)
+  pxg_testing.check_per_example_gradients(
+      None, model, model.trainable_variables,
+      tf.cast(_x()[:batch], dtype), mode=mode)
