@@ -34,9 +34,11 @@ features, Moonshine on a raw waveform), vision-language (PaliGemma,
 BLIP-2), mixture-of-experts (GPT-OSS; Mixtral, Qwen-MoE and Qwen 3-MoE
 with `router_aux_loss_coefficient=0`), Segment Anything (image encoder,
 point and box prompts, mask decoder) and Stable Diffusion 3's MMDiT,
-their inputs built from the backbone's `Input` specs; 11 of them with
-LoRA too (Whisper, PaliGemma, GPT-OSS, Gemma 4, the MetaCLIP 2 towers,
-VideoPrism, PARSeq, DepthAnything, BLIP-2, MMDiT). Refused by name:
+their inputs built from the backbone's `Input` specs; all of them with
+LoRA too (with the family's own query/value layer names where they differ
+from `enable_lora`'s defaults), except MiT, SAM, ViTDet and VGG, which
+have no layer `enable_lora` can target by name (a test checks that).
+Refused by name:
 Mixtral's batch-level router loss (`add_loss`) when on, XLNet's attention
 mask (KerasHub reshapes the `[B, T]` padding mask to `[T, B]`, which mixes
 examples), CLIP's joint contrastive logits (in-batch negatives), and
@@ -322,21 +324,27 @@ def dp_step_error(model: keras.Model, x, y, sample_weight=None,
   return err * 1e-4  # Relative to the update (the bound is 1e-4 of it).
 
 
-# More families, full fine-tuning only (the engine paths they take are
-# covered above; these guard KerasHub's other variants).
+# More families (the engine paths they take are covered above; these guard
+# KerasHub's other variants), full fine-tuning and LoRA. Where the backbone
+# names its query and value projections other than `enable_lora`'s
+# defaults, the family passes its own names.
+_QV_DENSE_LAYER = ("q_dense_layer", "v_dense_layer")  # ESM, RoFormer-V2
+_QV_PROJ = ("q_proj", "v_proj")  # SmolLM 3, Gemma 3n, DINOv3
 MORE_FAMILIES: Dict[str, Family] = {
     "bloom": Family(lambda: models.BloomBackbone(
         vocabulary_size=VOCAB, num_heads=2, **TEXT)),
     "falcon": Family(lambda: models.FalconBackbone(
         vocabulary_size=VOCAB, num_attention_heads=2, **TEXT)),
     "gpt_neox": Family(lambda: models.GPTNeoXBackbone(
-        **ENCODER, rotary_percentage=0.5)),
+        **ENCODER, rotary_percentage=0.5),
+                       lora_targets=("query_key_value",)),
     "xlm_roberta": Family(lambda: models.XLMRobertaBackbone(**ENCODER)),
     "roformer_v2": Family(lambda: models.RoformerV2Backbone(
         vocabulary_size=VOCAB, num_heads=2, head_size=4, dropout=0.0,
-        **TEXT)),
+        **TEXT), lora_targets=_QV_DENSE_LAYER),
     "esm2": Family(lambda: models.ESM2Backbone(
-        vocabulary_size=VOCAB, num_heads=2, dropout=0.0, **TEXT)),
+        vocabulary_size=VOCAB, num_heads=2, dropout=0.0, **TEXT),
+                   lora_targets=_QV_DENSE_LAYER),
     "llama3": Family(lambda: models.Llama3Backbone(**DECODER)),
     "qwen2": Family(lambda: models.Qwen2Backbone(**DECODER)),
     "deit": Family(lambda: models.DeiTBackbone(
@@ -394,12 +402,13 @@ MORE_FAMILIES.update({
         attention_bias=False, attention_dropout=0.0,
         rope_layer_enabled_list=[True], layer_types=["full_attention"],
         mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=16,
-        rope_theta=10000.0, partial_rotary_factor=1.0)),
+        rope_theta=10000.0, partial_rotary_factor=1.0),
+                      lora_targets=_QV_PROJ),
     "t5gemma": Family(lambda: models.T5GemmaBackbone(**_T5GEMMA),
                       inputs="spec"),
     "esm": Family(lambda: models.ESMBackbone(
         vocabulary_size=VOCAB, num_heads=2, dropout=0.0,
-        max_sequence_length=8, **TEXT)),
+        max_sequence_length=8, **TEXT), lora_targets=_QV_DENSE_LAYER),
     "edrec": Family(lambda: models.EdRecBackbone(
         vocab_size=VOCAB, num_layers_enc=1, num_layers_dec=1, hidden_dim=8,
         intermediate_dim=16, num_heads=2), inputs="spec"),
@@ -437,7 +446,8 @@ MORE_FAMILIES.update({
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=4, rope_theta=10000.0, max_position_embeddings=16,
         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=4,
-        altup_num_inputs=2, laurel_rank=2), inputs="spec"),
+        altup_num_inputs=2, laurel_rank=2), inputs="spec",
+                      lora_targets=_QV_PROJ),
     "t5gemma2": Family(lambda: models.T5Gemma2Backbone(**_T5GEMMA),
                        inputs="spec"),
     "qwen3_5": Family(lambda: models.Qwen3_5Backbone(
@@ -466,7 +476,7 @@ MORE_FAMILIES.update({
     "dinov3": Family(lambda: models.DINOV3Backbone(
         patch_size=4, num_layers=1, hidden_dim=8, num_heads=2,
         intermediate_dim=16, image_shape=(8, 8, 3), num_register_tokens=1),
-                     inputs="image"),
+                     inputs="image", lora_targets=_QV_PROJ),
 })
 # MetaCLIP 2's towers (one at a time, as CLIP's) and VideoPrism (a
 # factorised video transformer: spatial then temporal layers over frames).
@@ -591,18 +601,33 @@ def test_more_families_dp_step_is_exact(name):
   _ERRORS[f"{name}-full"] = dp_step_error(model, x, y)
 
 
+# Families whose backbone has no layer `enable_lora` can target by name:
+# SAM's, MiT's and ViTDet's attention projections are unnamed Dense layers
+# (`dense_3`: Keras' per-process counter names them); VGG is convolutions.
+NO_LORA_TARGET = ("mit", "sam", "vgg", "vitdet")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    "whisper", "paligemma", "gpt_oss", "gemma4", "metaclip2_vision",
-    "metaclip2_text", "video_prism", "parseq", "depth_anything", "blip2",
-    "sd3_mmdit"])
+@pytest.mark.parametrize(
+    "name", sorted(set(MORE_FAMILIES) - set(NO_LORA_TARGET)))
 def test_more_families_lora_dp_step_is_exact(name):
-  """LoRA on an audio seq2seq, a vision-language, a mixture-of-experts,
-  the newest Gemma backbone, and the families added since; each has LoRA
+  """LoRA on every family of the table that has LoRA targets; each has LoRA
   weights that train (not only the head)."""
   model, x, y = build(name, lora=True)
   assert any("lora_kernel_a" in v.path for v in model.trainable_variables)
   _ERRORS[f"{name}-lora"] = dp_step_error(model, x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NO_LORA_TARGET)
+def test_families_left_out_of_lora_have_no_lora_target(name):
+  """The LoRA test leaves these out only because `enable_lora` finds no
+  layer of its default names in them."""
+  keras.utils.set_random_seed(0)
+  family = FAMILIES[name]
+  backbone = family.build()
+  backbone.enable_lora(2, family.lora_targets)
+  assert not any("lora_kernel" in v.path for v in backbone.weights)
 
 
 def _fit_error(model: keras.Model, x, y) -> str:
