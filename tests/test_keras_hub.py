@@ -623,11 +623,8 @@ def test_more_families_lora_dp_step_is_exact(name):
 def test_families_left_out_of_lora_have_no_lora_target(name):
   """The LoRA test leaves these out only because `enable_lora` finds no
   layer of its default names in them."""
-  keras.utils.set_random_seed(0)
-  family = FAMILIES[name]
-  backbone = family.build()
-  backbone.enable_lora(2, family.lora_targets)
-  assert not any("lora_kernel" in v.path for v in backbone.weights)
+  model, _, _ = build(name, lora=True)
+  assert not any("lora_kernel" in v.path for v in model.weights)
 
 
 def _fit_error(model: keras.Model, x, y) -> str:

@@ -16,7 +16,6 @@ of the header's `for (int j = 0; j < kPairs; ++j)` loops (the Threefry
 rounds and the Box-Muller transform) to be reported vectorised.
 """
 
-import pathlib
 import platform
 import re
 import shutil
