@@ -598,7 +598,20 @@ def test_dp_step_is_exact(name, lora):
 @pytest.mark.parametrize("name", sorted(MORE_FAMILIES))
 def test_more_families_dp_step_is_exact(name):
   model, x, y = build(name, lora=False)
+  if name in ONEDNN_DEFECTIVE and _compat.onednn_enabled():
+    # TF's oneDNN batch matmul computes this family's box encoding wrongly
+    # and corrupts the heap (tf_pxg.tape.tf_defects): refused by name.
+    with pytest.raises(ValueError, match=r"BatchMatMulV2.*"
+                       r"TF_ENABLE_ONEDNN_OPTS=0"):
+      dp_step_error(model, x, y)
+    return
   _ERRORS[f"{name}-full"] = dp_step_error(model, x, y)
+
+
+# Families whose forward pass has the matmul pattern TF's oneDNN kernel
+# computes wrongly (SAM's prompt encoder: boxes [B, 1, 2, 2] @ [2, F]):
+# exact where oneDNN is off, refused naming the defect where it is on.
+ONEDNN_DEFECTIVE = ("sam",)
 
 
 # Families whose backbone has no layer `enable_lora` can target by name:

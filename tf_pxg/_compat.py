@@ -511,6 +511,16 @@ def symbolic_build(model, data_batch) -> None:
   model._symbolic_build(data_batch=data_batch)  # pylint: disable=protected-access
 
 
+@functools.lru_cache(maxsize=None)
+def onednn_enabled() -> bool:
+  # Whether TensorFlow runs its oneDNN kernels (`_Mkl*` ops) in this
+  # process: TF decides once, from TF_ENABLE_ONEDNN_OPTS and the CPU (on by
+  # default where it has AVX-512 VNNI/BF16 or AMX), and exposes the answer
+  # only through this internal (tf_pxg.tape.tf_defects needs it).
+  return bool(_tf_module("tensorflow.python.util._pywrap_util_port")
+              .IsMklEnabled())
+
+
 # The accesses, by name: a zero-argument probe per access that fails when
 # an upgrade moves it (tests/test_compat.py runs each).
 
@@ -597,6 +607,7 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
         __import__("keras").layers.Dropout(0.5)) or _fail(),
     "global_seed_generator": reset_global_seed_generator,
     "_symbolic_build": _probe_keras_model,
+    "IsMklEnabled": lambda: isinstance(onednn_enabled(), bool) or _fail(),
 }
 
 

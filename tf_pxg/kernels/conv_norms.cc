@@ -164,15 +164,9 @@ class Conv2DBase : public OpKernel {
  public:
   explicit Conv2DBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("batch_minor", &batch_minor_));
-    for (const char* name : {"ksize", "strides", "dilations", "pads"}) {
-      std::vector<int32_t> v;
-      OP_REQUIRES_OK(ctx, ctx->GetAttr(name, &v));
-      OP_REQUIRES(ctx, v.size() == 2,
-                  absl::InvalidArgumentError(
-                      absl::StrCat(name, " needs 2 values (height, width)")));
-      attrs_.push_back(v);
-    }
+    ReadWindowAttrs(ctx, &attrs_);
   }
+
 
  protected:
   static constexpr int L = kLanes<T>;

@@ -137,21 +137,9 @@ class DepthwiseBase : public OpKernel {
  public:
   explicit DepthwiseBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("batch_minor", &batch_minor_));
-    for (const char* name : {"ksize", "strides", "dilations", "pads"}) {
-      std::vector<int32_t> v;
-      OP_REQUIRES_OK(ctx, ctx->GetAttr(name, &v));
-      OP_REQUIRES(ctx, v.size() == 2,
-                  absl::InvalidArgumentError(
-                      absl::StrCat(name, " needs 2 values (height, width)")));
-      attrs_.push_back(v);
-    }
-    for (int a = 0; a < 3; ++a)
-      OP_REQUIRES(ctx, attrs_[a][0] > 0 && attrs_[a][1] > 0,
-                  absl::InvalidArgumentError(
-                      "ksize, strides and dilations must be positive"));
-    OP_REQUIRES(ctx, attrs_[3][0] >= 0 && attrs_[3][1] >= 0,
-                absl::InvalidArgumentError("pads must not be negative"));
+    ReadWindowAttrs(ctx, &attrs_);
   }
+
 
  protected:
   // Validates x and dz against `examples`; false (status set) if invalid.

@@ -6,6 +6,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/util/work_sharder.h"
@@ -26,6 +30,34 @@ inline void ShardOverThreads(
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   ::tensorflow::Shard(workers->num_threads, workers->workers, units,
                       cost_per_unit, work);
+}
+
+// Reads a 2-D window's attrs into `attrs`, in the order ksize, strides,
+// dilations, pads, two values each (height, width): ksize, strides and
+// dilations positive, pads not negative. Sets the construction's status and
+// returns false if an attr is missing or out of range (the kernel must then
+// not run: its loops and buffer sizes assume these bounds).
+inline bool ReadWindowAttrs(OpKernelConstruction* ctx,
+                            std::vector<std::vector<int32_t>>* attrs) {
+  for (const char* name : {"ksize", "strides", "dilations", "pads"}) {
+    std::vector<int32_t> v;
+    const absl::Status read = ctx->GetAttr(name, &v);
+    if (!read.ok()) {
+      ctx->CtxFailure(read);
+      return false;
+    }
+    const bool pads = attrs->size() == 3;
+    if (v.size() != 2 || (pads ? v[0] < 0 || v[1] < 0 : v[0] < 1 || v[1] < 1)) {
+      ctx->CtxFailure(absl::InvalidArgumentError(absl::StrCat(
+          name, " needs 2 values (height, width), ",
+          pads ? "not negative" : "positive", "; got ", v.size(),
+          " value(s)", v.size() == 2 ? absl::StrCat(": ", v[0], ", ", v[1])
+                                     : "")));
+      return false;
+    }
+    attrs->push_back(v);
+  }
+  return true;
 }
 
 }  // namespace tf_pxg

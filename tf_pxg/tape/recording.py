@@ -32,6 +32,7 @@ import tensorflow as tf
 from tf_pxg import _compat
 from tf_pxg import control_flow
 from tf_pxg.tape import side_effects
+from tf_pxg.tape import tf_defects
 
 
 def tensor_id(t: Any) -> int:
@@ -188,8 +189,10 @@ class Recorder:
       scope = op.name
       attrs = None
       self._record_silent_producers(inputs)
-    self._append(Entry(op_type, tuple(inputs), tuple(outputs), attrs, op,
-                       scope))
+    entry = Entry(op_type, tuple(inputs), tuple(outputs), attrs, op, scope)
+    if op_type in tf_defects.CHECKED_OPS:
+      tf_defects.check(op_type, entry.inputs, entry.describe)
+    self._append(entry)
     return outputs
 
   def _record_write(self, op_type, inputs, op_name, graph):
