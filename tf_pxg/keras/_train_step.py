@@ -672,6 +672,113 @@ def _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
   clip_variable.assign(tf.where(go, new, clip_variable.read_value()))
 
 
+# The closed forward pass: every DP step runs as a traced graph -------------
+
+# Where the privacy argument and the debugging advice are.
+_CLOSED_FORWARD_DOC = ('docs/threat_model.md, "The forward pass is closed: '
+                       'eager mode"; docs/testing.md, "How to debug a DP '
+                       'model"')
+
+
+def refuse_functions_run_eagerly(model, where: str) -> None:
+  """Raises if `tf.config.run_functions_eagerly(True)` is set.
+
+  The DP step must run as a traced graph (see `traced_step`); that flag
+  makes every `tf.function`, Keras' train function included, run its
+  Python eagerly, which reopens the exits the trace closes.
+
+  Raises:
+    ValueError: naming the flag, the model and what to do instead.
+  """
+  if tf.config.functions_run_eagerly():
+    raise ValueError(
+        f"Model {model.name!r}.{where}: tf.config.run_functions_eagerly(True) "
+        "is set, which runs the DP train step's Python eagerly. tf_pxg "
+        "always traces the DP step (with compile(run_eagerly=True) too): "
+        "eagerly, a Python branch on a tensor, `.numpy()`, "
+        "tf.numpy_function/tf.py_function or a tensor kept on a layer "
+        "between batches would let one example change the other examples' "
+        "gradients, outside what clipping bounds. Call "
+        "tf.config.run_functions_eagerly(False) before training; to debug, "
+        "use tf.print in the layer or compile(run_eagerly=True) (the step "
+        f"is still traced, the rest of fit runs eagerly); see "
+        f"{_CLOSED_FORWARD_DOC}.")
+
+
+def is_python_read(error: Exception) -> bool:
+  """Whether `error`, raised while tracing the step, is the forward pass
+  reading a tensor's value in Python (a branch on a tensor, `.numpy()`,
+  a tensor kept on a layer from another trace)."""
+  if isinstance(error, tf.errors.OperatorNotAllowedInGraphError):
+    return True
+  text = str(error)
+  if isinstance(error, AttributeError):
+    return "'numpy'" in text
+  return isinstance(error, (TypeError, ValueError)) and (
+      "out of scope" in text or "cannot be accessed from here" in text)
+
+
+@contextlib.contextmanager
+def closed_forward(model):
+  """Turns a trace-time Python exit of the forward pass into a ValueError
+  that names the model, why it is refused and what to do (the original
+  error chained)."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except
+    if not is_python_read(e):
+      raise
+    raise ValueError(
+        f"Model {model.name!r}: its forward pass reads a tensor's value in "
+        f"Python ({type(e).__name__}: {str(e).strip()[:600]}). A Python "
+        "branch on a batch value, `.numpy()`, or a tensor kept on a layer "
+        "from one batch to the next would let one example change how the "
+        "other examples are processed, outside what clipping bounds. tf_pxg "
+        "traces the DP train step in every mode, compile(run_eagerly=True) "
+        "included, so such a value is refused here. Write it with row-wise "
+        "TF ops (e.g. tf.where on each example's own values), keep state in "
+        "a tf.Variable only if it is data-independent, and debug with "
+        f"tf.print; see {_CLOSED_FORWARD_DOC}.") from e
+
+
+def traced_step(model, key: str, fn):
+  """`fn(data)` run as the model's traced `tf.function` (cached on the model
+  under `key`) when called eagerly, else `fn(data)` itself.
+
+  The DP step's forward pass always runs in a graph: a Python-side value of
+  the batch (a branch, `.numpy()`, `tf.numpy_function`, an attribute kept
+  between calls) is then a trace-time error or an op that the graph checks
+  refuse, as in `tf.function`, instead of a silent exit from the recorded
+  computation. Eager callers (a custom loop calling `train_step` or
+  `dp_gradients` directly) get the same traced step; `fit` and
+  `train_on_batch` trace it through `make_train_function` even with
+  `run_eagerly=True` (`_DPTrainingMixin.make_train_function`).
+
+  `fn`'s result must be returnable from a `tf.function` (tensors, nests,
+  None).
+
+  Raises:
+    ValueError: `tf.config.run_functions_eagerly(True)` is set
+      (`refuse_functions_run_eagerly`), or the forward pass reads a tensor's
+      value in Python (`closed_forward`).
+  """
+  def guarded(data):
+    with closed_forward(model):
+      return fn(data)
+
+  if not tf.executing_eagerly():
+    return guarded
+  refuse_functions_run_eagerly(model, key.strip("_"))
+  function = model.__dict__.get(key)
+  if function is None:
+    # Without autograph, as Keras traces its train function: a Python `if`
+    # on a tensor is an error, not a silent tf.cond.
+    function = tf.function(guarded, reduce_retracing=True, autograph=False)
+    # Not tracked by Keras or tf.train.Checkpoint (not model state).
+    object.__setattr__(model, key, function)
+  return function
+
+
 def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
                   noise_multiplier: float, generator: tf.random.Generator,
                   optimizer, accumulator_for=None, mechanism=None,

@@ -24,6 +24,11 @@ from tf_pxg.keras.optimizers import DPOptimizer
 
 _DP_CONFIG_KEYS = ("l2_norm_clip", "noise_multiplier")
 
+# Where eager callers' traced steps are cached on the model
+# (`tf_pxg.keras._train_step.traced_step`).
+_TRACED_TRAIN_STEP = "_dp_traced_train_step"
+_TRACED_GRADIENTS = "_dp_traced_gradients"
+
 
 def _check_bool(value, name: str, where: str) -> bool:
   if not isinstance(value, bool):
@@ -302,6 +307,7 @@ class _DPTrainingMixin:
     if value != self.unprotected_training_metrics:
       self._dp_unprotected_metrics = value
       self.train_function = None
+      self._forget_traced_steps()
 
   def _dp_noise_source(self):
     """The model's generator; the noise mechanism picks the source it draws
@@ -453,6 +459,7 @@ class _DPTrainingMixin:
         from tf_pxg.dp import secure  # noqa: PLC0415
         raise secure.xla_error(f"Model {self.name!r} with secure_mode=True")
       kwargs["jit_compile"] = False
+    self._forget_traced_steps()
     super().compile(optimizer, *args, **kwargs)
 
   def compile_from_config(self, config):
@@ -461,7 +468,45 @@ class _DPTrainingMixin:
     if hasattr(self, "optimizer") and self.built:
       self.optimizer.build(self.trainable_variables)
 
+  def make_train_function(self, force=False):
+    """Keras' train function, always a traced graph under DP.
+
+    With `compile(run_eagerly=True)` Keras would call `train_step` eagerly,
+    where a Python-side value of the batch (an `if` on a batch statistic,
+    `.numpy()`, `tf.numpy_function`, a tensor kept on a layer between
+    batches) leaves the recorded computation unseen and lets one example
+    move the others' gradients. So the train function is built as with
+    `run_eagerly=False` (without XLA: Keras turns `jit_compile` off with
+    `run_eagerly`); such values are then trace-time errors or ops the graph
+    checks refuse. `evaluate`, `predict`, callbacks and the data pipeline
+    stay eager. See docs/threat_model.md, "The forward pass is closed:
+    eager mode", and docs/testing.md, "How to debug a DP model".
+
+    Raises:
+      ValueError: `tf.config.run_functions_eagerly(True)` is set.
+    """
+    _train_step.refuse_functions_run_eagerly(self, "fit")
+    if not self.run_eagerly:
+      return super().make_train_function(force)
+    self.run_eagerly = False  # read only while the function is built
+    try:
+      return super().make_train_function(force)
+    finally:
+      self.run_eagerly = True
+
+  def _forget_traced_steps(self) -> None:
+    """Drops the traced steps of eager callers (`traced_step`): a recompile
+    or a changed logging flag must retrace them, as Keras' train function."""
+    for key in (_TRACED_TRAIN_STEP, _TRACED_GRADIENTS):
+      self.__dict__.pop(key, None)
+
   def train_step(self, data):
+    """The DP step (`tf_pxg.keras._train_step.dp_train_step`), traced even
+    when called eagerly (`tf_pxg.keras._train_step.traced_step`)."""
+    return _train_step.traced_step(self, _TRACED_TRAIN_STEP,
+                                   self._dp_train_step)(data)
+
+  def _dp_train_step(self, data):
     self._check_trainable_for_dp(self.optimizer)
     plan = self._dp_plan(self.optimizer, strict=True)
     clip, noise = plan.l2_norm_clip, plan.noise_multiplier
@@ -479,16 +524,27 @@ class _DPTrainingMixin:
     `dp_apply` in the same replica context. Splitting the step lets a
     custom loop compile this half with XLA per replica where the strategy
     forbids synchronisation inside a compiled function (MirroredStrategy on
-    CPU); `train_step` is `dp_apply(dp_gradients(data))`.
+    CPU); `train_step` is `dp_apply(dp_gradients(data))`. Called eagerly,
+    it runs as a traced graph, as `train_step` does.
     """
-    self._check_trainable_for_dp(self.optimizer)
-    plan = self._dp_plan(self.optimizer, strict=True)
-    clip, noise = plan.l2_norm_clip, plan.noise_multiplier
-    return _train_step.dp_gradients(self, data, clip, noise,
-                                     self._dp_noise_source(),
-                                     self._dp_accumulator_for,
-                                     self._dp_step_mechanism(noise),
-                                     _loss_scale_optimizer(self.optimizer))
+    def gradients(data):
+      self._check_trainable_for_dp(self.optimizer)
+      plan = self._dp_plan(self.optimizer, strict=True)
+      clip, noise = plan.l2_norm_clip, plan.noise_multiplier
+      result = _train_step.dp_gradients(
+          self, data, clip, noise, self._dp_noise_source(),
+          self._dp_accumulator_for, self._dp_step_mechanism(noise),
+          _loss_scale_optimizer(self.optimizer))
+      # Only tensors leave a tf.function: the mechanism (an adaptive
+      # clip's policy and variable) is put back below.
+      return result._replace(mechanism=None), result.mechanism is not None
+
+    result, has_mechanism = _train_step.traced_step(
+        self, _TRACED_GRADIENTS, gradients)(data)
+    if not has_mechanism:
+      return result
+    noise = self._dp_plan(self.optimizer, strict=True).noise_multiplier
+    return result._replace(mechanism=self._dp_step_mechanism(noise))
 
   def dp_apply(self, result):
     """The synchronising half of `train_step`: apply (within the step

@@ -52,6 +52,10 @@ class ExampleIndependenceResult(NamedTuple):
       exercised at all (a model that ignores the changed input gives 0.0).
     changed_gradient_change: the same for its own gradient.
     details: one line per moved example (the failure message's lines).
+    exits: one line per exit of the forward pass found (see
+      `check_example_independence`, "Exits"): a Python read of a tensor
+      at trace time, a Python op (`tf.numpy_function`/`tf.py_function`),
+      or an output that depends on an earlier call. Empty when none.
   """
   indices: Tuple[int, ...]
   moved: Tuple[Tuple[int, int], ...]
@@ -62,10 +66,11 @@ class ExampleIndependenceResult(NamedTuple):
   changed_loss_change: float
   changed_gradient_change: float
   details: Tuple[str, ...]
+  exits: Tuple[str, ...] = ()
 
   @property
   def passed(self) -> bool:
-    return not self.moved
+    return not self.moved and not self.exits
 
 
 class ExampleMixingError(AssertionError):
@@ -201,6 +206,52 @@ def _finite_max(*arrays) -> float:
   return max(values, default=0.0)
 
 
+
+def _is_keras_layer(model) -> bool:
+  try:
+    import keras  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover - tf_pxg's tests always have Keras
+    return False
+  return isinstance(model, keras.layers.Layer)
+
+
+# Ops that run Python on their inputs: an exit from the traced graph.
+_PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def _forward_exits(loss_fn, model, inputs, labels,
+                   training) -> Tuple[Tuple[str, ...], bool]:
+  """The forward pass's exits visible in its trace, and whether it traces.
+
+  The per-example loss is traced once into a graph, as the DP train step
+  traces it (a Keras model without autograph, as Keras does): a Python
+  read of a tensor (a branch on it, `.numpy()`, a tensor kept on a layer
+  from another trace) fails there, and `tf.numpy_function` /
+  `tf.py_function` appear as Python ops. Nothing is run.
+  """
+  from tf_pxg.keras import _train_step  # pylint: disable=g-import-not-at-top
+
+  def forward(inputs, labels):
+    return _per_example_loss(loss_fn, model, inputs, labels, training)
+
+  autograph = not _is_keras_layer(model)
+  try:
+    graph = tf.function(forward, autograph=autograph).get_concrete_function(
+        inputs, labels).graph
+  except Exception as e:  # pylint: disable=broad-except
+    if not _train_step.is_python_read(e):
+      raise
+    text = " ".join(str(e).split())[:400]
+    return ((f"exit: the forward pass reads a tensor's value in Python "
+             f"({type(e).__name__}: {text}); DP training traces the step "
+             "in every mode and refuses it"),), False
+  found = sorted({op.type for op in graph.get_operations()} & _PYTHON_OPS)
+  return tuple(
+      f"exit: the forward pass runs Python on the batch (op {op}: "
+      "tf.numpy_function or tf.py_function); DP training refuses it"
+      for op in found), True
+
+
 def check_example_independence(
     model: Callable,
     x: Any,
@@ -250,6 +301,22 @@ def check_example_independence(
   its own RNG state): use "eager" or "function" for models with those. The
   model's non-trainable state is restored when the check returns; the
   global Python/NumPy/TF seeds are left set to `seed`.
+
+  Exits: the forward pass must have no exit besides its outputs, in every
+  mode (docs/threat_model.md, "The forward pass is closed: eager mode").
+  Before the runs, the per-example loss is traced once into a graph as the
+  DP train step traces it (a Keras model without autograph, as Keras
+  does), whatever `mode`: a Python read of a tensor (an `if` on a batch
+  statistic, `.numpy()`) fails there, and `tf.numpy_function` /
+  `tf.py_function` show as Python ops; each is an exit, found whatever the
+  change. After the changed runs the unchanged batch is run again: if its
+  losses or gradients moved, the model keeps a value from an earlier call
+  outside its variables (a tensor kept on a layer), an exit too (found
+  when the change reaches the kept value: e.g. swap out the example a kept
+  batch statistic was taken from). In "function"
+  and "jit" modes a model whose trace fails is not run: the result holds
+  the exit alone. Tracing calls the model's Python once without running
+  it (a layer that writes Python attributes at trace time does so).
 
   Contract: the batch is axis 0 of every tensor of `x`, `y` and
   `sample_weight` (B >= 2, static), the per-example loss is a `[B]` vector;
@@ -314,7 +381,8 @@ def check_example_independence(
 
   Raises:
     ExampleMixingError: (an `AssertionError`) if changing an example moved
-      another one; the message names every moved example (which change,
+      another one, or the forward pass has an exit (see "Exits"); the
+      message names every moved example (which change,
       which example, by how much, against which tolerance) and `.result`
       holds the result.
     ValueError: B < 2, an `index`/`source` out of range, an unknown `change`
@@ -389,6 +457,14 @@ def check_example_independence(
     return _independence_pass(loss_fn, model, variables, inputs, labels,
                               training, mode, gradients)
 
+  exits, traceable = _forward_exits(loss_fn, model, x, y, training)
+  if not traceable and mode != "eager":  # the runs could not trace either
+    return _report(ExampleIndependenceResult(
+        indices=indices, moved=(), max_loss_change=0.0,
+        max_gradient_change=0.0, loss_tolerance=0.0, gradient_tolerance=0.0,
+        changed_loss_change=0.0, changed_gradient_change=0.0, details=(),
+        exits=exits), b_total, change, mode, training, seed,
+        raise_on_failure)
   rng = np.random.default_rng(0 if seed is None else seed)
   names = _names(variables)
   try:
@@ -459,24 +535,59 @@ def check_example_independence(
                        f"{gtol:.3g} (largest at {names[v]})")
         details.append(f"changing example {i} moved example {b}: " +
                        "; ".join(parts))
+    # The unchanged batch again, after the changed ones: an output that
+    # moved depends on an earlier call (state outside the variables, e.g. a
+    # tensor kept on a layer), which eager training would carry from one
+    # batch into the next.
+    _, loss2, grads2 = run(x, y)
+    history = max([float(np.max(_abs_change(loss2, loss0)))
+                   / max(ltol_max, np.finfo(np.float64).tiny)] +
+                  [float(np.max(_abs_change(g2, g0)))
+                   / max(gtol_max, np.finfo(np.float64).tiny)
+                   for g0, g2 in zip(grads0, grads2) if g0.size])
+    if history > 1.0:
+      exits = exits + (
+          "exit: the same batch gave other losses or gradients after the "
+          f"changed batches ({history:.3g} times the tolerance): the model "
+          "keeps a value from an earlier call outside its variables (a "
+          "tensor kept on a layer?), which would carry one batch's examples "
+          "into the next step's gradients",)
   finally:
     restore(include_seed_states=True)
 
-  result = ExampleIndependenceResult(
+  return _report(ExampleIndependenceResult(
       indices=indices, moved=tuple(moved), max_loss_change=max_dl,
       max_gradient_change=max_dg, loss_tolerance=ltol_max,
       gradient_tolerance=gtol_max, changed_loss_change=own_dl,
       changed_gradient_change=own_dg if gradients else 0.0,
-      details=tuple(details))
-  if moved and raise_on_failure:
-    moved_examples = sorted({b for _, b in moved})
-    raise ExampleMixingError(
-        f"Examples mix: changing example(s) {list(indices)} "
+      details=tuple(details), exits=exits), b_total, change, mode,
+      training, seed, raise_on_failure)
+
+
+def _report(result: ExampleIndependenceResult, b_total: int, change, mode,
+            training, seed, raise_on_failure: bool
+            ) -> ExampleIndependenceResult:
+  """`result`, or raises `ExampleMixingError` for its moved examples and
+  exits when `raise_on_failure`."""
+  if result.passed or not raise_on_failure:
+    return result
+  parts = []
+  if result.moved:
+    moved_examples = sorted({b for _, b in result.moved})
+    parts.append(
+        f"Examples mix: changing example(s) {list(result.indices)} "
         f"({'by `change`' if callable(change) else change}) moved the loss "
         f"or gradient of example(s) {moved_examples} of {b_total} (mode "
         f"{mode!r}, training={training}, seed={seed}). For DP-SGD, example "
         "b's loss must depend on example b alone; look for layers that "
         "compute over the batch axis (BatchNormalization in training, "
         "MixUp/CutMix, batch statistics, tf.roll/reverse/sort/gather over "
-        "axis 0, in-batch negatives).\n  " + "\n  ".join(details), result)
-  return result
+        "axis 0, in-batch negatives).\n  " + "\n  ".join(result.details))
+  if result.exits:
+    parts.append(
+        "The forward pass has an exit besides its outputs (a value read or "
+        "kept in Python lets one example change the others' gradients, "
+        "unseen by the recorded computation; docs/threat_model.md, \"The "
+        "forward pass is closed: eager mode\"):\n  " +
+        "\n  ".join(result.exits))
+  raise ExampleMixingError("\n".join(parts), result)
