@@ -223,3 +223,35 @@ def check_no_data_dependent_losses(model: keras.Model) -> None:
           "batch-level loss that depends on the data, which DP training "
           "cannot clip per example. Remove it, or express it as part of a "
           "per-example loss.")
+
+
+def check_no_validation_split(model: keras.Model, validation_split) -> None:
+  """Refuses `fit(validation_split=...)` on a DP model.
+
+  Keras' `validation_split` takes the validation rows from the arrays
+  passed as `x` and `y`, the private training data, and logs `val_*` values
+  computed on them, un-noised: ε does not cover them (those rows are not
+  trained on), and one held-out row moves `val_loss` without bound, into
+  the logs and into any callback that monitors it. It also leaves fewer
+  training rows than `len(x)`, so a `PrivacyCallback(num_examples=len(x))`
+  would account for another sampling rate. `fit` calls this first, before
+  any data handling or callback.
+
+  Raises:
+    ValueError: `validation_split` is set (neither 0 nor None), naming it
+      and what to pass instead.
+  """
+  if not validation_split:
+    return
+  raise ValueError(
+      f"Model {model.name!r}.fit got validation_split={validation_split!r}. "
+      "Under DP it is refused: Keras would take the validation rows from "
+      "the private arrays passed as x and y and log un-noised val_* values "
+      "computed on them (not covered by ε: one held-out row moves val_loss "
+      "without bound), and train on fewer rows than len(x), so "
+      "PrivacyCallback(num_examples=len(x)) would account for the wrong "
+      "sampling rate. Split off a held-out validation set yourself and pass "
+      "validation_data=(x_val, y_val), with x and y the training rows only "
+      "(and PrivacyCallback(num_examples=len(x_train))). Validation values "
+      "are then computed on data you treat as public (docs/threat_model.md, "
+      "\"validation_split\").")

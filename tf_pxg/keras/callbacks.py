@@ -11,6 +11,17 @@ import keras
 from tf_pxg import accounting
 
 
+def _held_out_hint(counted: int, sampled: int) -> str:
+  """The mismatch error's hint when the callback counts more examples than
+  fit samples from: rows held out for validation."""
+  if counted <= sampled:
+    return ""
+  return (f" The callback counts {counted - sampled} more examples than fit "
+          "trains on: if rows were held out for validation, num_examples "
+          "is the number of training rows only (fit(validation_split=...) "
+          "is refused under DP: pass validation_data from a held-out set).")
+
+
 class PrivacyCallback(keras.callbacks.Callback):
   """Reports the privacy spent by DP-SGD training and enforces a budget.
 
@@ -290,7 +301,8 @@ class PrivacyCallback(keras.callbacks.Callback):
             f"num_examples={self.num_examples}) but fit samples with rate "
             f"{sampler.sampling_rate:.6g} (batch_size="
             f"{sampler.expected_batch_size:g}, {sampler.num_examples} "
-            "examples). Give the callback the same numbers.")
+            "examples). Give the callback the same numbers."
+            + _held_out_hint(self.num_examples, sampler.num_examples))
 
   def on_train_begin(self, logs=None):
     self.noise_multiplier  # noqa: B018  (raises now, not after an epoch)

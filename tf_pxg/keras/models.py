@@ -695,12 +695,19 @@ class _DPTrainingMixin:
       batch size, default min(32, N); `steps_per_epoch` counts logical
       steps.)
 
+    `validation_split` is refused (it would hold out rows of the private
+    `x` and log un-noised `val_*` values on them): pass `validation_data`
+    from a held-out set (`_validation.check_no_validation_split`).
+
     Raises:
-      ValueError: unknown `sampling`, or one that differs from the plan's
+      ValueError: `validation_split` set (first, before any other check or
+        callback); unknown `sampling`, or one that differs from the plan's
         (`DPOptimizer(sampling=...)`); data that cannot be Poisson-sampled
         (a batched dataset, a generator, a `PyDataset`); a `batch_size`
         larger than the dataset.
     """
+    # First: before the data is read and before any callback's check.
+    _validation.check_no_validation_split(self, validation_split)
     self._set_unprotected_metrics(unprotected_training_metrics)
     if getattr(self, "optimizer", None) is not None:
       self._check_trainable_for_dp(self.optimizer)  # before building
