@@ -19,7 +19,11 @@ functions (phase 2).
 "Carries examples" is a property of the data, not of its dtype or
 differentiability: it flows through casts to integer, gathers, one-hot and
 table lookups. Shape ops (`Shape`, `Size`...) give constants, so shape
-arithmetic never does; a non-floating input made outside the tape (a
+arithmetic never does — unless the shape they read depends on the values of
+examples (`tf.where(cond)`, `tf.boolean_mask`, `tf.unique`, `tf.zeros([n])`
+of a data `n`: `tf_pxg.batch_axis.VALUE_SHAPED`): such a shape is a count
+over the whole batch, so its read is data that mixes examples, checked on
+the data path like any other value. A non-floating input made outside the tape (a
 placeholder of token ids, say) counts as data only at the positions listed in
 `INTEGER_DATA_INPUTS` (gather and one-hot indices, casts, lookup keys), so a
 constant shape vector never passes for a batch of examples.
@@ -119,6 +123,19 @@ def _uniform(entry: Entry) -> bool:
   return value.size == 0 or bool(np.all(value == value.flat[0]))
 
 
+def _shape_may_vary(t) -> bool:
+  """Whether a tensor's shape can differ from run to run of the same
+  program: a TensorList's length always can; in a graph, only where its
+  static shape is not fully defined (XLA and TensorFlow enforce the static
+  shape); eagerly, where it is not a scalar (every eager shape is known, so
+  whether it would be the same on other data cannot be told)."""
+  if t.dtype == tf.variant:
+    return True
+  if t.dtype == tf.resource or t.shape.rank == 0:
+    return False
+  return not tf.is_symbolic_tensor(t) or not t.shape.is_fully_defined()
+
+
 def _is_float(dtype) -> bool:
   return dtype.is_floating or dtype.is_complex
 
@@ -185,6 +202,9 @@ class Classifier:
     # Values reduced over the batch axis (allowed for a scalar target, which
     # sums over examples) and what is computed from them alone.
     self._batch_stats: set = set()
+    # Tensors whose shape depends on the values of examples -> the entry
+    # that made it so (`tf_pxg.batch_axis.VALUE_SHAPED`).
+    self.value_shaped: Dict[int, Entry] = {}
     for entry in recorder.entries:
       st = CONST
       layouts = {}
@@ -200,7 +220,11 @@ class Classifier:
               i in INTEGER_DATA_INPUTS.get(entry.op_type, ()))
         elif s == PARAM and st != DATA:
           st = PARAM
-      if entry.op_type in _SHAPE_OPS:
+      shape_of = self._value_shape_read(entry)
+      if shape_of is not None:
+        # A shape that counts the examples' values: data of the whole batch.
+        st, values = DATA, True
+      elif entry.op_type in _SHAPE_OPS:
         st = CONST
       elif entry.op_type == "Const" and entry.outputs and not _is_float(
           entry.outputs[0].dtype):
@@ -219,7 +243,13 @@ class Classifier:
         # (for a parameter, the op is the interface).
         st, values = DATA, True
         out_layouts = [copy] * len(entry.outputs)
-      if st == DATA and layouts:
+      if shape_of is not None:
+        out_layouts = [None] * len(entry.outputs)  # No rows of examples.
+        if batch_size != 1:  # One example cannot mix with another.
+          self.mixing[id(entry)] = batch_axis.Mixing(
+              batch_axis.MIXES, batch_axis.value_shape_why(
+                  shape_of.describe()))
+      elif st == DATA and layouts:
         out_layouts, why = batch_axis.propagate(entry, layouts,
                                                  batch_size,
                                                  self._layout_of_tensor)
@@ -240,12 +270,46 @@ class Classifier:
           self._batch_stats.update(entry.output_ids)
         elif why is not None and why.kind == batch_axis.REDUCES:
           self._batch_stats.update(entry.output_ids)
+      creator = self._value_shape_creator(entry)
+      if creator is not None:
+        self.value_shaped.update(
+            (tid, creator) for tid, t in zip(entry.output_ids, entry.outputs)
+            if _shape_may_vary(t))
       for tid, lay in zip(entry.output_ids, out_layouts):
         self.status[tid] = PARAM if tid in self._sources else st
         if st == DATA:
           self.layouts[tid] = lay
           if values:
             self._values.add(tid)
+
+  def _value_shape_creator(self, entry: Entry) -> Optional[Entry]:
+    """The entry that made the shape of `entry`'s outputs depend on the
+    values of examples: the creator behind an input with such a shape, or
+    `entry` itself if an input that sets its output shape
+    (`batch_axis.VALUE_SHAPED`) carries examples. None otherwise."""
+    if entry.op_type in _SHAPE_OPS:
+      return None  # A shape vector's own shape is its rank: static.
+    for tid in entry.input_ids:
+      if tid in self.value_shaped:
+        return self.value_shaped[tid]
+    for i in batch_axis.value_shape_inputs(entry.op_type):
+      if i < len(entry.inputs) and self.input_status(
+          entry, i, entry.input_ids[i], entry.inputs[i]) == DATA:
+        return entry
+    return None
+
+  def _value_shape_read(self, entry: Entry) -> Optional[Entry]:
+    """For a shape read (`Shape`, `Size`, `Rank`, `ShapeN`,
+    `TensorListLength`) of a tensor whose shape depends on the values of
+    examples: the entry that made it so. None for every other entry and for
+    static ranks."""
+    if entry.op_type not in batch_axis.SHAPE_READS:
+      return None
+    for tid, t in zip(entry.input_ids, entry.inputs):
+      if tid in self.value_shaped and not (
+          entry.op_type == "Rank" and t.shape.rank is not None):
+        return self.value_shaped[tid]
+    return None
 
   def input_status(self, entry: Entry, i: int, tid: int, t) -> str:
     """Status of input `i` of `entry` as it affects the entry's outputs.
@@ -344,9 +408,19 @@ def data_path(recorder: Recorder, target_id: int,
               classifier: Classifier) -> List[Entry]:
   """The entries, in program order, that produce data the target depends on:
   every op from the model's inputs to the per-example target, before and
-  after the first parameter (preprocessing included)."""
+  after the first parameter (preprocessing included).
+
+  Eagerly, Python reads a shape without an op (`tf.size`, `x.shape`,
+  `keras.ops.shape`, `len`), so the target may depend on a value-dependent
+  shape through no recorded edge: there, every op that selects elements of
+  examples by their values (`batch_axis.is_value_selector`: `tf.where(c)`,
+  `tf.boolean_mask`, `tf.unique`...) is on the path."""
   producer = recorder.producer
   seen, stack = set(), [target_id]
+  stack.extend(tid for tid, creator in classifier.value_shaped.items()
+               if batch_axis.is_value_selector(creator.op_type) and
+               creator.outputs and
+               not tf.is_symbolic_tensor(creator.outputs[0]))
   while stack:
     entry = producer.get(stack.pop())
     if entry is None or id(entry) in seen:
@@ -378,6 +452,16 @@ def _hint(entry: Entry, mixing) -> str:
             "the whole batch in each element: write one [B, ...] step per "
             "index, and unstack or scatter time-major [T, B, ...] tensors, "
             "not batch-major ones.")
+  if "shape" in why and "values" in why:
+    return (" A shape, size or count of elements selected by value "
+            "(tf.where(cond) with one argument, tf.boolean_mask, tf.unique, "
+            "tf.dynamic_partition, ragged filters) counts over the whole "
+            "batch. Keep shapes static and per example instead: mask "
+            "elementwise with tf.where(cond, x, 0) (three arguments), count "
+            "per example with tf.reduce_sum(tf.cast(cond, x.dtype), axis=-1), "
+            "or pad to a fixed size. Shapes "
+            "that depend only on the batch size (tf.shape(x)[0], "
+            "tf.reshape(x, [-1, d])) are fine.")
   if "statistics" in why:
     return (" BatchNormalization in training does this; use "
             "keras.layers.GroupNormalization or "
