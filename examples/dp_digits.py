@@ -182,7 +182,9 @@ def main(argv):
     epsilon = float("inf")
   else:
     epsilon = callbacks[0].epsilon()
-  clip = getattr(model.optimizer, "current_l2_norm_clip", None)
+  # The clip an adaptive policy (--clipping=quantile) ended at.
+  clip = (model.optimizer.current_l2_norm_clip
+          if model.dp_plan.clipping.adaptive else None)
   print(f"final: test_accuracy={accuracy:.4f} epsilon={epsilon:.3f} "
         f"delta={_DELTA.value:g}" +
         (f" l2_norm_clip={clip:.4g}" if clip is not None else ""))

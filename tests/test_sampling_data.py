@@ -184,9 +184,10 @@ def test_processes_exit_after_dp_fit():
   assert runs >= 3
 
 
-def test_poisson_fit_validation_split_and_class_weight():
-  """`validation_split` holds out the last rows (as Keras); `class_weight`
-  gives the same step as the equivalent per-example `sample_weight`."""
+def test_poisson_fit_validation_data_and_class_weight():
+  """Held-out `validation_data` is evaluated (`validation_split` is refused
+  under DP: tests/test_validation_split.py); `class_weight` gives the same
+  step as the equivalent per-example `sample_weight`."""
   import tf_pxg.keras as dpk  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   x = rng.standard_normal((40, 5)).astype("float32")
@@ -203,8 +204,10 @@ def test_poisson_fit_validation_split_and_class_weight():
                         sampling_seed=3, **kwargs)
     return model, history
 
-  _, history = run(validation_split=0.25)
+  _, history = run(validation_data=(x[30:], y[30:]))
   assert "val_loss" in history.history
+  with pytest.raises(ValueError, match="validation_split"):
+    run(validation_split=0.25)
   weights = {0: 0.5, 1: 2.0, 2: 1.0}
   by_class, _ = run(class_weight=weights)
   by_row, _ = run(sample_weight=np.asarray([weights[c] for c in y],

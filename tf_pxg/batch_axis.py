@@ -1046,6 +1046,13 @@ def _list_from_tensor(entry, layouts):
 # carries examples). A new op of that kind is one line here; if it is not
 # row-wise, also list it in `_VALUE_SELECTORS` so that the refusal says why.
 
+# ONE_ROW_PER_EXAMPLE: ops that give back one row per example on axis 0
+# whatever their inputs' value-dependent shapes (a ragged batch padded to a
+# dense `[B, T]`): where every other dimension of such an output is static,
+# its shape varies with the batch size alone, so the property stops there
+# (Keras' TextVectorization with `output_sequence_length`).
+ONE_ROW_PER_EXAMPLE = frozenset({"RaggedTensorToTensor"})
+
 VALUE_SHAPED: Dict[str, Tuple[int, ...]] = {
     # Select, filter or group elements by their values.
     "Where": (0,),

@@ -123,17 +123,25 @@ def _uniform(entry: Entry) -> bool:
   return value.size == 0 or bool(np.all(value == value.flat[0]))
 
 
-def _shape_may_vary(t) -> bool:
+def _shape_may_vary(t, layout=None) -> bool:
   """Whether a tensor's shape can differ from run to run of the same
-  program: a TensorList's length always can; in a graph, only where its
-  static shape is not fully defined (XLA and TensorFlow enforce the static
-  shape); eagerly, where it is not a scalar (every eager shape is known, so
-  whether it would be the same on other data cannot be told)."""
+  program other than through the batch size: a TensorList's length always
+  can; in a graph, only where its static shape is not fully defined (XLA
+  and TensorFlow enforce the static shape) outside its batch axis (`layout`,
+  when the tensor holds rows of examples: a ragged batch padded to a static
+  length, `[None, T]`, varies with B alone); eagerly, where it is not a
+  scalar (every eager shape is known, so whether it would be the same on
+  other data cannot be told)."""
   if t.dtype == tf.variant:
     return True
   if t.dtype == tf.resource or t.shape.rank == 0:
     return False
-  return not tf.is_symbolic_tensor(t) or not t.shape.is_fully_defined()
+  if not tf.is_symbolic_tensor(t) or t.shape.rank is None:
+    return True
+  dims = t.shape.as_list()
+  if layout is not None and 0 <= layout[0] < len(dims):
+    dims = dims[:layout[0]] + dims[layout[0] + 1:]
+  return any(d is None for d in dims)
 
 
 def _is_float(dtype) -> bool:
@@ -273,8 +281,11 @@ class Classifier:
       creator = self._value_shape_creator(entry)
       if creator is not None:
         self.value_shaped.update(
-            (tid, creator) for tid, t in zip(entry.output_ids, entry.outputs)
-            if _shape_may_vary(t))
+            (tid, creator) for tid, t, lay in zip(
+                entry.output_ids, entry.outputs, out_layouts)
+            if _shape_may_vary(t, lay if (
+                st == DATA and
+                entry.op_type in batch_axis.ONE_ROW_PER_EXAMPLE) else None))
       for tid, lay in zip(entry.output_ids, out_layouts):
         self.status[tid] = PARAM if tid in self._sources else st
         if st == DATA:

@@ -189,6 +189,14 @@ class PrivacyCallback(keras.callbacks.Callback):
     """The model's `DPPlan` (None: not a tf_pxg DP model, or no model)."""
     return getattr(getattr(self, "model", None), "dp_plan", None)
 
+  def _ledger(self):
+    """The model's privacy ledger (None: not a compiled tf_pxg DP model),
+    unless this callback overrides σ or the bands (then it accounts the
+    single run it was told about, as a custom loop's callback does)."""
+    if self._noise_multiplier is not None or self._num_bands is not None:
+      return None
+    return getattr(getattr(self, "model", None), "privacy_ledger", None)
+
   def _sampler(self):
     """The plan's `tf_pxg.data.samplers.Sampler` (the model's last `fit`'s
     unless the plan names one), or None (no `fit` yet, a custom loop)."""
@@ -208,6 +216,12 @@ class PrivacyCallback(keras.callbacks.Callback):
     cyclic Poisson at this callback's rate,
     `tf_pxg.accounting.mechanism_epsilon`)."""
     steps = self.steps() if steps is None else steps
+    ledger = self._ledger()
+    if ledger is not None and ledger.open_start is not None:
+      # The model's whole history (tf_pxg.dp.ledger): every run's event,
+      # the open one's at `steps` of the current optimizer.
+      return ledger.epsilon(self.steps(), self.delta, self.accountant,
+                            open_steps=steps - ledger.open_start)
     mechanism, sampler = self._mechanism(), self._sampler()
     if sampler is None or not sampler.certified:
       # No sampler known yet (or shuffled batches, `epsilon_if_poisson`):
@@ -232,8 +246,9 @@ class PrivacyCallback(keras.callbacks.Callback):
     """
     if self.target_epsilon is None:
       return None
+    ledger = self._ledger()
     key = (self.noise_multiplier, self.num_bands, id(self._sampler()),
-           self.accountant)
+           self.accountant, None if ledger is None else ledger.to_json())
     if self._max_steps_cache.get("key") != key:
       within = lambda s: self.epsilon(s) <= self.target_epsilon  # noqa: E731
       lo, hi = 0, 1

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from tf_pxg import _compat
+from tf_pxg.keras import _ledger
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
 from tf_pxg.keras import _train_step
@@ -439,18 +440,24 @@ class _DPTrainingMixin:
           "LossScaleOptimizer: pass LossScaleOptimizer(DPOptimizer(...)), or "
           "the DPOptimizer alone (Keras adds the LossScaleOptimizer under "
           "mixed_float16).")
-    if (not isinstance(optimizer, DPOptimizer) and
-        _loss_scale_optimizer(optimizer) is None and
-        not request.is_default_mechanism):
-      # The policy's and mechanism's state lives in a DPOptimizer (saved
-      # with it), so the model's settings wrap the given optimizer: it
-      # then owns the plan.
+    if (not isinstance(_unscaled(optimizer), DPOptimizer) and
+        (request.l2_norm_clip is not None or
+         not request.is_default_mechanism)):
+      # The plan, the mechanism's state and the privacy ledger live in a
+      # DPOptimizer (saved with it), so the model's settings wrap the given
+      # optimizer (inside a LossScaleOptimizer given around it): it then
+      # owns the plan.
       self._dp_plan(optimizer, strict=True)
+      scaled = _loss_scale_optimizer(optimizer)
       optimizer = DPOptimizer(
-          optimizer, request.l2_norm_clip, request.noise_multiplier,
-          secure_mode=request.secure_mode, clipping=request.clipping,
-          sampling=request.sampling,
+          _unscaled(optimizer), request.l2_norm_clip,
+          request.noise_multiplier, secure_mode=request.secure_mode,
+          clipping=request.clipping, sampling=request.sampling,
           noise_mechanism=request.noise_mechanism)
+      if scaled is not None:
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            optimizer, initial_scale=scaled.initial_scale,
+            dynamic_growth_steps=scaled.dynamic_growth_steps)
     self._agree_with(optimizer)
     self._check_trainable_for_dp(optimizer)
     if self._dp_plan(optimizer).secure_mode:
@@ -460,6 +467,9 @@ class _DPTrainingMixin:
         raise secure.xla_error(f"Model {self.name!r} with secure_mode=True")
       kwargs["jit_compile"] = False
     self._forget_traced_steps()
+    # The privacy ledger belongs to the model's history: a new optimizer
+    # takes it over, its old open run closed (tf_pxg.keras._ledger).
+    _ledger.hand_over(getattr(self, "optimizer", None), optimizer)
     super().compile(optimizer, *args, **kwargs)
 
   def compile_from_config(self, config):
@@ -730,12 +740,23 @@ class _DPTrainingMixin:
     # PrivacyCallback composes.
     # Not tracked by Keras or tf.train.Checkpoint (not model state).
     object.__setattr__(self, "_dp_sampler", run.sampler)
-    history = super().fit(
-        epochs=epochs, verbose=verbose, validation_freq=validation_freq,
-        initial_epoch=initial_epoch, validation_steps=validation_steps,
-        **run.keras_args)
+    _ledger.begin_fit(self, run.sampler)  # before any callback reads ε
+    try:
+      history = super().fit(
+          epochs=epochs, verbose=verbose, validation_freq=validation_freq,
+          initial_epoch=initial_epoch, validation_steps=validation_steps,
+          **run.keras_args)
+    finally:
+      _ledger.snapshot(self.optimizer)
     run.finish(self)
     return history
+
+  @property
+  def privacy_ledger(self):
+    """The `tf_pxg.dp.ledger.PrivacyLedger` of this model's training
+    history (every fit, recompile and resume; `summary()` prints it), held
+    by the compiled DP optimizer; None before `compile`."""
+    return _ledger.ledger_of(getattr(self, "optimizer", None))
 
   def _dp_fit_sampling(self, sampling):
     """`fit`'s sampling: the plan's choice (`DPPlan.sampling`) when it has

@@ -123,6 +123,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # a tf.Module, so tf.train.Checkpoint tracks them; `variables` lists
     # them for Keras' saving.
     self.dp_state = dp_state.DPState()
+    self.dp_state.steps = lambda: int(
+        self.iterations.numpy())
     self.dp_state.init_group_seed(noise_mechanism)
 
   # The plan (one frozen object; the attributes below read it) -------------
@@ -229,6 +231,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   def finalize_variable_values(self, var_list):
     self.inner_optimizer.finalize_variable_values(var_list)
+
+  def save_own_variables(self, store):
+    # Keras' saving (.keras, save_weights: ModelCheckpoint,
+    # BackupAndRestore) stores `variables`, the privacy ledger's among
+    # them: its open run's event at the current count first.
+    self.dp_state.privacy_ledger.snapshot(
+        int(self.iterations.numpy()))
+    self.dp_state.write_ledger()
+    super().save_own_variables(store)
 
   def get_config(self):
     """The config; the sampling choice by its `SAMPLINGS` name.
