@@ -324,3 +324,32 @@ def test_padded_poisson_batch_still_trains():
   assert np.isfinite(history.history["unprotected_loss"]).all()
   assert any(np.any(v.numpy() != b)
              for v, b in zip(model.trainable_variables, before))
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_check_example_independence_reports_the_shape_exit(name):
+  """`tf_pxg.testing.check_example_independence` finds the count on a
+  user's own model before training: an exit naming the op, even where the
+  chosen change (a small perturbation, no outlier) moves no count."""
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((D,)), _Fn(ATTACKS[name][1]),
+                            L.Dense(U)])
+  x, y = _data()
+  result = pxg_testing.check_example_independence(
+      model, x, y, loss=_loss(None), raise_on_failure=False)
+  assert not result.passed
+  assert any("shape counts the examples' values" in e and
+             f"'{ATTACKS[name][0]}'" in e for e in result.exits), result.exits
+
+
+def test_check_example_independence_passes_batch_size_shapes():
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([
+      keras.Input((D,)),
+      _Fn(lambda x: tf.reshape(x, [-1, D]) * tf.cast(
+          tf.shape(x)[0], x.dtype) / B),
+      L.Dense(U)])
+  x, y = _data()
+  result = pxg_testing.check_example_independence(model, x, y,
+                                                  loss=_loss(None))
+  assert result.passed and not result.exits

@@ -219,15 +219,17 @@ def _is_keras_layer(model) -> bool:
 _PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
 
-def _forward_exits(loss_fn, model, inputs, labels,
-                   training) -> Tuple[Tuple[str, ...], bool]:
+def _forward_exits(loss_fn, model, inputs, labels, training,
+                   variables=()) -> Tuple[Tuple[str, ...], bool]:
   """The forward pass's exits visible in its trace, and whether it traces.
 
   The per-example loss is traced once into a graph, as the DP train step
   traces it (a Keras model without autograph, as Keras does): a Python
   read of a tensor (a branch on it, `.numpy()`, a tensor kept on a layer
   from another trace) fails there, and `tf.numpy_function` /
-  `tf.py_function` appear as Python ops. Nothing is run.
+  `tf.py_function` appear as Python ops; a shape that counts the
+  examples' values is refused by the engine's check of the same trace
+  (`_shape_exits`). Nothing is run.
   """
   from tf_pxg.keras import _train_step  # pylint: disable=g-import-not-at-top
 
@@ -249,7 +251,43 @@ def _forward_exits(loss_fn, model, inputs, labels,
   return tuple(
       f"exit: the forward pass runs Python on the batch (op {op}: "
       "tf.numpy_function or tf.py_function); DP training refuses it"
-      for op in found), True
+      for op in found) + _shape_exits(forward, variables, inputs,
+                                      labels), True
+
+
+# What the engine says of a count over the batch read through a shape
+# (tf_pxg.batch_axis: value_shape_why, and the value selectors' reason).
+_SHAPE_EXIT_REASONS = ("shape depends on the values of the examples",
+                       "elements chosen by their values")
+
+
+def _shape_exits(forward, variables, inputs, labels) -> Tuple[str, ...]:
+  """The engine's check of the traced forward pass for shapes that count
+  examples' values (`tf.shape(tf.where(x > t))[0]`, `tf.size(tf.unique(
+  ...))`): a per-example question asked through `tf_pxg.GradientTape`
+  inside a `tf.function`, as DP training asks it; its refusal, if it is of
+  that kind, is an exit (a count over the batch that no per-example
+  change of one example may move without moving the others). Other
+  refusals are left to the empirical check."""
+  from tf_pxg import gradient_tape  # pylint: disable=g-import-not-at-top
+  if not variables:
+    return ()
+
+  def norms(inputs, labels):
+    with gradient_tape.GradientTape() as tape:
+      losses = forward(inputs, labels)
+    return tape.per_example_norms(losses, list(variables))
+
+  try:
+    tf.function(norms, autograph=False).get_concrete_function(inputs, labels)
+  except ValueError as e:
+    text = " ".join(str(e).split())
+    if any(reason in text for reason in _SHAPE_EXIT_REASONS):
+      return (f"exit: a shape counts the examples' values ({text[:400]}); "
+              "DP training refuses it",)
+  except Exception:  # pylint: disable=broad-except
+    pass  # not this check's kind of exit; the empirical check decides
+  return ()
 
 
 def check_example_independence(
@@ -457,7 +495,8 @@ def check_example_independence(
     return _independence_pass(loss_fn, model, variables, inputs, labels,
                               training, mode, gradients)
 
-  exits, traceable = _forward_exits(loss_fn, model, x, y, training)
+  exits, traceable = _forward_exits(loss_fn, model, x, y, training,
+                                    variables if gradients else ())
   if not traceable and mode != "eager":  # the runs could not trace either
     return _report(ExampleIndependenceResult(
         indices=indices, moved=(), max_loss_change=0.0,
