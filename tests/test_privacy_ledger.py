@@ -223,3 +223,14 @@ def test_ledger_is_inspectable_and_round_trips_its_events():
   assert ledger_lib.event_from_json(
       ledger_lib.event_to_json(event)) == event
   assert math.isfinite(model.privacy_ledger.epsilon(_steps(model), DELTA))
+
+
+def test_model_epsilon_and_summary_read_the_ledger():
+  model = _model()
+  want = _history(model)
+  assert model.epsilon(DELTA) == pytest.approx(want, rel=1e-9)
+  assert model.epsilon(DELTA, accountant="pld") <= want * 1.01
+  assert model.privacy_summary().count("\n") == 1  # two runs
+  fresh = dpk.DPSequential([keras.layers.Dense(2)])
+  with pytest.raises(ValueError, match="no privacy ledger"):
+    fresh.epsilon()

@@ -30,7 +30,7 @@ from tf_pxg.data import samplers
 from tf_pxg.dp import ledger as ledger_lib
 
 
-def _dp_optimizer(optimizer):
+def dp_optimizer(optimizer):
   """The DPOptimizer of `optimizer` (inside a LossScaleOptimizer), else
   None."""
   from tf_pxg.keras.optimizers import DPOptimizer  # noqa: PLC0415
@@ -46,7 +46,7 @@ def steps(optimizer) -> int:
 
 def ledger_of(optimizer) -> Optional[ledger_lib.PrivacyLedger]:
   """The ledger of a compiled optimizer (None: no DPOptimizer)."""
-  dp = _dp_optimizer(optimizer)
+  dp = dp_optimizer(optimizer)
   return None if dp is None else dp.dp_state.privacy_ledger
 
 
@@ -54,7 +54,7 @@ def hand_over(old, new) -> None:
   """Moves the ledger of optimizer `old` (closed at its step count) to
   `new` at compile. Nothing to do when either is not a DPOptimizer or
   they are one object (a recompile with the same optimizer continues)."""
-  old_dp, new_dp = _dp_optimizer(old), _dp_optimizer(new)
+  old_dp, new_dp = dp_optimizer(old), dp_optimizer(new)
   if old_dp is None or new_dp is None or old_dp is new_dp:
     return
   ledger = old_dp.dp_state.privacy_ledger
@@ -92,7 +92,7 @@ def begin_fit(model, sampler) -> None:
   Raises:
     tf_pxg.dp.ledger.ComposeError: it cannot follow the open run.
   """
-  dp = _dp_optimizer(getattr(model, "optimizer", None))
+  dp = dp_optimizer(getattr(model, "optimizer", None))
   if dp is None or sampler is None:
     return
   ledger = dp.dp_state.privacy_ledger
@@ -102,7 +102,7 @@ def begin_fit(model, sampler) -> None:
 
 def snapshot(optimizer) -> None:
   """Stores the open run's event at the optimizer's current count."""
-  dp = _dp_optimizer(optimizer)
+  dp = dp_optimizer(optimizer)
   if dp is None:
     return
   dp.dp_state.privacy_ledger.snapshot(steps(dp))

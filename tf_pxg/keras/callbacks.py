@@ -169,7 +169,7 @@ class PrivacyCallback(keras.callbacks.Callback):
 
   def steps(self) -> int:
     """Optimizer steps taken so far (`model.optimizer.iterations`)."""
-    return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+    return int(self.model.optimizer.iterations.numpy())
 
   def _mechanism(self):
     """The model's noise mechanism (`dp_plan.mechanism`), else DP-SGD's or

@@ -758,6 +758,30 @@ class _DPTrainingMixin:
     by the compiled DP optimizer; None before `compile`."""
     return _ledger.ledger_of(getattr(self, "optimizer", None))
 
+  def epsilon(self, delta: float = 1e-5,
+              accountant: Optional[str] = None) -> float:
+    """ε at `delta` of everything this model's training released so far:
+    the composition of its privacy ledger's runs (every fit, recompile and
+    resume), by dp-accounting; `accountant` defaults to the plan's.
+
+    Raises:
+      ValueError: the model is not compiled with DP settings.
+    """
+    ledger = self.privacy_ledger
+    if ledger is None:
+      raise ValueError(f"Model {self.name!r} has no privacy ledger: compile "
+                       "it with DP settings first.")
+    return ledger.epsilon(_ledger.steps(_ledger.dp_optimizer(self.optimizer)),
+                          delta, accountant or self.dp_plan.accountant)
+
+  def privacy_summary(self) -> str:
+    """What the training released so far, one line per run of the privacy
+    ledger (settings, steps, whether an ε is claimed)."""
+    ledger = self.privacy_ledger
+    if ledger is None:
+      return "not compiled with DP settings: nothing released"
+    return ledger.summary(_ledger.steps(_ledger.dp_optimizer(self.optimizer)))
+
   def _dp_fit_sampling(self, sampling):
     """`fit`'s sampling: the plan's choice (`DPPlan.sampling`) when it has
     one, else `sampling`, else "poisson".
