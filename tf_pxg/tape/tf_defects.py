@@ -11,8 +11,8 @@ Known defects (each with a test that runs the bare TensorFlow op in a
 subprocess, `tests/test_tf_defects.py`, so a TensorFlow release that
 fixes one, or a new pattern, shows up there):
 
-* **oneDNN broadcast batch matmul** (seen with TF 2.21's wheel with oneDNN
-  on: TF's default on CPUs with AVX-512 VNNI/BF16 or AMX, e.g. Intel Xeon
+* **oneDNN broadcast batch matmul** (seen with the TF 2.16 and 2.21
+  wheels, both ends of our range, with oneDNN on: TF's default on CPUs with AVX-512 VNNI/BF16 or AMX, e.g. Intel Xeon
   since Cascade Lake and AMD Zen 4). TensorFlow's oneDNN kernel for
   `BatchMatMulV2` / `BatchMatMulV3` (`_MklBatchMatMulV2`, float32 and
   bfloat16) multiplies a left operand of shape `[N, 1, M, K]` (N != 1) by a
