@@ -124,47 +124,31 @@ def _conv_geometries(rng):
   return out
 
 
-def _conv_cases(rng, weighted: bool) -> List[Case]:
+def _window_cases(rng, op: str, weighted: bool, depthwise: bool
+                  ) -> List[Case]:
+  """Cases of `tf_pxg_<op>_filter_{sq_norm,weighted_sum}` ("conv2d" or
+  "depthwise_conv2d", channel multiplier 1) on `_conv_geometries`."""
   cases = []
   for x, dz, attrs, examples in _conv_geometries(rng):
-    g = (_per_example_definition(x, dz, attrs["ksize"], attrs["strides"],
-                                 attrs["dilations"], (0, 0, 0, 0), examples)
-         if examples else np.zeros((0, 2, 2, x.shape[3], dz.shape[3])))
+    window = (attrs["ksize"], attrs["strides"], attrs["dilations"],
+              (0, 0, 0, 0), examples)
+    if depthwise:
+      dz = dz[..., :1].repeat(x.shape[3], axis=3)
+      g = (_depthwise_per_example(x, dz, *window, False) if examples else
+           np.zeros((0, 2, 2, x.shape[3], 1)))
+    else:
+      g = (_per_example_definition(x, dz, *window) if examples else
+           np.zeros((0, 2, 2, x.shape[3], dz.shape[3])))
     if weighted:
       c = rng.uniform(0.1, 2.0, examples)
-      cases.append((lambda lib, d, x=x, dz=dz, c=c, a=attrs:
-                    lib.tf_pxg_conv2d_filter_weighted_sum(
-                        tf.constant(x, d), tf.constant(dz, d),
-                        tf.constant(c, d), **a),
-                    np.einsum("b,b...->...", c, g)))
+      third, want = c, np.einsum("b,b...->...", c, g)
     else:
-      cases.append((lambda lib, d, x=x, dz=dz, e=examples, a=attrs:
-                    lib.tf_pxg_conv2d_filter_sq_norm(
-                        tf.constant(x, d), tf.constant(dz, d), e, **a),
-                    _row_sq(g)))
-  return cases
-
-
-def _depthwise_cases(rng, weighted: bool) -> List[Case]:
-  cases = []
-  for x, dz, attrs, examples in _conv_geometries(rng):
-    dz = dz[..., :1].repeat(x.shape[3], axis=3)  # channel multiplier 1
-    g = (_depthwise_per_example(x, dz, attrs["ksize"], attrs["strides"],
-                                attrs["dilations"], (0, 0, 0, 0), examples,
-                                False)
-         if examples else np.zeros((0, 2, 2, x.shape[3], 1)))
-    if weighted:
-      c = rng.uniform(0.1, 2.0, examples)
-      cases.append((lambda lib, d, x=x, dz=dz, c=c, a=attrs:
-                    lib.tf_pxg_depthwise_conv2d_filter_weighted_sum(
-                        tf.constant(x, d), tf.constant(dz, d),
-                        tf.constant(c, d), **a),
-                    np.einsum("b,b...->...", c, g)))
-    else:
-      cases.append((lambda lib, d, x=x, dz=dz, e=examples, a=attrs:
-                    lib.tf_pxg_depthwise_conv2d_filter_sq_norm(
-                        tf.constant(x, d), tf.constant(dz, d), e, **a),
-                    _row_sq(g)))
+      third, want = examples, _row_sq(g)
+    name = f"tf_pxg_{op}_filter_{'weighted_sum' if weighted else 'sq_norm'}"
+    cases.append((lambda lib, d, x=x, dz=dz, t=third, a=attrs, n=name:
+                  getattr(lib, n)(tf.constant(x, d), tf.constant(dz, d),
+                                  tf.constant(t, d) if weighted else t, **a),
+                  want))
   return cases
 
 
@@ -174,15 +158,14 @@ OPS = {
     "tf_pxg_scale_rows": (("float32", "float64"), _scale_cases),
     "tf_pxg_add_normal_noise": (("float32",), _noise_cases),
     "tf_pxg_normal_noise_scatter_add": (("float32",), _scatter_cases),
-    "tf_pxg_conv2d_filter_sq_norm": (("float32", "float64"),
-                       lambda rng: _conv_cases(rng, False)),
-    "tf_pxg_conv2d_filter_weighted_sum": (("float32", "float64"),
-                            lambda rng: _conv_cases(rng, True)),
-    "tf_pxg_depthwise_conv2d_filter_sq_norm": (("float32", "float64"),
-                          lambda rng: _depthwise_cases(rng, False)),
-    "tf_pxg_depthwise_conv2d_filter_weighted_sum": (("float32", "float64"),
-                               lambda rng: _depthwise_cases(rng, True)),
 }
+OPS.update({
+    f"tf_pxg_{op}_filter_{form}": (
+        ("float32", "float64"),
+        lambda rng, op=op, form=form: _window_cases(
+            rng, op, form == "weighted_sum", op == "depthwise_conv2d"))
+    for op in ("conv2d", "depthwise_conv2d")
+    for form in ("sq_norm", "weighted_sum")})
 
 
 def _in_mode(call, mode):
