@@ -234,3 +234,23 @@ def test_model_epsilon_and_summary_read_the_ledger():
   fresh = dpk.DPSequential([keras.layers.Dense(2)])
   with pytest.raises(ValueError, match="no privacy ledger"):
     fresh.epsilon()
+
+
+def test_fits_with_other_samplings_compose():
+  # Poisson, then balls-in-bins (its certified bound: one Gaussian per
+  # epoch begun, tf_pxg.data.balls_in_bins), then Poisson again.
+  import tf_pxg.data.balls_in_bins  # noqa: F401  (registers the sampling)
+  model = _model()
+  t1, _ = _fit(model, 16)
+  x, y = _data()
+  before = _steps(model)
+  model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+            sampling="balls_in_bins")
+  t2, bins = _steps(model) - before, model.dp_plan.sampler.num_bins
+  t3, logged = _fit(model, 16)
+  want = _rdp(_poisson(16 / N, 1.0, t1),
+              dp_accounting.SelfComposedDpEvent(
+                  dp_accounting.GaussianDpEvent(1.0), math.ceil(t2 / bins)),
+              _poisson(16 / N, 1.0, t3))
+  assert t2 > 0 and logged == pytest.approx(want, rel=1e-9)
+  assert len(model.privacy_ledger.runs(_steps(model))) == 3
