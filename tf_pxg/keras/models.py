@@ -126,12 +126,14 @@ class _DPTrainingMixin:
       `tf_pxg.keras.DPOptimizer`.
     noise_mechanism: None (DP-SGD) or `tf_pxg.mf.BandedToeplitz(b)`
       (BandMF correlated noise with cyclic Poisson sampling in `fit`); see
-      `tf_pxg.keras.DPOptimizer`. With either set, `compile` wraps a
-      plain optimizer in a `DPOptimizer`, which holds their state.
+      `tf_pxg.keras.DPOptimizer`. `compile` wraps a plain optimizer in a
+      `DPOptimizer` built from these settings, which then owns the plan,
+      the mechanism's state and the privacy ledger (`privacy_ledger`).
     sampling: how `fit` draws batches (None: `fit`'s argument decides,
       "poisson" by default; a `tf_pxg.data.samplers.SAMPLINGS` name or a
       sampler class); see `tf_pxg.keras.DPOptimizer`. Like the settings
-      above it is a request: with a plain optimizer it is the plan's; a
+      above it is a request: with a plain optimizer it goes into the
+      wrapping `DPOptimizer`'s plan; a
       `DPOptimizer` without a sampling takes it at `compile`, one with
       another raises. Saved in the config. (The accountant is chosen on
       the `DPOptimizer` or on `PrivacyCallback`.)
