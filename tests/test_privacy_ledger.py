@@ -254,3 +254,20 @@ def test_fits_with_other_samplings_compose():
               _poisson(16 / N, 1.0, t3))
   assert t2 > 0 and logged == pytest.approx(want, rel=1e-9)
   assert len(model.privacy_ledger.runs(_steps(model))) == 3
+
+
+def test_callback_given_the_plans_sigma_still_reads_the_ledger():
+  # A callback told σ explicitly (TF Privacy's habit) reports the whole
+  # history when σ is the model's; only another σ (a custom loop's
+  # account) falls back to the single run it describes.
+  model = _model()
+  _fit(model, 16)
+  x, y = _data()
+  same = dpk.PrivacyCallback(N, 4, noise_multiplier=1.0, delta=DELTA)
+  model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[same])
+  assert same.epsilon() == pytest.approx(
+      _rdp(_poisson(16 / N, 1.0, 4), _poisson(4 / N, 1.0, 16)), rel=1e-9)
+  other = dpk.PrivacyCallback(N, 4, noise_multiplier=2.0, delta=DELTA)
+  other.set_model(model)
+  assert other.epsilon() == pytest.approx(
+      _rdp(_poisson(4 / N, 2.0, _steps(model))), rel=1e-9)

@@ -191,11 +191,21 @@ class PrivacyCallback(keras.callbacks.Callback):
 
   def _ledger(self):
     """The model's privacy ledger (None: not a compiled tf_pxg DP model),
-    unless this callback overrides σ or the bands (then it accounts the
-    single run it was told about, as a custom loop's callback does)."""
-    if self._noise_multiplier is not None or self._num_bands is not None:
+    unless this callback is given a σ or a band count other than the
+    model's plan (then it accounts the single run it was told about, as a
+    custom loop's callback does); given the plan's own values, the ledger
+    is read as without them."""
+    model = getattr(self, "model", None)
+    ledger = getattr(model, "privacy_ledger", None)
+    plan = getattr(model, "dp_plan", None)
+    if ledger is None or plan is None:
       return None
-    return getattr(getattr(self, "model", None), "privacy_ledger", None)
+    if self._noise_multiplier is not None and (
+        float(self._noise_multiplier) != plan.noise_multiplier):
+      return None
+    if self._num_bands is not None and int(self._num_bands) != plan.num_bands:
+      return None
+    return ledger
 
   def _sampler(self):
     """The plan's `tf_pxg.data.samplers.Sampler` (the model's last `fit`'s
