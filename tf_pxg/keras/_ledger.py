@@ -40,8 +40,8 @@ def dp_optimizer(optimizer):
 
 
 def steps(optimizer) -> int:
-  """The DP optimizer's applied logical steps (`iterations`)."""
-  return int(optimizer.iterations.numpy())
+  """The DP optimizer's applied logical steps (`DPOptimizer.step_count`)."""
+  return optimizer.step_count()
 
 
 def ledger_of(optimizer) -> Optional[ledger_lib.PrivacyLedger]:

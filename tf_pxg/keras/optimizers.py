@@ -123,8 +123,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # a tf.Module, so tf.train.Checkpoint tracks them; `variables` lists
     # them for Keras' saving.
     self.dp_state = dp_state.DPState()
-    self.dp_state.steps = lambda: int(
-        self.iterations.numpy())
+    self.dp_state.steps = self.step_count
     self.dp_state.init_group_seed(noise_mechanism)
 
   # The plan (one frozen object; the attributes below read it) -------------
@@ -215,6 +214,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def iterations(self):
     return self.inner_optimizer.iterations
 
+  def step_count(self) -> int:
+    """The logical steps applied so far (`iterations`, read in Python)."""
+    return int(self.iterations.numpy())
+
   def apply(self, grads, trainable_variables=None):
     raise RuntimeError(
         "DPOptimizer.apply was called with gradients that were not clipped "
@@ -236,8 +239,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # Keras' saving (.keras, save_weights: ModelCheckpoint,
     # BackupAndRestore) stores `variables`, the privacy ledger's among
     # them: its open run's event at the current count first.
-    self.dp_state.privacy_ledger.snapshot(
-        int(self.iterations.numpy()))
+    self.dp_state.privacy_ledger.snapshot(self.step_count())
     self.dp_state.write_ledger()
     super().save_own_variables(store)
 
