@@ -172,15 +172,14 @@ class PrivacyLedger:
     self._run = run
     self.snapshot(steps_now)
 
-  def close(self, steps_now: Optional[int] = None) -> None:
-    """Freezes the open run into the ledger at `steps_now` (None: at its
-    last snapshot, for a step counter that is gone)."""
+  def close(self, steps_now: int) -> None:
+    """Freezes the open run into the ledger at `steps_now` of its
+    counter."""
     if self.open is None:
       return
-    steps = (self.open["snapshot"] or {}).get("steps", 0) if (
-        steps_now is None) else steps_now - self.open["start"]
+    steps = steps_now - self.open["start"]
     if steps > 0:
-      event = self._open_event(self.open["start"] + steps)
+      event = self._open_event(steps_now)
       self.closed.append({"settings": self.open["settings"],
                           "steps": int(steps),
                           "event": event_to_json(event),

@@ -39,11 +39,6 @@ def dp_optimizer(optimizer):
   return optimizer if isinstance(optimizer, DPOptimizer) else None
 
 
-def steps(optimizer) -> int:
-  """The DP optimizer's applied logical steps (`DPOptimizer.step_count`)."""
-  return optimizer.step_count()
-
-
 def ledger_of(optimizer) -> Optional[ledger_lib.PrivacyLedger]:
   """The ledger of a compiled optimizer (None: no DPOptimizer)."""
   dp = dp_optimizer(optimizer)
@@ -58,7 +53,7 @@ def hand_over(old, new) -> None:
   if old_dp is None or new_dp is None or old_dp is new_dp:
     return
   ledger = old_dp.dp_state.privacy_ledger
-  ledger.close(steps(old_dp))
+  ledger.close(old_dp.step_count())
   old_dp.dp_state.write_ledger()
   new_dp.dp_state.set_privacy_ledger(ledger)
 
@@ -96,14 +91,12 @@ def begin_fit(model, sampler) -> None:
   if dp is None or sampler is None:
     return
   ledger = dp.dp_state.privacy_ledger
-  ledger.begin(run_for(dp.plan, sampler), steps(dp))
+  ledger.begin(run_for(dp.plan, sampler), dp.step_count())
   dp.dp_state.write_ledger()
 
 
 def snapshot(optimizer) -> None:
   """Stores the open run's event at the optimizer's current count."""
   dp = dp_optimizer(optimizer)
-  if dp is None:
-    return
-  dp.dp_state.privacy_ledger.snapshot(steps(dp))
-  dp.dp_state.write_ledger()
+  if dp is not None:
+    dp.snapshot_ledger()

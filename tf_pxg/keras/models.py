@@ -773,7 +773,7 @@ class _DPTrainingMixin:
     if ledger is None:
       raise ValueError(f"Model {self.name!r} has no privacy ledger: compile "
                        "it with DP settings first.")
-    return ledger.epsilon(_ledger.steps(_ledger.dp_optimizer(self.optimizer)),
+    return ledger.epsilon(_ledger.dp_optimizer(self.optimizer).step_count(),
                           delta, accountant or self.dp_plan.accountant)
 
   def privacy_summary(self) -> str:
@@ -782,7 +782,7 @@ class _DPTrainingMixin:
     ledger = self.privacy_ledger
     if ledger is None:
       return "not compiled with DP settings: nothing released"
-    return ledger.summary(_ledger.steps(_ledger.dp_optimizer(self.optimizer)))
+    return ledger.summary(_ledger.dp_optimizer(self.optimizer).step_count())
 
   def _dp_fit_sampling(self, sampling):
     """`fit`'s sampling: the plan's choice (`DPPlan.sampling`) when it has

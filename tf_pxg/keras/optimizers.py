@@ -235,12 +235,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def finalize_variable_values(self, var_list):
     self.inner_optimizer.finalize_variable_values(var_list)
 
+  def snapshot_ledger(self) -> None:
+    """Stores the privacy ledger's open run's event at the current count
+    in its variable (`tf_pxg.dp.ledger.PrivacyLedger.snapshot`)."""
+    self.dp_state.privacy_ledger.snapshot(self.step_count())
+    self.dp_state.write_ledger()
+
   def save_own_variables(self, store):
     # Keras' saving (.keras, save_weights: ModelCheckpoint,
     # BackupAndRestore) stores `variables`, the privacy ledger's among
     # them: its open run's event at the current count first.
-    self.dp_state.privacy_ledger.snapshot(self.step_count())
-    self.dp_state.write_ledger()
+    self.snapshot_ledger()
     super().save_own_variables(store)
 
   def get_config(self):
