@@ -1129,10 +1129,18 @@ def is_value_selector(op_type: str) -> bool:
   return op_type in _VALUE_SELECTORS
 
 
+#: What the two refusals of a value-dependent shape say (a shape read of
+#: one, `value_shape_why`; a value selector, `_value_selector`), in their
+#: messages: `tf_pxg.testing.check_example_independence` reports a refusal
+#: that says either as a forward-pass exit.
+VALUE_SHAPE_PHRASES = ("shape depends on the values of the examples",
+                       "elements chosen by their values")
+
+
 def value_shape_why(creator_describe: str) -> str:
   """The reason a shape read of a value-dependent shape mixes examples."""
-  return (f"reads the shape of a tensor whose shape depends on the values "
-          f"of the examples ({creator_describe} made it): that shape is a "
+  return (f"reads the shape of a tensor whose {VALUE_SHAPE_PHRASES[0]} "
+          f"({creator_describe} made it): that shape is a "
           "count over the whole batch, so using it lets one example change "
           "every other example's computation")
 
@@ -1141,8 +1149,8 @@ def _value_selector(entry, layouts):
   """The refusal of the ops in `_VALUE_SELECTORS` (not on the allowlist:
   `propagate` reports them with this reason)."""
   del layouts  # Whatever the layout: the kept rows are chosen by value.
-  return _mixes(entry, "keeps, dedups or groups elements chosen by their "
-                "values across the whole batch (its output's shape, read "
+  return _mixes(entry, f"keeps, dedups or groups {VALUE_SHAPE_PHRASES[1]} "
+                "across the whole batch (its output's shape, read "
                 "with tf.shape or tf.size, is a count over every example's "
                 "values, and its rows are not one example's)")
 

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg import _compat
+from tf_pxg import batch_axis
 from tf_pxg.testing.checks import _run_in_mode
 from tf_pxg.testing.dilated_conv import _dilation_free_conv_gradients
 from tf_pxg.testing.reference import _batch_size, _dense, _per_example_loss
@@ -255,12 +256,6 @@ def _forward_exits(loss_fn, model, inputs, labels, training,
                                       labels), True
 
 
-# What the engine says of a count over the batch read through a shape
-# (tf_pxg.batch_axis: value_shape_why, and the value selectors' reason).
-_SHAPE_EXIT_REASONS = ("shape depends on the values of the examples",
-                       "elements chosen by their values")
-
-
 def _shape_exits(forward, variables, inputs, labels) -> Tuple[str, ...]:
   """The engine's check of the traced forward pass for shapes that count
   examples' values (`tf.shape(tf.where(x > t))[0]`, `tf.size(tf.unique(
@@ -282,7 +277,7 @@ def _shape_exits(forward, variables, inputs, labels) -> Tuple[str, ...]:
     tf.function(norms, autograph=False).get_concrete_function(inputs, labels)
   except ValueError as e:
     text = " ".join(str(e).split())
-    if any(reason in text for reason in _SHAPE_EXIT_REASONS):
+    if any(phrase in text for phrase in batch_axis.VALUE_SHAPE_PHRASES):
       return (f"exit: a shape counts the examples' values ({text[:400]}); "
               "DP training refuses it",)
   except Exception:  # pylint: disable=broad-except
