@@ -40,6 +40,10 @@ setuptools.setup(
         # and tensorflow-text, whose releases each pin one TF minor
         # (2.21.x: tensorflow>=2.21,<2.22).
         "hub": ["keras-hub>=0.32"],
+        # tf_pxg.tuning's keras-tuner tuner (DP hyperparameter search with
+        # only the winner released; tests/test_tuning_keras_tuner.py).
+        # keras-tuner 1.4.7+ supports Keras 3; it pins no TF or Keras.
+        "tuner": ["keras-tuner>=1.4.7"],
     },
     entry_points={"console_scripts": ["tf-pxg=tf_pxg.cli:run"]},
 )
