@@ -40,6 +40,12 @@ setuptools.setup(
         # and tensorflow-text, whose releases each pin one TF minor
         # (2.21.x: tensorflow>=2.21,<2.22).
         "hub": ["keras-hub>=0.32"],
+        # tf_pxg.probability (docs/probability.md). TFP imports tf-keras,
+        # whose releases each pin one TF minor: on the newest TF (>= 2.18,
+        # TFP 0.25) this resolves to the matching tf-keras without touching
+        # TensorFlow or Keras; TF 2.16-2.17 need TFP 0.24 and the tf-keras
+        # of their minor, pinned by hand (the command is in the docs).
+        "probability": ["tensorflow-probability>=0.24", "tf-keras>=2.16"],
         # tf_pxg.tuning's keras-tuner tuner (DP hyperparameter search with
         # only the winner released; tests/test_tuning_keras_tuner.py).
         # keras-tuner 1.4.7+ supports Keras 3; it pins no TF or Keras.
