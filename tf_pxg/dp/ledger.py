@@ -91,7 +91,10 @@ def event_from_json(data: Any) -> Optional[dp_accounting.DpEvent]:
     return data
   if isinstance(data, list):
     return [event_from_json(d) for d in data]
-  cls = getattr(dp_accounting, data["event"], None)
+  # dp-accounting exports most event classes at its top level; some
+  # (RepeatAndSelectDpEvent, a DP search's) only in its dp_event module.
+  cls = (getattr(dp_accounting, data["event"], None) or
+         getattr(dp_accounting.dp_event, data["event"], None))
   if cls is None or not attr.has(cls):
     raise ValueError(f"privacy ledger: unknown dp-accounting event "
                      f"{data['event']!r}")
@@ -196,6 +199,31 @@ class PrivacyLedger:
     self.open["snapshot"] = {"steps": steps,
                              "event": event_to_json(event),
                              "claimed": steps == 0 or event is not None}
+
+  def cover(self, event: dp_accounting.DpEvent, settings: Dict[str, Any],
+            steps_now: int) -> None:
+    """Records a release whose event covers every run recorded so far.
+
+    A DP hyperparameter search (`tf_pxg.tuning`) trains this model as one
+    of its runs and releases it as the winner: the search's event
+    (`RepeatAndSelectDpEvent` of the per-run event) bounds everything the
+    runs released, this model's own runs included, so the ledger's runs
+    are replaced by one closed entry of `event`, with `settings` and the
+    covered runs' settings under "covers". Later runs compose on top as
+    usual. The caller must have checked that the covered runs' event is
+    inside `event` (the search checks each run's ledger against its
+    planned per-run event before releasing anything).
+
+    Raises:
+      ValueError: `event` is None (a release must claim an ε).
+    """
+    if event is None:
+      raise ValueError("privacy ledger: a covering release needs an event.")
+    covered = [r["settings"] for r in self.runs(steps_now)]
+    self.close(steps_now)
+    self.closed = [{"settings": dict(settings, covers=covered),
+                    "steps": sum(int(r["steps"]) for r in self.closed),
+                    "event": event_to_json(event), "claimed": True}]
 
   # Reading -------------------------------------------------------------------
 
