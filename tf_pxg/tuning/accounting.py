@@ -82,14 +82,23 @@ def rdp_curve(event: dp_accounting.DpEvent,
 def dominates(upper: dp_accounting.DpEvent,
               lower: dp_accounting.DpEvent) -> bool:
   """Whether `lower`'s RDP is at most `upper`'s at every accountant order
-  (an event always dominates itself)."""
+  (an event always dominates itself; `lower`'s curve is first made
+  monotone, `_monotone`)."""
   if upper == lower:
     return True
-  return bool(np.all(rdp_curve(lower) <= rdp_curve(upper)))
+  return _below(rdp_curve(upper), lower)
+
+
+def _monotone(curve: np.ndarray) -> np.ndarray:
+  """min over orders >= λ of `curve`: still an upper bound on ε(λ) (Rényi
+  divergence is non-decreasing in λ), finite where the accountant gave up
+  on an order (dp-accounting returns inf where a fractional order's series
+  does not converge, e.g. q = 0.5 with large σ)."""
+  return np.minimum.accumulate(curve[::-1])[::-1]
 
 
 def _below(curve: np.ndarray, event: dp_accounting.DpEvent) -> bool:
-  return bool(np.all(rdp_curve(event) <= curve))
+  return bool(np.all(_monotone(rdp_curve(event)) <= curve))
 
 
 def calibrate(event_fn: EventFn, reference: dp_accounting.DpEvent,

@@ -39,9 +39,12 @@ binomial K) or 6 (Poisson K) for the per-run RDP curve; dp-accounting's
   (`scores`); a user-declared public validation set is said so in the
   result.
 * *Nothing else leaves.* K is never returned, printed or stored; runs are
-  silent (their stdout and stderr go nowhere) and run with a private
-  working directory that is deleted after each run (relative-path logs,
-  checkpoints, TensorBoard files of losing runs vanish); Keras' name
+  silent (their stdout and stderr, Python's and the file descriptors that
+  TensorFlow's C++ logs and `tf.print` use, go to /dev/null; Python
+  logging is off) and
+  run with a private working and temporary directory (`tempfile.tempdir`)
+  that is deleted after each run (relative-path logs, checkpoints,
+  TensorBoard files, AutoGraph's generated sources vanish); Keras' name
   counters are reset before each run (`keras.backend.clear_session`), so
   the winner's layer names do not count the runs before it; a run that
   raises stops the search, and the error raised is a new `SearchError`
@@ -63,6 +66,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
@@ -135,7 +139,8 @@ def dpsgd_run_event(num_examples: int, batch_size: Optional[int] = None,
                     mechanism=None) -> RunEventFn:
   """`(config, σ) -> event` of a `fit` with Poisson sampling: the
   config's "batch_size" and "epochs" (else these defaults), N examples;
-  `mechanism` (a `tf_pxg.dp.mechanisms.NoiseMechanism`, e.g. BandMF)
+  `mechanism` (a model's `noise_mechanism=` setting, e.g.
+  `tf_pxg.mf.BandedToeplitz(b)`, or a `tf_pxg.dp.mechanisms.NoiseMechanism`)
   through `tf_pxg.accounting.mechanism_dp_event`, DP-SGD by default.
 
   Raises (when called):
@@ -153,8 +158,10 @@ def dpsgd_run_event(num_examples: int, batch_size: Optional[int] = None,
     if mechanism is None:
       return dp_accounting_lib.dp_event(num_examples, int(batch), sigma,
                                         steps=steps)
-    return dp_accounting_lib.mechanism_dp_event(mechanism, num_examples,
-                                                int(batch), sigma, steps)
+    from tf_pxg.dp import mechanisms  # noqa: PLC0415
+    return dp_accounting_lib.mechanism_dp_event(
+        mechanisms.from_setting(mechanism), num_examples, int(batch), sigma,
+        steps)
 
   return event
 
@@ -361,23 +368,52 @@ def check_released(model, plan: RunPlan) -> None:
 
 
 @contextlib.contextmanager
+def _fds_to_devnull():
+  """File descriptors 1 and 2 point to /dev/null (TensorFlow's C++ logs
+  and `tf.print` write there, not through Python's sys.stdout)."""
+  for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+    try:
+      stream.flush()
+    except (AttributeError, OSError, ValueError):
+      pass
+  saved = [os.dup(1), os.dup(2)]
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  try:
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    yield
+  finally:
+    os.dup2(saved[0], 1)
+    os.dup2(saved[1], 2)
+    for fd in saved + [devnull]:
+      os.close(fd)
+
+
+@contextlib.contextmanager
 def _sealed_run():
-  """A run's surroundings: silent (stdout/stderr discarded, Python logging
-  off), in a private working directory removed afterwards, Keras' name
-  counters reset."""
+  """A run's surroundings: silent (stdout/stderr discarded, file
+  descriptors 1 and 2 to /dev/null, Python logging off), in a private working and temporary directory removed afterwards,
+  Keras' name counters reset."""
   import keras  # noqa: PLC0415
   keras.backend.clear_session()
   cwd = os.getcwd()
   workdir = tempfile.mkdtemp(prefix="tf_pxg_run_")
   sink = io.StringIO()
   logging_level = logging.root.manager.disable
+  tempdir = tempfile.tempdir
   try:
     os.chdir(workdir)
+    # Temporary files go there too: AutoGraph writes one source file per
+    # converted function to the temp directory (their count would count
+    # the runs).
+    tempfile.tempdir = workdir
     logging.disable(logging.CRITICAL)
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
+        _fds_to_devnull():
       yield
   finally:
     logging.disable(logging_level)
+    tempfile.tempdir = tempdir
     os.chdir(cwd)
     shutil.rmtree(workdir, ignore_errors=True)
     sink.close()

@@ -1,0 +1,303 @@
+"""tf_pxg.tuning.PrivateSearch end to end on tiny Keras models: the
+winner's ε in its privacy ledger, an attack that looks for anything of a
+losing run (files, output, live objects, names), the refusals, and the
+interplay with clipping policies, BandMF and MirroredStrategy."""
+
+import gc
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import weakref
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_pxg import mf
+from tf_pxg import tuning
+import tf_pxg
+import tf_pxg.keras as dpk
+
+N = 120
+
+
+def _data(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.random((N, 4)).astype("float32")
+  return x, (x[:, 0] > 0.5).astype("int32")
+
+
+X, Y = _data()
+CANDIDATES = [dict(learning_rate=lr, l2_norm_clip=c, epochs=e, batch_size=30)
+              for lr in (0.01, 0.1) for c in (0.5, 1.0) for e in (1, 2)]
+
+
+def _trainer(log=None, **model_kwargs):
+  """The user's training function: a DP model with NoisyLoss, string loss,
+  numpy arrays. `log` collects weakrefs of every model it trains."""
+
+  def train(config, noise_multiplier):
+    model = dpk.DPSequential(
+        [keras.Input((4,)), keras.layers.Dense(2)],
+        l2_norm_clip=config["l2_norm_clip"], noise_multiplier=noise_multiplier,
+        noisy_loss=dpk.NoisyLoss(5.0, 10 * noise_multiplier), **model_kwargs)
+    model.compile(optimizer=keras.optimizers.Adam(config["learning_rate"]),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    model.fit(X, Y, batch_size=config["batch_size"], epochs=config["epochs"],
+              verbose=0)
+    if log is not None:
+      log.append(weakref.ref(model))
+    return model
+
+  return train
+
+
+def _search(train, seed, **kwargs):
+  kwargs.setdefault("noise_multiplier", 1.5)
+  return tuning.PrivateSearch(
+      CANDIDATES, train, tuning.NoisyTrainingLoss(),
+      kwargs.pop("num_runs", tuning.TruncatedNegativeBinomial(1.0, mean=3.0)),
+      num_examples=N, seed=seed, **kwargs)
+
+
+def test_winner_is_released_with_the_searchs_epsilon_in_its_ledger():
+  search = tuning.PrivateSearch(
+      CANDIDATES, _trainer(), tuning.NoisyTrainingLoss(),
+      tuning.TruncatedNegativeBinomial(1.0, mean=2.0), num_examples=N,
+      target_epsilon=4.0, seed=5)
+  assert search.epsilon == pytest.approx(4.0, abs=1e-3)
+  result = search.run()
+  assert result.hyperparameters in CANDIDATES
+  assert result.epsilon == search.epsilon and result.delta == 1e-5
+  assert result.event == search.event
+  plan = search.plans.by_key[tuning.search.config_key(result.hyperparameters)]
+  assert result.noise_multiplier == plan.noise_multiplier
+  assert result.model.noise_multiplier == plan.noise_multiplier
+  # The ledger: one release, the search's event; ε as any release.
+  assert result.model.epsilon(1e-5) == pytest.approx(result.epsilon,
+                                                     rel=1e-12)
+  assert "DP hyperparameter search" in result.model.privacy_summary()
+  assert np.isfinite(result.score)
+  assert result.score == result.model.history.history["loss"][-1]
+  # K is not among the released fields
+  assert set(vars(result)) == {
+      "model", "hyperparameters", "noise_multiplier", "score",
+      "score_stddev", "score_source", "epsilon", "delta", "event",
+      "num_runs"}
+  # a later fit composes on top of the search
+  result.model.fit(X, Y, batch_size=30, epochs=1, verbose=0)
+  assert result.model.epsilon(1e-5) > result.epsilon
+
+
+def test_attack_a_losing_run_leaves_nothing(tmp_path, capfd, monkeypatch):
+  """The user's train_fn prints (print, tf.print), shows Keras' progress
+  bar, writes a
+  TensorBoard event file, a CSV log, a checkpoint and a backup (relative
+  paths), and the
+  test keeps weakrefs to every model. After the search: no file in the
+  working directory or the temp directory, no output, and only the
+  winner alive; the winner's layer names do not count the runs."""
+  work, temp = tmp_path / "work", tmp_path / "temp"
+  work.mkdir()
+  temp.mkdir()
+  monkeypatch.chdir(work)
+  # this process's temporary files (AutoGraph's sources among them) go to
+  # `temp`: the machine's /tmp is shared with other processes
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
+  log = []
+
+  def noisy_train(config, noise_multiplier):
+    print("run of", config, flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    model = dpk.DPSequential(
+        [keras.Input((4,)), keras.layers.Dense(2)],
+        l2_norm_clip=config["l2_norm_clip"], noise_multiplier=noise_multiplier,
+        noisy_loss=dpk.NoisyLoss(5.0, 10 * noise_multiplier))
+    model.compile(optimizer=keras.optimizers.Adam(config["learning_rate"]),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    model.fit(X, Y, batch_size=30, epochs=config["epochs"], verbose=1,
+              callbacks=[keras.callbacks.CSVLogger("log.csv"),
+                         keras.callbacks.ModelCheckpoint(
+                             "ckpt.weights.h5", save_weights_only=True),
+                         keras.callbacks.BackupAndRestore("backup",
+                                                          delete_checkpoint=
+                                                          False)])
+    tf.print("tf.print from the run", model.trainable_variables[0][0])
+    with tf.summary.create_file_writer("tb").as_default():  # TensorBoard
+      tf.summary.write("score", model.history.history["loss"][-1], step=0)
+    assert os.listdir(".")  # it did write, in the run's directory
+    log.append(weakref.ref(model))
+    return model
+
+  result = _search(noisy_train, seed=11,
+                   num_runs=tuning.TruncatedNegativeBinomial(
+                       1.0, mean=4.0)).run()
+  assert len(log) >= 2, "seed 11 should give several runs"
+  gc.collect()
+  alive = [r() for r in log if r() is not None]
+  leftovers = [m for m in alive if m is not result.model]
+  files = os.listdir(work)
+  new_tmp = os.listdir(temp)
+  out = capfd.readouterr()
+  assert leftovers == [] and files == [] and not new_tmp, (
+      leftovers, files, new_tmp)
+  assert out.out == "" and out.err == "", out
+  assert alive == [result.model]
+  # names: Keras' counters were reset before each run
+  assert [layer.name for layer in result.model.layers] == ["dense"]
+  assert result.model.name == "dp_sequential"
+
+
+def test_a_run_releasing_more_than_planned_stops_the_search():
+  log = []
+  train = _trainer(log)
+
+  def cheating(config, noise_multiplier):
+    return train(config, noise_multiplier / 2)
+
+  with pytest.raises(tuning.SearchError, match="more than its planned"):
+    _search(cheating, seed=2).run()
+  gc.collect()
+  assert [r for r in log if r() is not None] == []
+
+
+def test_a_failing_run_raises_without_traceback_to_its_objects():
+  log = []
+  train = _trainer(log)
+  calls = []
+
+  def failing(config, noise_multiplier):
+    calls.append(1)
+    model = train(config, noise_multiplier)
+    if len(calls) == 2:
+      raise RuntimeError("boom")
+    return model
+
+  with pytest.raises(tuning.SearchError, match="RuntimeError: boom") as info:
+    _search(failing, seed=11,
+            num_runs=tuning.TruncatedNegativeBinomial(1.0, mean=4.0)).run()
+  assert info.value.__context__ is None and info.value.__cause__ is None
+  del info
+  gc.collect()
+  assert [r for r in log if r() is not None] == []
+
+
+def test_a_plain_model_is_refused():
+
+  def plain(config, noise_multiplier):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    return model
+
+  with pytest.raises(tuning.SearchError, match="privacy ledger"):
+    _search(plain, seed=0).run()
+
+
+def test_poisson_k_zero_releases_nothing_but_epsilon():
+  calls = []
+
+  def train(config, noise_multiplier):
+    calls.append(1)
+    return _trainer()(config, noise_multiplier)
+
+  # find a seed whose first draw is K = 0 (P = e^-1 for mean 1)
+  dist = tuning.Poisson(1.0)
+  seed = next(s for s in range(100)
+              if dist.sample(tuning.distributions.random_source(s)) == 0)
+  result = _search(train, seed=seed, num_runs=dist).run()
+  assert calls == [] and result.model is None and result.score is None
+  assert np.isfinite(result.epsilon)
+
+
+def test_private_and_public_validation_scores():
+  xv, yv = _data(1)
+  private = tuning.PrivateValidation(xv, yv, noise_multiplier=2.0, seed=0)
+  search = tuning.PrivateSearch(
+      CANDIDATES[:2], _trainer(), private,
+      tuning.TruncatedNegativeBinomial(1.0, mean=2.0), num_examples=N,
+      noise_multiplier=1.5, seed=3)
+  # the score's Gaussian is inside the per-run event
+  assert search.per_run_event.events[1] == private.event
+  result = search.run()
+  assert result.score_stddev == pytest.approx(2.0 / N)
+  assert "private held-out" in result.score_source
+  public = tuning.PublicValidation(xv, yv)
+  result = tuning.PrivateSearch(
+      CANDIDATES[:2], _trainer(), public,
+      tuning.TruncatedNegativeBinomial(1.0, mean=2.0), num_examples=N,
+      noise_multiplier=1.5, seed=3).run()
+  pred = result.model.predict(xv, verbose=0).argmax(-1)
+  assert result.score == pytest.approx((pred == yv).mean())
+  assert "DECLARED PUBLIC" in result.score_source
+
+
+def test_clipping_policy_and_bandmf_inside_a_search():
+  """A clipping policy and BandMF with cyclic Poisson sampling work in a
+  run as in fit: the run's ledger matches the planned BandMF event."""
+  mechanism = mf.BandedToeplitz(2)
+  search = tuning.PrivateSearch(
+      CANDIDATES[:4], _trainer(clipping=tf_pxg.clipping.Automatic(),
+                               noise_mechanism=mechanism),
+      tuning.NoisyTrainingLoss(),
+      tuning.TruncatedNegativeBinomial(1.0, mean=2.0),
+      run_event=tuning.dpsgd_run_event(N, mechanism=mechanism),
+      noise_multiplier=2.0, seed=4)
+  result = search.run()
+  assert result.model.epsilon(1e-5) == pytest.approx(result.epsilon)
+  # and the DP-SGD event would not have described the run
+  with pytest.raises(tuning.SearchError, match="more than its planned"):
+    tuning.PrivateSearch(
+        CANDIDATES[:1], _trainer(noise_mechanism=mf.BandedToeplitz(2)),
+        tuning.NoisyTrainingLoss(),
+        tuning.TruncatedNegativeBinomial(1.0, mean=2.0), num_examples=N,
+        noise_multiplier=2.0, seed=4).run()
+
+
+_MIRRORED = textwrap.dedent("""
+    import os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np, tensorflow as tf, keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_pxg.keras as dpk
+    from tf_pxg import tuning
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 4)).astype("float32")
+    y = (x[:, 0] > 0.5).astype("int32")
+
+    def train(config, noise_multiplier):
+      with strategy.scope():
+        model = dpk.DPSequential(
+            [keras.Input((4,)), keras.layers.Dense(2)], l2_norm_clip=1.0,
+            noise_multiplier=noise_multiplier,
+            noisy_loss=dpk.NoisyLoss(5.0, 10 * noise_multiplier))
+        model.compile(optimizer=keras.optimizers.SGD(config["lr"]),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+      model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+      return model
+
+    result = tuning.PrivateSearch(
+        [{"lr": 0.1}, {"lr": 0.5}], train, tuning.NoisyTrainingLoss(),
+        tuning.TruncatedNegativeBinomial(1.0, mean=2.0), num_examples=64,
+        batch_size=16, epochs=1, noise_multiplier=1.5, seed=1).run()
+    print("RESULT", result.model.distribute_strategy is strategy,
+          result.model.epsilon(1e-5) == result.epsilon, result.epsilon)
+""")
+
+
+def test_search_under_mirrored_strategy():
+  out = subprocess.run([sys.executable, "-c", _MIRRORED],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           sys.path)))
+  line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
+  assert line, out.stderr[-3000:]
+  assert line[0].split()[1:3] == ["True", "True"], line
