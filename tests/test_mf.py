@@ -315,10 +315,10 @@ def test_choose_num_bands_default_candidates_respect_n_over_b_and_steps(
     monkeypatch):
   tried = []
 
-  def fake_noise_multiplier(*args, num_bands, **kwargs):
+  def fake_noise_multiplier(*args, min_separation, **kwargs):
     del args, kwargs
-    tried.append(num_bands)
-    return 1.0 / num_bands  # makes the largest b win
+    tried.append(min_separation)
+    return 1.0 / min_separation  # makes the largest b win
 
   monkeypatch.setattr(accounting, "noise_multiplier_for_epsilon",
                       fake_noise_multiplier)

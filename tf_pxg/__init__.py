@@ -5,8 +5,10 @@ Public API: `GradientTape`, `register`, `registered_op_types`,
 examples apart, `tf_pxg.batch_axis`), and the
 submodules `tf_pxg.keras`, `tf_pxg.data` (Poisson sampling), `tf_pxg.dp`,
 `tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`, `tf_pxg.audit`,
-`tf_pxg.clipping` (flat, automatic and quantile-adaptive clipping) and
-`tf_pxg.mf` (BandMF correlated-noise strategies). TensorFlow is
+`tf_pxg.clipping` (flat, automatic and quantile-adaptive clipping),
+`tf_pxg.mf` (BandMF correlated-noise strategies) and `tf_pxg.parts` (how
+samplers, noise mechanisms and clipping policies are registered by name,
+and the list of the built-in ones; docs/extending.md). TensorFlow is
 imported on first use of a name that needs it, so `tf_pxg.accounting` and
 the `tf-pxg` command start without it.
 """
@@ -34,7 +36,7 @@ def __getattr__(name):
     module, attr = _LAZY[name]
     return getattr(importlib.import_module(module), attr)
   if name in ("keras", "accounting", "testing", "rules", "dp", "data",
-              "audit", "batch_axis", "mf"):
+              "audit", "batch_axis", "mf", "parts"):
     return importlib.import_module(f"tf_pxg.{name}")
   if name == "clipping":  # the clipping policies
     return importlib.import_module("tf_pxg.dp.clipping")

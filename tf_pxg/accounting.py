@@ -43,15 +43,17 @@ Two accountants turn that event into (ε, δ):
   until ε changes by less than 1%. Still an upper bound, and tighter than
   RDP for DP-SGD (MNIST as above: 2.38).
 
-Correlated noise (``num_bands=b > 1``): amplified banded matrix
+Correlated noise (``min_separation=b > 1``): amplified banded matrix
 factorization (BandMF; Choquette-Choo et al. 2023, Theorem 4 and Algorithm
-2). The step adds the noise x_i = (C⁻¹ z)_i of a lower-triangular b-banded
+2). b is `min_separation`: b-min-separation participation, the name
+used throughout tf_pxg (it was `num_bands` here, a deprecated alias; a
+b-banded strategy needs exactly this b). The step adds the noise x_i = (C⁻¹ z)_i of a lower-triangular b-banded
 strategy C whose columns have L2 norm <= 1 (`tf_pxg.mf.BandedToeplitz`),
 and the batches come from cyclic Poisson sampling: the examples are split
 into b fixed groups, step i samples from group i mod b only, each example
 of that group independently with probability
 
-    q = batch_size * num_bands / num_examples
+    q = batch_size * min_separation / num_examples
 
 (the expected batch is still `batch_size`; q <= 1 needs b <= N // B). An
 example's participations are then at least b steps apart, so it touches
@@ -87,7 +89,7 @@ unchanged. The ε holds when:
   - T is the total number of steps. b need not divide the steps per epoch
     nor T: the groups follow the global step, and the last, partial round
     counts as a whole one (ceil);
-  - q = B b / N <= 1, i.e. b <= N // B (`max_num_bands`); larger b is
+  - q = B b / N <= 1, i.e. b <= N // B (`max_min_separation`); larger b is
     refused.
 
 Adaptive clipping (Andrew et al. 2021): a step that releases the clipped
@@ -130,6 +132,8 @@ from typing import Iterator, Optional, Union
 import dp_accounting
 from scipy import optimize
 
+from tf_pxg import _renamed
+
 __all__ = [
     "ACCOUNTANTS",
     "PLD_VALUE_DISCRETIZATION_INTERVALS",
@@ -139,6 +143,7 @@ __all__ = [
     "cyclic_poisson_event",
     "dp_event",
     "event_epsilon",
+    "max_min_separation",
     "max_num_bands",
     "mechanism_dp_event",
     "mechanism_epsilon",
@@ -285,23 +290,35 @@ def _check_steps(steps) -> int:
   return int(steps)
 
 
-def _check_num_bands(num_bands, num_examples: int, batch_size: int) -> int:
-  """b, a positive int with batch_size * b <= num_examples (q <= 1)."""
-  if not _is_int(num_bands) or num_bands < 1:
+def _check_min_separation(min_separation, num_examples: int,
+                          batch_size: int,
+                          name: str = "min_separation") -> int:
+  """b, a positive int with batch_size * b <= num_examples (q <= 1).
+  `name`: the argument's name in messages (the one the caller used)."""
+  if not _is_int(min_separation) or min_separation < 1:
     raise ValueError(
-        "num_bands must be a positive integer (1 = DP-SGD); got "
-        f"{num_bands!r}.")
-  num_bands = int(num_bands)
-  if batch_size * num_bands > num_examples:
+        f"{name} must be a positive integer (1 = DP-SGD); got "
+        f"{min_separation!r}.")
+  b = int(min_separation)
+  if batch_size * b > num_examples:
     raise ValueError(
-        f"num_bands={num_bands} is too large for num_examples={num_examples} "
-        f"and batch_size={batch_size}: each of the {num_bands} groups holds "
-        f"about {num_examples / num_bands:g} examples, fewer than the "
-        f"expected batch, so the sampling rate batch_size * num_bands / "
-        f"num_examples = {batch_size * num_bands / num_examples:g} exceeds "
-        f"1. Use num_bands <= {num_examples // batch_size} "
+        f"{name}={b} is too large for num_examples={num_examples} "
+        f"and batch_size={batch_size}: each of the {b} groups holds "
+        f"about {num_examples / b:g} examples, fewer than the "
+        f"expected batch, so the sampling rate batch_size * {name} / "
+        f"num_examples = {batch_size * b / num_examples:g} exceeds "
+        f"1. Use {name} <= {num_examples // batch_size} "
         "(num_examples // batch_size), or a smaller batch_size.")
-  return num_bands
+  return b
+
+
+def _separation(min_separation, num_bands, where: str, num_examples: int,
+                batch_size: int) -> int:
+  """`min_separation`, or its deprecated alias `num_bands`, checked."""
+  value, name = _renamed.argument(min_separation, num_bands,
+                                  new="min_separation", old="num_bands",
+                                  where=where, default=1, depth=4)
+  return _check_min_separation(value, num_examples, batch_size, name)
 
 
 def _resolve_steps(num_examples: int, batch_size: int,
@@ -352,8 +369,9 @@ def steps_for(num_examples: int, batch_size: int, epochs: _Number) -> int:
   return math.ceil(exact_epochs * num_examples / batch_size)
 
 
-def max_num_bands(num_examples: int, batch_size: int) -> int:
-  """The largest `num_bands` b with cyclic sampling rate B b / N <= 1: N // B.
+def max_min_separation(num_examples: int, batch_size: int) -> int:
+  """The largest `min_separation` b with cyclic sampling rate B b / N <= 1:
+  N // B.
 
   Raises:
     ValueError: If num_examples or batch_size is invalid (see `steps_for`).
@@ -363,22 +381,30 @@ def max_num_bands(num_examples: int, batch_size: int) -> int:
   return num_examples // batch_size
 
 
+def max_num_bands(num_examples: int, batch_size: int) -> int:
+  """Deprecated name of `max_min_separation`."""
+  _renamed.warn("max_num_bands", "max_min_separation", "tf_pxg.accounting")
+  return max_min_separation(num_examples, batch_size)
+
+
 def sampling_probability(num_examples: int,
                          batch_size: int,
-                         num_bands: int = 1) -> float:
+                         min_separation: int = 1, *,
+                         num_bands: Optional[int] = _renamed.NOT_GIVEN) -> float:
   """The per-step inclusion probability q that the accounting assumes.
 
-  q = batch_size * num_bands / num_examples, computed as one float division
+  q = batch_size * min_separation / num_examples, computed as one float division
   of the integer product (exactly B / N for b = 1). With b = 1 every example
   is eligible at every step (Poisson sampling); with b > 1 only the examples
   of group i mod b are eligible at step i (cyclic Poisson sampling, see the
   module docstring), each with this probability. A sampler must use exactly
-  this q for the ε of `compute_epsilon(..., num_bands=b)` to hold.
+  this q for the ε of `compute_epsilon(..., min_separation=b)` to hold.
 
   Args:
     num_examples: Training set size N, a positive integer.
     batch_size: Expected batch size B, an integer with 0 < B <= N.
-    num_bands: b, a positive integer with B b <= N.
+    min_separation: b, a positive integer with B b <= N (`num_bands`,
+      its deprecated name, too).
 
   Returns:
     q as a Python float in (0, 1].
@@ -389,13 +415,14 @@ def sampling_probability(num_examples: int,
   """
   num_examples = _check_positive_int("num_examples", num_examples)
   batch_size = _check_batch_size(batch_size, num_examples)
-  num_bands = _check_num_bands(num_bands, num_examples, batch_size)
-  return batch_size * num_bands / num_examples
+  b = _separation(min_separation, num_bands, "sampling_probability",
+                  num_examples, batch_size)
+  return batch_size * b / num_examples
 
 
-def _rounds(steps: int, num_bands: int) -> int:
+def _rounds(steps: int, min_separation: int) -> int:
   """ceil(T / b): the rounds of the amplified BandMF composition."""
-  return -(-steps // num_bands)
+  return -(-steps // min_separation)
 
 
 def dp_event(num_examples: int,
@@ -404,7 +431,8 @@ def dp_event(num_examples: int,
              epochs: Optional[_Number] = None,
              steps: Optional[int] = None,
              *,
-             num_bands: int = 1) -> dp_accounting.DpEvent:
+             min_separation: int = 1,
+             num_bands: Optional[int] = _renamed.NOT_GIVEN) -> dp_accounting.DpEvent:
   """The `dp_accounting` event of a DP-SGD or BandMF run (module docstring).
 
   Args:
@@ -416,9 +444,10 @@ def dp_event(num_examples: int,
       >= 0.
     epochs: Number of epochs; give exactly one of `epochs` and `steps`.
     steps: Number of optimizer steps.
-    num_bands: b, the bands of the BandMF strategy (`tf_pxg.mf`) and the
-      number of cyclic sampling groups; 1 (default) is DP-SGD. A positive
-      integer <= N // B.
+    min_separation: b of the cyclic participation (the bands of the BandMF
+      strategy, `tf_pxg.mf`, and the number of cyclic sampling groups); 1
+      (default) is DP-SGD. A positive integer <= N // B.
+    num_bands: deprecated name of `min_separation`.
 
   Returns:
     `SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), R)`
@@ -433,10 +462,11 @@ def dp_event(num_examples: int,
   num_examples = _check_positive_int("num_examples", num_examples)
   batch_size = _check_batch_size(batch_size, num_examples)
   noise_multiplier = _check_noise_multiplier(noise_multiplier)
-  num_bands = _check_num_bands(num_bands, num_examples, batch_size)
+  b = _separation(min_separation, num_bands, "dp_event", num_examples,
+                  batch_size)
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
-  return _make_event(batch_size * num_bands / num_examples, noise_multiplier,
-                     _rounds(steps, num_bands))
+  return _make_event(batch_size * b / num_examples, noise_multiplier,
+                     _rounds(steps, b))
 
 
 def _make_event(sampling_probability: float, noise_multiplier: float,
@@ -490,14 +520,15 @@ def compute_epsilon(num_examples: int,
                     delta: float = 1e-5,
                     accountant: str = "rdp",
                     *,
-                    num_bands: int = 1) -> float:
+                    min_separation: int = 1,
+                    num_bands: Optional[int] = _renamed.NOT_GIVEN) -> float:
   """ε such that a DP-SGD (or BandMF) run is (ε, δ)-differentially private.
 
   The run is `steps` steps (or `epochs` epochs, i.e. `ceil(epochs *
   num_examples / batch_size)` steps) of the Poisson-subsampled Gaussian
   mechanism with sampling probability `batch_size / num_examples` and noise
   multiplier `noise_multiplier`; see the module docstring for the derivation.
-  With `num_bands=b > 1` it is amplified BandMF with cyclic Poisson
+  With `min_separation=b > 1` it is amplified BandMF with cyclic Poisson
   sampling: ceil(T / b) compositions at rate `batch_size * b /
   num_examples` (`dp_event`; the conditions under which this ε holds are in
   the module docstring).
@@ -514,9 +545,12 @@ def compute_epsilon(num_examples: int,
     delta: Target δ, 0 < δ < 1; usually below 1 / N.
     accountant: "rdp" (Rényi DP; Mironov 2017, Mironov et al. 2019) or "pld"
       (privacy loss distributions; tighter).
-    num_bands: b, the number of bands of the BandMF strategy and of cyclic
-      sampling groups, a positive integer <= num_examples // batch_size;
-      1 (default) is DP-SGD, giving exactly the DP-SGD ε.
+    min_separation: b of the cyclic participation (the number of bands of
+      the BandMF strategy and of cyclic sampling groups), a positive
+      integer <= num_examples // batch_size; 1 (default) is DP-SGD, giving
+      exactly the DP-SGD ε.
+    num_bands: deprecated name of `min_separation` (error messages then
+      name `num_bands`).
 
   Returns:
     ε as a Python float: 0.0 for zero steps, inf for `noise_multiplier=0`.
@@ -524,7 +558,7 @@ def compute_epsilon(num_examples: int,
   Raises:
     ValueError: If an argument is out of range, of the wrong type, or both or
       neither of `epochs` and `steps` are given. The message names the
-      argument, the value and what is allowed (for a too large `num_bands`,
+      argument, the value and what is allowed (for a too large b,
       the largest allowed).
 
   References:
@@ -539,10 +573,11 @@ def compute_epsilon(num_examples: int,
   noise_multiplier = _check_noise_multiplier(noise_multiplier)
   delta = _check_delta(delta)
   accountant = _check_accountant(accountant)
-  num_bands = _check_num_bands(num_bands, num_examples, batch_size)
+  b = _separation(min_separation, num_bands, "compute_epsilon",
+                  num_examples, batch_size)
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
-  return _epsilon(batch_size * num_bands / num_examples, noise_multiplier,
-                  _rounds(steps, num_bands), delta, accountant)
+  return _epsilon(batch_size * b / num_examples, noise_multiplier,
+                  _rounds(steps, b), delta, accountant)
 
 
 def mechanism_dp_event(mechanism, num_examples: int, batch_size: int,
@@ -551,7 +586,7 @@ def mechanism_dp_event(mechanism, num_examples: int, batch_size: int,
   """The event of `steps` steps: cyclic Poisson sampling x `mechanism`.
 
   The sampler's event composes the mechanism's and nothing else: with
-  b = `mechanism.participation_groups` cyclic groups (b = 1: plain Poisson
+  b = `mechanism.min_separation` cyclic groups (b = 1: plain Poisson
   sampling) at rate q = B b / N, the run is
   `SelfComposed(PoissonSampled(q, mechanism.dp_event(sigma)), ceil(T / b))`
   (for the independent Gaussian and BandMF exactly `dp_event`'s event). A
@@ -570,27 +605,27 @@ def mechanism_dp_event(mechanism, num_examples: int, batch_size: int,
   """
   num_examples = _check_positive_int("num_examples", num_examples)
   batch_size = _check_batch_size(batch_size, num_examples)
-  bands = _check_num_bands(int(mechanism.participation_groups), num_examples,
-                           batch_size)
-  return cyclic_poisson_event(mechanism, batch_size * bands / num_examples,
-                              bands, noise_multiplier, steps)
+  b = _check_min_separation(int(mechanism.min_separation), num_examples,
+                            batch_size)
+  return cyclic_poisson_event(mechanism, batch_size * b / num_examples,
+                              b, noise_multiplier, steps)
 
 
 def cyclic_poisson_event(mechanism, sampling_probability: float,
-                         num_groups: int, noise_multiplier: float,
+                         min_separation: int, noise_multiplier: float,
                          steps: int) -> Optional[dp_accounting.DpEvent]:
   """`mechanism_dp_event` for a sampler's rate q and b groups (the
   sampler's own `dp_event`, `tf_pxg.data.PoissonSampler.dp_event`)."""
   noise_multiplier = _check_noise_multiplier(noise_multiplier)
   steps = _check_steps(steps)
-  if getattr(mechanism, "whole_run_event", False):
+  if mechanism.whole_run_event:
     if steps > mechanism.num_steps:
       return None
     return mechanism.dp_event(noise_multiplier)
   return dp_accounting.SelfComposedDpEvent(
       dp_accounting.PoissonSampledDpEvent(
           sampling_probability, mechanism.dp_event(noise_multiplier)),
-      _rounds(steps, int(num_groups)))
+      _rounds(steps, int(min_separation)))
 
 
 def event_epsilon(event: Optional[dp_accounting.DpEvent], delta: float,
@@ -611,7 +646,7 @@ def mechanism_epsilon(mechanism, num_examples: int, batch_size: int,
                       delta: float = 1e-5, accountant: str = "rdp") -> float:
   """ε of `mechanism_dp_event` (0 for no steps; inf without noise, or past
   a whole-run mechanism's `num_steps`). For the independent Gaussian and
-  BandMF it equals `compute_epsilon(..., num_bands=b)`."""
+  BandMF it equals `compute_epsilon(..., min_separation=b)`."""
   event = mechanism_dp_event(mechanism, num_examples, batch_size,
                              noise_multiplier, steps)
   if steps == 0:
@@ -630,7 +665,8 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
                                  accountant: str = "rdp",
                                  tolerance: float = 1e-4,
                                  *,
-                                 num_bands: int = 1) -> float:
+                                 min_separation: int = 1,
+                                 num_bands: Optional[int] = _renamed.NOT_GIVEN) -> float:
   """The smallest noise multiplier σ whose run is (target_epsilon, δ)-DP.
 
   Keeps a bracket `ε(lo) > target_epsilon >= ε(hi)` and narrows it (Brent's
@@ -650,7 +686,9 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
     delta: Target δ, 0 < δ < 1.
     accountant: "rdp" or "pld", as in `compute_epsilon`.
     tolerance: Absolute tolerance on σ, finite and > 0.
-    num_bands: b for amplified BandMF, as in `compute_epsilon` (1 = DP-SGD).
+    min_separation: b for amplified BandMF, as in `compute_epsilon`
+      (1 = DP-SGD).
+    num_bands: deprecated name of `min_separation`.
 
   Returns:
     σ* as a Python float (0.0 if there are no steps).
@@ -671,13 +709,17 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
   batch_size = _check_batch_size(batch_size, num_examples)
   delta = _check_delta(delta)
   accountant = _check_accountant(accountant)
-  num_bands = _check_num_bands(num_bands, num_examples, batch_size)
+  b, name = _renamed.argument(min_separation, num_bands,
+                              new="min_separation", old="num_bands",
+                              where="noise_multiplier_for_epsilon",
+                              default=1)
+  b = _check_min_separation(b, num_examples, batch_size, name)
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
   if steps == 0:
     return 0.0
   target_epsilon = float(target_epsilon)
-  q = batch_size * num_bands / num_examples
-  rounds = _rounds(steps, num_bands)
+  q = batch_size * b / num_examples
+  rounds = _rounds(steps, b)
   cache = {}
 
   def gap(sigma: float) -> float:
@@ -701,7 +743,7 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
             f"target_epsilon={target_epsilon!r} is not reachable: even "
             f"noise_multiplier={hi:g} gives "
             f"epsilon={gap(hi) + target_epsilon:g} with {steps} steps"
-            f"{f' (num_bands={num_bands})' if num_bands > 1 else ''}, "
+            f"{f' ({name}={b})' if b > 1 else ''}, "
             f"delta={delta:g}, accountant={accountant!r}. "
             "Ask for a larger epsilon or delta, or train fewer steps.")
       lo, hi = hi, 2 * hi

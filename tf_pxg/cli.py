@@ -2,20 +2,22 @@
 
     tf-pxg epsilon --num_examples=60000 --batch_size=256 \\
         --noise_multiplier=1.1 --epochs=60 [--delta=1e-5] [--accountant=rdp] \\
-        [--num_bands=1]
+        [--min_separation=1]
     tf-pxg noise --target_epsilon=3 --num_examples=60000 --batch_size=256 \\
         --epochs=60 [--delta=1e-5] [--accountant=rdp] [--tolerance=1e-4] \\
-        [--num_bands=1]
+        [--min_separation=1]
 
     tf-pxg build-native [--cache_dir=DIR] [--force | --check]
 
 `epsilon` prints ε of a DP-SGD run (`tf_pxg.accounting.compute_epsilon`);
 `noise` prints the smallest noise multiplier that reaches a target ε
 (`tf_pxg.accounting.noise_multiplier_for_epsilon`). Give exactly one of
-`--epochs` and `--steps`. `--num_bands=b` (default 1, DP-SGD) accounts
-correlated noise with a b-banded strategy (BandMF, `tf_pxg.mf`) and cyclic
-Poisson sampling over b groups: ceil(steps / b) compositions at rate
-B * b / N (`docs/correlated_noise.md`); b must be <= N // B. The result
+`--epochs` and `--steps`. `--min_separation=b` (default 1, DP-SGD)
+accounts b-min-separation participation: correlated noise with a b-banded
+strategy (BandMF, `tf_pxg.mf`) and cyclic Poisson sampling over b groups,
+ceil(steps / b) compositions at rate B * b / N
+(`docs/correlated_noise.md`); b must be <= N // B. `--num_bands` is its
+deprecated name (still accepted; errors then name it). The result
 is printed alone on stdout, at full precision, so scripts can capture it.
 Bad input prints one line `tf-pxg <command>: error: ...` on stderr and
 exits with status 2.
@@ -45,6 +47,8 @@ from absl import flags
 from tf_pxg import accounting
 
 _PROG = "tf-pxg"
+# The old name of --min_separation, still accepted.
+_DEPRECATED_SEPARATION = "num_bands"
 
 
 class _UsageError(Exception):
@@ -76,10 +80,14 @@ def _define_run_flags(fv: flags.FlagValues) -> None:
       "Privacy accountant: rdp (Renyi DP) or pld (privacy loss "
       "distributions, tighter).", flag_values=fv)
   flags.DEFINE_integer(
-      "num_bands", 1,
-      "Bands b of the BandMF correlated-noise strategy and number of cyclic "
-      "Poisson sampling groups (sampling rate B*b/N, ceil(steps/b) "
-      "compositions); 1 is DP-SGD. At most N // B.", flag_values=fv)
+      "min_separation", 1,
+      "b of b-min-separation participation: the bands of the BandMF "
+      "correlated-noise strategy and the number of cyclic Poisson sampling "
+      "groups (sampling rate B*b/N, ceil(steps/b) compositions); 1 is "
+      "DP-SGD. At most N // B.", flag_values=fv)
+  flags.DEFINE_integer(
+      _DEPRECATED_SEPARATION, None,
+      "Deprecated name of --min_separation.", flag_values=fv)
   for name in ("num_examples", "batch_size"):
     flags.mark_flag_as_required(name, flag_values=fv)
 
@@ -115,7 +123,15 @@ def _run_epsilon(fv: flags.FlagValues) -> float:
       steps=fv.steps,
       delta=fv.delta,
       accountant=fv.accountant,
-      num_bands=fv.num_bands)
+      **_separation(fv))
+
+
+def _separation(fv: flags.FlagValues) -> dict:
+  """`min_separation=`, or `num_bands=` when the deprecated flag was given
+  (so that errors name the flag the user typed)."""
+  if fv.num_bands is None:
+    return {"min_separation": fv.min_separation}
+  return {"min_separation": fv.min_separation, "num_bands": fv.num_bands}
 
 
 def _run_noise(fv: flags.FlagValues) -> float:
@@ -128,7 +144,7 @@ def _run_noise(fv: flags.FlagValues) -> float:
       delta=fv.delta,
       accountant=fv.accountant,
       tolerance=fv.tolerance,
-      num_bands=fv.num_bands)
+      **_separation(fv))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +258,8 @@ def _command_usage(name: str, command: _Command, fv: flags.FlagValues) -> str:
     flag = fv[flag_name]
     if flag_name in ("epochs", "steps"):
       default = "give --epochs or --steps"
+    elif flag_name == _DEPRECATED_SEPARATION:
+      default = "default 1, as --min_separation"
     elif flag.default is None:
       default = "required"
     else:

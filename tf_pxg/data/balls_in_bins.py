@@ -38,7 +38,8 @@ This is the deterministic-participation (no amplification) bound, also
 valid for shuffling; it is loose (it ignores that the adversary does not
 know the step), often far above Poisson's ε at rate 1/k (docs/sampling.md
 gives numbers). It needs a per-step mechanism with no cyclic schema
-(`participation_groups == 1`); others are refused.
+(`min_separation == 1`, no `whole_run_event`); others are refused by
+`tf_pxg.data.participation.check` (the sampler's `schema` says so).
 
 *The Monte-Carlo ε* (`accounting="monte_carlo"`, `epsilon`): Chua et al.'s
 tight dominating pair of balls-in-bins, estimated by sampling
@@ -54,9 +55,10 @@ whatever composes events (`tf_pxg.accounting`, `PrivacyCallback`) states
 the certified bound.
 
 Added in this one file plus a generic hook: `PoissonSampler`'s subclass
-overrides `step_indices` (the sampler protocol's selection, which
-`tf_pxg.data.sampling_ops.index_stream` calls) and `dp_event`; `fit`
-takes it as `sampling=BallsInBinsSampler` (or
+defines `step_indices` (the sampler protocol's selection, which
+`tf_pxg.data.sampling_ops.index_stream` calls), `schema` and `dp_event`,
+and changes the config (B = N / k, k steps per epoch) in its constructor;
+`fit` takes it as `sampling="balls_in_bins"`, `sampling=BallsInBinsSampler` (or
 `sampling=BallsInBinsSampler.configured(accounting="monte_carlo")`). The
 Monte-Carlo accountant is the second file,
 `tf_pxg.data.balls_in_bins_accounting`.
@@ -73,7 +75,9 @@ import tensorflow as tf
 
 from tf_pxg import accounting as tf_pxg_accounting
 from tf_pxg.data import balls_in_bins_accounting
+from tf_pxg.data import participation
 from tf_pxg.data import poisson
+from tf_pxg.data import protocol
 from tf_pxg.data import samplers
 
 __all__ = ["BallsInBinsSampler"]
@@ -86,42 +90,43 @@ _ACCOUNTINGS = ("upper_bound", "monte_carlo")
 class BallsInBinsSampler(poisson.PoissonSampler):
   """Balls-in-bins logical batches, laid out as `PoissonSampler`'s.
 
-  Args:
+  Args (a `tf_pxg.data.SamplerConfig`, or its fields as `PoissonSampler`
+  takes them, plus the accounting options):
     num_examples: N.
     expected_batch_size: B; the epoch has `k = steps_per_epoch` bins
       (default `round(N / B)`, at least 1) and the expected batch size is
       N / k (B exactly when k divides N).
     seed: the assignment's seed (None: OS entropy, drawn once).
     secure_mode: must be False (module docstring).
-    num_groups: must be 1 (no cyclic schema).
+    min_separation: must be 1 (no cyclic schema; `num_groups`, its
+      deprecated name, too).
     accounting: what `epsilon` states: "upper_bound" (the default, the
       certified bound) or "monte_carlo" (module docstring). Through `fit`:
       pass the instance, or the class `configured(...)`.
     confidence, num_samples, accounting_seed: the Monte-Carlo accountant's
       (`balls_in_bins_accounting.monte_carlo_epsilon`); unused for
       "upper_bound".
-    others: as `PoissonSampler`.
+    others: as `PoissonSampler` (`group_seed` is ignored).
 
   Raises:
-    ValueError: secure mode, `num_groups > 1`, bad sizes, an unknown
+    ValueError: secure mode, `min_separation > 1`, bad sizes, an unknown
       `accounting`, a confidence outside (0, 1).
   """
 
   #: Defaults of the accounting options (`configured` overrides them).
   _accounting_options = {}
+  #: One participation per epoch, in a random step of it: separation 1,
+  #: and whole-run events are not taken (`dp_event` composes per epoch).
+  schema = participation.Participation(
+      "balls in bins", 1, note="its ε is stated for a per-step mechanism "
+      "without cyclic participation")
 
-  def __init__(self, num_examples: int, expected_batch_size: float,
-               physical_batch_size: Optional[int] = None,
-               accumulation_steps: int = 1, num_replicas: int = 1,
-               steps_per_epoch: Optional[int] = None,
-               seed: Optional[int] = None, secure_mode: bool = False,
-               start_step: int = 0, num_groups: int = 1,
-               group_seed: Optional[int] = None,
-               accounting: Optional[str] = None,
+  def __init__(self, *args, accounting: Optional[str] = None,
                confidence: Optional[float] = None,
                num_samples: Optional[int] = None,
-               accounting_seed: Optional[int] = None):
-    del group_seed
+               accounting_seed: Optional[int] = None, **kwargs):
+    config, name = protocol.SamplerConfig.named(
+        *args, where="BallsInBinsSampler", **kwargs)
     given = {"accounting": accounting, "confidence": confidence,
              "num_samples": num_samples, "accounting_seed": accounting_seed}
     options = {"accounting": "upper_bound", "confidence": 0.99,
@@ -142,23 +147,21 @@ class BallsInBinsSampler(poisson.PoissonSampler):
     self.num_samples = int(options["num_samples"])
     self.accounting_seed = int(options["accounting_seed"])
     self._monte_carlo_cache = {}
-    if secure_mode:
+    if config.secure_mode:
       raise ValueError(
           "BallsInBinsSampler: secure mode draws every step's key from the "
           "OS, but balls-in-bins needs one assignment per epoch shared by "
           "its k steps. Use Poisson sampling (the default) in secure mode.")
-    if num_groups != 1:
+    if config.min_separation != 1:
       raise ValueError(
           f"BallsInBinsSampler has no cyclic groups; the model's noise "
-          f"mechanism needs {num_groups} (BandMF/BLT participation). Use "
-          "Poisson sampling (the default) for it.")
-    bins = steps_per_epoch or max(1, round(num_examples /
-                                           expected_batch_size))
-    super().__init__(num_examples, num_examples / bins,
-                     physical_batch_size=physical_batch_size,
-                     accumulation_steps=accumulation_steps,
-                     num_replicas=num_replicas, steps_per_epoch=bins,
-                     seed=seed, start_step=start_step)
+          f"mechanism needs {name}={config.min_separation} (BandMF/BLT "
+          "participation). Use Poisson sampling (the default) for it.")
+    bins = config.steps_per_epoch or max(1, round(
+        config.num_examples / config.expected_batch_size))
+    super().__init__(config.replace(
+        expected_batch_size=config.num_examples / bins, steps_per_epoch=bins,
+        group_seed=None))
 
   @classmethod
   def configured(cls, **options) -> type:
@@ -209,14 +212,10 @@ class BallsInBinsSampler(poisson.PoissonSampler):
     composed once per epoch begun, `ceil(steps / k)` times.
 
     Raises:
-      ValueError: a mechanism with a cyclic schema or a whole-run event.
+      ValueError: a mechanism with a cyclic schema or a whole-run event
+        (`tf_pxg.data.participation.check`).
     """
-    if (int(mechanism.participation_groups) != 1 or
-        getattr(mechanism, "whole_run_event", False)):
-      raise ValueError(
-          f"BallsInBinsSampler's ε is stated for a per-step mechanism "
-          f"without cyclic participation; got {mechanism!r}. Use Poisson "
-          "sampling (the default) for it.")
+    participation.check(self, mechanism, "BallsInBinsSampler.dp_event")
     return dp_accounting.SelfComposedDpEvent(
         mechanism.dp_event(noise_multiplier),
         math.ceil(int(steps) / self.num_bins))

@@ -29,8 +29,8 @@ a cluster, unchanged:
    smallest hash), masked out. Rows are split into R replica files.
 4. **Manifest last**: `manifest.json` (sizes, per-shard batch counts).
 
-Cyclic Poisson sampling (`PoissonConfig(num_groups=b, group_seed=s)`, for
-BandMF; the in-memory `PoissonSampler(num_groups=b, group_seed=s)`
+Cyclic Poisson sampling (`PoissonConfig(min_separation=b, group_seed=s)`,
+for BandMF; the in-memory `PoissonSampler(min_separation=b, group_seed=s)`
 explains it): global step s samples only group `s mod b`, at rate
 `q = B b / N`. The partition is the independent one, as in memory, keyed
 by the same kind of secret `group_seed` (required for b > 1, drawn once
@@ -85,6 +85,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import numpy as np
 
+from tf_pxg import _renamed
 from tf_pxg.data import poisson
 from tf_pxg.data import shards
 
@@ -103,8 +104,9 @@ class PoissonConfig:
       grouped on one worker: about `steps_per_shard * B` records).
     seed: a non-negative int, or None for OS entropy.
     secure_mode: every uniform from `os.urandom`; excludes `seed`.
-    num_groups: b >= 1, cyclic Poisson sampling (module docstring); checked
-      against N (`b <= floor(N / B)`) when the pipeline has counted N.
+    min_separation: b >= 1, cyclic Poisson sampling (module docstring);
+      checked against N (`b <= floor(N / B)`) when the pipeline has counted
+      N. `num_groups=` is its deprecated name.
     group_seed: required for b > 1: the secret key of the records' group
       assignment, an int in `[0, 2^64)` drawn once per training run
       (module docstring). Ignored for b = 1.
@@ -119,14 +121,18 @@ class PoissonConfig:
                physical_batch_size: Optional[int] = None,
                accumulation_steps: int = 1, num_replicas: int = 1,
                steps_per_shard: int = 100, seed: Optional[int] = None,
-               secure_mode: bool = False, num_groups: int = 1,
-               group_seed: Optional[int] = None):
+               secure_mode: bool = False, min_separation: int = 1,
+               group_seed: Optional[int] = None,
+               num_groups: Optional[int] = _renamed.NOT_GIVEN):
+    min_separation, self._separation_name = _renamed.argument(
+        min_separation, num_groups, new="min_separation", old="num_groups",
+        where="PoissonConfig", default=1)
     poisson._check_positive(expected_batch_size, "expected_batch_size")
     for value, name in ((epochs, "epochs"),
                         (accumulation_steps, "accumulation_steps"),
                         (num_replicas, "num_replicas"),
                         (steps_per_shard, "steps_per_shard"),
-                        (num_groups, "num_groups")):
+                        (min_separation, self._separation_name)):
       poisson._check_positive_int(value, name)
     if steps_per_epoch is not None:
       poisson._check_positive_int(steps_per_epoch, "steps_per_epoch")
@@ -145,16 +151,19 @@ class PoissonConfig:
     self.accumulation_steps = int(accumulation_steps)
     self.num_replicas = int(num_replicas)
     self.steps_per_shard = int(steps_per_shard)
-    self.num_groups = int(num_groups)
-    self.group_seed = poisson.check_group_seed(group_seed, self.num_groups)
+    self.min_separation = int(min_separation)
+    self.group_seed = poisson.check_group_seed(
+        group_seed, self.min_separation, self._separation_name)
     self.secure_mode = bool(secure_mode)
     self.seed_given = seed is not None
     self.seed = poisson.resolve_seed(seed, self.secure_mode)
 
+  num_groups = _renamed.alias("num_groups", "min_separation")
+
   def sizes(self, n: int):
     """`(q, T, total steps, number of shards)` for N = `n`.
 
-    q = B b / N with b = `num_groups`.
+    q = B b / N with b = `min_separation`.
 
     Raises:
       ValueError: B > N, no records, or b > floor(N / B).
@@ -163,7 +172,9 @@ class PoissonConfig:
       raise ValueError(
           f"expected_batch_size={self.expected_batch_size} with {n} input "
           "records: need 0 < B <= N.")
-    b = poisson.check_num_groups(self.num_groups, n, self.expected_batch_size)
+    b = poisson.check_min_separation(self.min_separation, n,
+                                     self.expected_batch_size,
+                                     self._separation_name)
     t = self.steps_per_epoch or poisson.default_steps_per_epoch(
         n, self.expected_batch_size, b)
     total = self.epochs * t
@@ -182,7 +193,7 @@ def example_id(element) -> tuple:
   return hashlib.blake2b(tag + key, digest_size=16).digest(), record
 
 
-def example_group(uid: bytes, num_groups: int,
+def example_group(uid: bytes, min_separation: int,
                   group_seed: Optional[int]) -> int:
   """The cyclic-sampling group of example `uid`, uniform on `range(b)`.
 
@@ -193,25 +204,25 @@ def example_group(uid: bytes, num_groups: int,
   Raises:
     ValueError: b > 1 without a valid `group_seed`.
   """
-  if num_groups == 1:
+  if min_separation == 1:
     return 0
-  group_seed = poisson.check_group_seed(group_seed, num_groups)
+  group_seed = poisson.check_group_seed(group_seed, min_separation)
   raw = hashlib.blake2b(uid, key=group_seed.to_bytes(8, "little"),
                         person=b"tf_pxg.group", digest_size=8).digest()
-  return int.from_bytes(raw, "little") % num_groups
+  return int.from_bytes(raw, "little") % min_separation
 
 
 def joined_steps(uid: bytes, total_steps: int, q: float,
-                 seed: Optional[int], num_groups: int = 1,
+                 seed: Optional[int], min_separation: int = 1,
                  group: int = 0) -> list:
   """The global steps in `[0, total_steps)` that example `uid` joins.
 
   Geometric skips (each step independently with probability q); uniforms
   on (0, 1] from BLAKE2b keyed by `seed` over `(uid, counter)`, or from
-  `os.urandom` when `seed` is None. O(1 + joins). With `num_groups` b the
+  `os.urandom` when `seed` is None. O(1 + joins). With `min_separation` b the
   skips run over the steps `group, group + b, ...` only (cyclic sampling).
   """
-  b, g = int(num_groups), int(group)
+  b, g = int(min_separation), int(group)
   if b > 1:
     count = (total_steps - g + b - 1) // b if total_steps > g else 0
     return [g + b * k for k in joined_steps(uid, count, q, seed)]
@@ -247,8 +258,9 @@ class _DrawJoins(beam.DoFn):
     uid, record = keyed
     c = self._config
     q, _, total, _ = c.sizes(n)
-    group = example_group(uid, c.num_groups, c.group_seed)
-    for step in joined_steps(uid, total, q, c.seed, c.num_groups, group):
+    group = example_group(uid, c.min_separation, c.group_seed)
+    for step in joined_steps(uid, total, q, c.seed, c.min_separation,
+                             group):
       yield step // self._config.steps_per_shard, (step, uid, record)
 
 
@@ -321,7 +333,8 @@ def _write_manifest(counts, n, config: PoissonConfig, output_dir: str):
                        f"0..{num_shards - 1}.")
   manifest = {
       "num_examples": n, "expected_batch_size": config.expected_batch_size,
-      "sampling_rate": q, "num_groups": config.num_groups,
+      "sampling_rate": q,
+      shards.PoissonShards.MANIFEST_MIN_SEPARATION: config.min_separation,
       "steps_per_epoch": t, "epochs": config.epochs,
       "total_steps": total,
       "physical_batch_size": config.physical_batch_size,
@@ -405,11 +418,15 @@ def main(argv=None):
   parser.add_argument("--steps_per_shard", type=int, default=100)
   parser.add_argument("--seed", type=int, default=None)
   parser.add_argument("--secure_mode", action="store_true")
-  parser.add_argument("--num_groups", type=int, default=1,
-                      help="cyclic Poisson sampling over this many groups "
-                      "(BandMF); q = B * num_groups / N")
+  parser.add_argument("--min_separation", type=int, default=None,
+                      help="b of cyclic Poisson sampling (BandMF, BLT): "
+                      "each record joins only every b-th step of its "
+                      "group; q = B * b / N (default 1)")
+  parser.add_argument("--num_groups", type=int, default=None,
+                      help="deprecated name of --min_separation")
   parser.add_argument("--group_seed", type=int, default=None,
-                      help="required with --num_groups > 1: the secret key "
+                      help="required with --min_separation > 1: the secret "
+                      "key "
                       "of the records' group assignment, drawn once per "
                       "training run (e.g. secrets.randbits(62)) and reused "
                       "by every pipeline run of it")
@@ -421,7 +438,9 @@ def main(argv=None):
       accumulation_steps=args.accumulation_steps,
       num_replicas=args.num_replicas, steps_per_shard=args.steps_per_shard,
       seed=args.seed, secure_mode=args.secure_mode,
-      num_groups=args.num_groups, group_seed=args.group_seed)
+      min_separation=1 if args.min_separation is None else
+      args.min_separation, group_seed=args.group_seed,
+      **({} if args.num_groups is None else {"num_groups": args.num_groups}))
   run(args.input, args.output, config, PipelineOptions(beam_args))
 
 

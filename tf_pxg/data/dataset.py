@@ -5,8 +5,8 @@ gathered at a `PhysicalBatch`'s indices (leading dimension P), and `info` is
 a dict of `[P]` float32 tensors: `dp_mask` (1 sampled, 0 padding),
 `dp_step_end` (1 on the last physical batch of a logical step, else 0),
 `dp_normalizer` (the expected batch size B = `qN` the step's sum is divided
-by; with cyclic sampling, `num_groups=b`, it stays the constant B = `qN / b`,
-the expected batch averaged over the groups, see `tf_pxg.data.poisson`)
+by; with cyclic sampling, `min_separation=b`, it stays the constant
+B = `qN / b`, the expected batch averaged over the groups, see `tf_pxg.data.poisson`)
 and, only when the user gave sample weights, `dp_weight` (their rows): the
 wire form of a `tf_pxg.data.BatchInfo` (`BatchInfo.to_element`). A DP
 model's `fit` feeds this structure in the `sample_weight` slot; the train
@@ -76,7 +76,7 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
 
   Args:
     sampler: a `PoissonSampler` over `num_examples(x, y)` examples; its
-      seed (or `secure_mode`) keys the stream, its `num_groups` and
+      seed (or `secure_mode`) keys the stream, its `min_separation` and
       `group_seed` make it cyclic (step s draws only the rows of group
       s mod b, the sampler's `group_members(s % b)`; its member lists are
       held in the dataset as constant tensors).
@@ -91,7 +91,7 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
     start_step: key the stream's steps `start_step, start_step + 1, ...`
       (each a pure function of `(seed, step)`): every iteration yields those
       same steps, and a stream is resumed by starting where it stopped
-      (`fit` starts at `optimizer.iterations`; with `num_groups` b the
+      (`fit` starts at `optimizer.iterations`; with `min_separation` b the
       step s samples group s mod b, so the cycle continues). None
       (default): each iteration draws fresh steps (a per-iteration nonce
       from the seeded stream), reproducibly given the seed, counted from 0
@@ -106,7 +106,7 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
     user_ids: optional `[N]` int or string user of each example, for
       user-level DP: `sampler` is then over the U users
       (`PoissonSampler(U, B)`, U = number of distinct ids, see
-      `user_index`; with `num_groups`, the groups are of users, by their
+      `user_index`; with `min_separation`, the groups are of users, by their
       index among the sorted distinct ids), and each sampled user
       contributes up to `examples_per_user` = k of their examples chosen
       uniformly at random without replacement (fresh per physical

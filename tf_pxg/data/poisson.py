@@ -59,7 +59,7 @@ float64 uniform with q.) Equivalently: `n ~ Binomial(N, q)` and, given n,
 a uniformly random n-subset; the realised batch sizes and inclusions pass
 the same tests as the N-uniform sampler (`tests/test_sampling.py`).
 
-Cyclic Poisson sampling (`num_groups=b > 1`; Choquette-Choo et al. 2023,
+Cyclic Poisson sampling (`min_separation=b > 1`; Choquette-Choo et al. 2023,
 "Amplified banded matrix factorization", for BandMF's correlated noise).
 The examples are split once into b groups by an **independent uniform
 assignment**: example i's group is `g_i`, where
@@ -151,6 +151,10 @@ from tf_pxg.data.batch_info import NORMALIZER  # noqa: F401
 from tf_pxg.data.batch_info import ROW_MASK  # noqa: F401
 from tf_pxg.data.batch_info import STEP_END  # noqa: F401
 from tf_pxg.data.batch_info import WEIGHT  # noqa: F401
+from tf_pxg import _renamed
+from tf_pxg.data import participation
+from tf_pxg.data import protocol
+from tf_pxg.data._gaps import gap_chunk_size
 
 
 # Second word of the key of the group assignment's generator,
@@ -163,8 +167,10 @@ GROUP_SALT = int.from_bytes(b"tf_pxg/groups", "big")
 _GROUP_CHUNK = 1 << 22
 
 
-def max_num_groups(num_examples: int, expected_batch_size: float) -> int:
-  """The largest b with `q = B b / N <= 1` and `b <= N`: `floor(N / B)`.
+def max_min_separation(num_examples: int,
+                       expected_batch_size: float) -> int:
+  """The largest `min_separation` b with `q = B b / N <= 1` and `b <= N`:
+  `floor(N / B)`.
 
   Raises:
     ValueError: a non-positive argument, or B > N.
@@ -219,14 +225,18 @@ class PhysicalBatch(NamedTuple):
   step_end: bool
 
 
-class PoissonSampler:
+class PoissonSampler(protocol.Sampler):
   """Draws Poisson logical batches as fixed-shape masked physical batches.
+
+  Built from a `tf_pxg.data.SamplerConfig` (`PoissonSampler.from_config(
+  config)`, what `fit` calls) or from the config's fields as arguments,
+  `PoissonSampler(N, B, ...)`:
 
   Args:
     num_examples: N, the dataset size.
     expected_batch_size: B, the expected logical batch size; each example
       joins each logical step it is eligible for with probability
-      `q = B b / N` (b = `num_groups`; `q = B / N` by default).
+      `q = B b / N` (b = `min_separation`; `q = B / N` by default).
       `0 < B <= N`.
     physical_batch_size: P rows per physical batch (global, over all
       replicas); a multiple of `num_replicas`. Default
@@ -242,12 +252,14 @@ class PoissonSampler:
       (`os.urandom`) instead of a seeded stream; see the module docstring.
     start_step: the global index of the first logical step
       `logical_step` / `sample_indices` draw (to resume a stream: pass
-      `optimizer.iterations`). With `num_groups` it also fixes where the
-      cycle is: step s samples group `s mod b`.
-    num_groups: b >= 1, cyclic Poisson sampling (module docstring): example
-      i is in group `g_i` (`group_assignment(N, b, group_seed)`, i.i.d.
-      uniform on `range(b)`), step s samples only group `s mod b`, at rate
-      `q = B b / N`. 1 (default) is ordinary Poisson sampling.
+      `optimizer.iterations`). With `min_separation` it also fixes where
+      the cycle is: step s samples group `s mod b`.
+    min_separation: b >= 1, cyclic Poisson sampling (module docstring):
+      example i is in group `g_i` (`group_assignment(N, b, group_seed)`,
+      i.i.d. uniform on `range(b)`), step s samples only group `s mod b`,
+      at rate `q = B b / N`, so two participations of an example are at
+      least b steps apart. 1 (default) is ordinary Poisson sampling.
+      `num_groups=` is its deprecated name.
     group_seed: required when b > 1: a non-negative int below 2^64 that
       keys the group assignment. It must be drawn once per training run
       from OS entropy, kept secret, and passed unchanged to every sampler
@@ -258,81 +270,108 @@ class PoissonSampler:
       mode needs it too). Ignored (no assignment) when b = 1.
 
   Attributes:
+    config: the resolved `SamplerConfig` (defaults filled in, the seed
+      drawn), from which `from_config` rebuilds the same stream.
     seed: the stream's seed (None in secure mode).
     next_step: the index of the next logical step the stateful methods draw.
-    num_groups: b.
+    min_separation: b (`num_groups`, deprecated, reads it too).
     group_seed: the assignment's seed (None when b = 1 and none was given).
     sampling_rate: q = B b / N, the probability that an example joins a
       step of its group (what the accountant composes, ceil(T / b) times
       per example for BandMF).
+    step_indices: None: the stream (`tf_pxg.data.sampling_ops`) draws
+      this class's (cyclic) Poisson selection by its own ops. A subclass
+      that selects otherwise defines the method `step_indices(step, key)`
+      (TF ops: the sorted int64 indices of global logical step `step`;
+      `key` is the stream's `[2]` int64 key of the step), e.g.
+      `tf_pxg.data.balls_in_bins`.
 
   Raises:
     ValueError: invalid sizes (named); `seed` together with `secure_mode`;
-      `num_groups` not a positive integer or above `floor(N / B)` (q > 1);
-      b > 1 without `group_seed` (the message says where it comes from),
-      or a `group_seed` that is not an int in `[0, 2^64)`.
+      `min_separation` not a positive integer or above `floor(N / B)`
+      (q > 1); b > 1 without `group_seed` (the message says where it comes
+      from), or a `group_seed` that is not an int in `[0, 2^64)`.
+    TypeError: unknown arguments.
   """
 
-  # The `tf_pxg.data.samplers.Sampler` protocol: what one ε protects, and
-  # that `dp_event` is a guarantee.
+  # The `tf_pxg.data.samplers.Sampler` protocol: what one ε protects, that
+  # `dp_event` is a guarantee, and the schema (b set by the config).
   privacy_unit = "example"
   certified = True
+  schema = participation.Participation.poisson(min_separation=None)
+  step_indices = None
 
-  def __init__(self, num_examples: int, expected_batch_size: float,
-               physical_batch_size: Optional[int] = None,
-               accumulation_steps: int = 1, num_replicas: int = 1,
-               steps_per_epoch: Optional[int] = None,
-               seed: Optional[int] = None, secure_mode: bool = False,
-               start_step: int = 0, num_groups: int = 1,
-               group_seed: Optional[int] = None):
-    _check_positive_int(num_examples, "num_examples")
-    _check_positive(expected_batch_size, "expected_batch_size")
-    _check_positive_int(accumulation_steps, "accumulation_steps")
-    _check_positive_int(num_replicas, "num_replicas")
-    if expected_batch_size > num_examples:
+  def __init__(self, *args, **kwargs):
+    config, name = protocol.SamplerConfig.named(*args, **kwargs)
+    n, bsz = config.num_examples, config.expected_batch_size
+    _check_positive_int(n, "num_examples")
+    _check_positive(bsz, "expected_batch_size")
+    _check_positive_int(config.accumulation_steps, "accumulation_steps")
+    _check_positive_int(config.num_replicas, "num_replicas")
+    if bsz > n:
       raise ValueError(
-          f"expected_batch_size={expected_batch_size} exceeds num_examples="
-          f"{num_examples}: the sampling rate q = B / N must be <= 1.")
+          f"expected_batch_size={bsz} exceeds num_examples="
+          f"{n}: the sampling rate q = B / N must be <= 1.")
+    physical_batch_size = config.physical_batch_size
     if physical_batch_size is None:
       physical_batch_size = default_physical_batch_size(
-          expected_batch_size, accumulation_steps, num_replicas)
+          bsz, config.accumulation_steps, config.num_replicas)
     _check_positive_int(physical_batch_size, "physical_batch_size")
-    if physical_batch_size % num_replicas:
+    if physical_batch_size % config.num_replicas:
       raise ValueError(
           f"physical_batch_size={physical_batch_size} must be a multiple of "
-          f"num_replicas={num_replicas} so that every replica gets an equal "
-          "slice of each physical batch.")
-    num_groups = check_num_groups(num_groups, num_examples,
-                                  expected_batch_size)
-    group_seed = check_group_seed(group_seed, num_groups)
+          f"num_replicas={config.num_replicas} so that every replica gets "
+          "an equal slice of each physical batch.")
+    separation = check_min_separation(config.min_separation, n, bsz, name)
+    group_seed = check_group_seed(config.group_seed, separation, name)
+    steps_per_epoch = config.steps_per_epoch
     if steps_per_epoch is None:
-      steps_per_epoch = default_steps_per_epoch(
-          num_examples, expected_batch_size, num_groups)
+      steps_per_epoch = default_steps_per_epoch(n, bsz, separation)
     _check_positive_int(steps_per_epoch, "steps_per_epoch")
-    self.num_examples = int(num_examples)
-    self.expected_batch_size = float(expected_batch_size)
-    self.num_groups = num_groups
-    # B * 1 is exact, so b = 1 keeps q = B / N bit for bit.
-    self.sampling_rate = (self.expected_batch_size * self.num_groups /
-                          self.num_examples)
-    self.physical_batch_size = int(physical_batch_size)
-    self.accumulation_steps = int(accumulation_steps)
-    self.num_replicas = int(num_replicas)
-    self.steps_per_epoch = int(steps_per_epoch)
-    self.secure_mode = bool(secure_mode)
-    self.seed = resolve_seed(seed, self.secure_mode)
+    start_step = config.start_step
     if isinstance(start_step, bool) or not isinstance(
         start_step, (int, np.integer)) or start_step < 0:
       raise ValueError(
           f"`start_step` must be a non-negative integer; got {start_step!r}.")
+    self.num_examples = int(n)
+    self.expected_batch_size = float(bsz)
+    self.min_separation = separation
+    # B * 1 is exact, so b = 1 keeps q = B / N bit for bit.
+    self.sampling_rate = (self.expected_batch_size * self.min_separation /
+                          self.num_examples)
+    self.physical_batch_size = int(physical_batch_size)
+    self.accumulation_steps = int(config.accumulation_steps)
+    self.num_replicas = int(config.num_replicas)
+    self.steps_per_epoch = int(steps_per_epoch)
+    self.secure_mode = bool(config.secure_mode)
+    self.seed = resolve_seed(config.seed, self.secure_mode)
     self.next_step = int(start_step)
     self.group_seed = group_seed
+    self.config = config.replace(
+        num_examples=self.num_examples,
+        expected_batch_size=self.expected_batch_size,
+        physical_batch_size=self.physical_batch_size,
+        accumulation_steps=self.accumulation_steps,
+        num_replicas=self.num_replicas, steps_per_epoch=self.steps_per_epoch,
+        seed=self.seed, secure_mode=self.secure_mode,
+        start_step=self.next_step, min_separation=separation,
+        group_seed=group_seed)
     # The groups' members, once: group g is `members[offsets[g]:
     # offsets[g + 1]]`, ascending (b = 1: no arrays, the plain sampler).
     self._groups = None
-    if self.num_groups > 1:
-      self._groups = GroupIndex(self.num_examples, self.num_groups,
+    if self.min_separation > 1:
+      self._groups = GroupIndex(self.num_examples, self.min_separation,
                                 group_seed)
+
+  @classmethod
+  def from_config(cls, config: protocol.SamplerConfig) -> "PoissonSampler":
+    """The sampler of `config` (`cls(**config.kwargs())`, so a subclass
+    with its own constructor over the same arguments works too).
+
+    Raises:
+      as the constructor.
+    """
+    return cls(**config.kwargs())
 
   def dp_event(self, mechanism, noise_multiplier: float, steps: int):
     """The `dp_accounting` event of `steps` steps of this sampler composed
@@ -341,17 +380,14 @@ class PoissonSampler:
     past a whole-run mechanism's `num_steps` (no ε claimed).
 
     Raises:
-      ValueError: the mechanism needs a cyclic schema of another b.
+      ValueError: the mechanism needs another participation
+        (`tf_pxg.data.participation.check`).
     """
     from tf_pxg import accounting  # noqa: PLC0415
-    if int(mechanism.participation_groups) != self.num_groups:
-      raise ValueError(
-          f"The noise mechanism {mechanism!r} needs cyclic participation "
-          f"in {mechanism.participation_groups} group(s), but this sampler "
-          f"has num_groups={self.num_groups}.")
+    participation.check(self, mechanism, f"{type(self).__name__}.dp_event")
     return accounting.cyclic_poisson_event(mechanism, self.sampling_rate,
-                                           self.num_groups, noise_multiplier,
-                                           steps)
+                                           self.min_separation,
+                                           noise_multiplier, steps)
 
   @property
   def group_index(self) -> Optional["GroupIndex"]:
@@ -360,7 +396,7 @@ class PoissonSampler:
 
   def group_of_step(self, step: int) -> int:
     """The group that global logical step `step` samples: `step mod b`."""
-    return int(step) % self.num_groups
+    return int(step) % self.min_separation
 
   def group_size(self, group: int) -> int:
     """|G_g|, the number of examples assigned to group g (N for b = 1)."""
@@ -400,7 +436,7 @@ class PoissonSampler:
     else:
       rng = np.random.default_rng([self.seed, int(step)])
       uniforms = lambda size: 1.0 - rng.random(size)  # noqa: E731  (0, 1]
-    if self.num_groups == 1:
+    if self.min_separation == 1:
       return geometric_skip_indices(uniforms, self.num_examples,
                                     self.sampling_rate)
     members = self._groups.members(self.group_of_step(step))
@@ -459,7 +495,7 @@ def layout(indices: np.ndarray, physical_batch_size: int,
   return batches
 
 
-def group_assignment(num_examples: int, num_groups: int,
+def group_assignment(num_examples: int, min_separation: int,
                      group_seed: int) -> np.ndarray:
   """`[N]` int64, the group of every example under `group_seed`.
 
@@ -472,12 +508,12 @@ def group_assignment(num_examples: int, num_groups: int,
     ValueError: invalid N or b, or `group_seed` not an int in `[0, 2^64)`.
   """
   _check_positive_int(num_examples, "num_examples")
-  _check_positive_int(num_groups, "num_groups")
-  if num_groups == 1:
+  _check_positive_int(min_separation, "min_separation")
+  if min_separation == 1:
     return np.zeros(int(num_examples), np.int64)
-  group_seed = check_group_seed(group_seed, num_groups)
+  group_seed = check_group_seed(group_seed, min_separation)
   return np.concatenate(list(_assignment_chunks(
-      int(num_examples), int(num_groups), group_seed)))
+      int(num_examples), int(min_separation), group_seed)))
 
 
 def _assignment_chunks(n: int, b: int, group_seed: int):
@@ -535,28 +571,31 @@ class GroupIndex:
     return int(np.diff(self.offsets).max())
 
 
-def check_num_groups(num_groups, num_examples: int,
-                     expected_batch_size: float) -> int:
-  """`num_groups` as an int, checked: `1 <= b <= floor(N / B)`.
+def check_min_separation(min_separation, num_examples: int,
+                         expected_batch_size: float,
+                         name: str = "min_separation") -> int:
+  """`min_separation` as an int, checked: `1 <= b <= floor(N / B)`.
+  `name`: the argument's name in messages (the one the caller used).
 
   Raises:
     ValueError: not a positive integer, or so large that `q = B b / N`
       exceeds 1 (the message names the largest allowed b).
   """
-  _check_positive_int(num_groups, "num_groups")
-  largest = max_num_groups(num_examples, expected_batch_size)
-  if num_groups > largest:
+  _check_positive_int(min_separation, name)
+  largest = max_min_separation(num_examples, expected_batch_size)
+  if min_separation > largest:
     raise ValueError(
-        f"num_groups={num_groups} is too large for N={num_examples} "
+        f"{name}={min_separation} is too large for N={num_examples} "
         f"examples and expected_batch_size B={expected_batch_size:g}: cyclic "
-        f"Poisson sampling draws each group at rate q = B * num_groups / N = "
-        f"{expected_batch_size * num_groups / num_examples:.6g}, which must "
-        f"be <= 1. The largest num_groups is {largest} (floor(N / B), and "
+        f"Poisson sampling draws each group at rate q = B * {name} / N = "
+        f"{expected_batch_size * min_separation / num_examples:.6g}, which "
+        f"must be <= 1. The largest {name} is {largest} (floor(N / B), and "
         "at most N).")
-  return int(num_groups)
+  return int(min_separation)
 
 
-def check_group_seed(group_seed, num_groups: int) -> Optional[int]:
+def check_group_seed(group_seed, min_separation: int,
+                     name: str = "min_separation") -> Optional[int]:
   """`group_seed` as an int, checked; required for b > 1.
 
   Raises:
@@ -565,15 +604,15 @@ def check_group_seed(group_seed, num_groups: int) -> Optional[int]:
       is not an int in `[0, 2^64)`.
   """
   if group_seed is None:
-    if num_groups == 1:
+    if min_separation == 1:
       return None
     raise ValueError(
-        f"num_groups={num_groups} (cyclic Poisson sampling) needs "
+        f"{name}={min_separation} (cyclic Poisson sampling) needs "
         "group_seed: each example's group is drawn uniformly at random from "
-        f"range({num_groups}) by a generator keyed by group_seed, and that "
-        "assignment must stay the same for the whole training run (every "
+        f"range({min_separation}) by a generator keyed by group_seed, and "
+        "that assignment must stay the same for the whole training run (every "
         "epoch and every resumed fit; otherwise an example could join two "
-        "steps less than num_groups apart), so the seed cannot be drawn "
+        f"steps less than {name} apart), so the seed cannot be drawn "
         "here for each sampler. A DP model's fit passes it for you: its "
         "optimizer draws the seed once from OS entropy and keeps it in its "
         "state (optimizer.dp_state.group_seed), saved with checkpoints. In "
@@ -596,12 +635,12 @@ def _check_group(group, num_groups: int) -> int:
 
 
 def default_steps_per_epoch(num_examples: int, expected_batch_size: float,
-                            num_groups: int = 1) -> int:
+                            min_separation: int = 1) -> int:
   """`b ceil(N / (B b))`: `ceil(N / B)` for b = 1, whole cycles otherwise."""
-  if num_groups == 1:
+  if min_separation == 1:
     return math.ceil(num_examples / expected_batch_size)
-  return num_groups * math.ceil(
-      num_examples / (expected_batch_size * num_groups))
+  return min_separation * math.ceil(
+      num_examples / (expected_batch_size * min_separation))
 
 
 def resolve_seed(seed, secure_mode: bool) -> Optional[int]:
@@ -632,12 +671,6 @@ def _os_uniforms(size: int) -> np.ndarray:
   """`size` float64 uniforms on (0, 1], 53 bits each from `os.urandom`."""
   bits = np.frombuffer(os.urandom(8 * size), np.uint64) >> np.uint64(11)
   return (bits.astype(np.float64) + 1.0) * 2.0 ** -53
-
-
-def gap_chunk_size(num_examples: int, sampling_rate: float) -> int:
-  """Gaps drawn per round: `Nq + 6 sqrt(Nq) + 16` (one round ~always)."""
-  mean = num_examples * sampling_rate
-  return int(min(num_examples + 1, math.ceil(mean + 6 * math.sqrt(mean) + 16)))
 
 
 def geometric_skip_indices(uniforms, num_examples: int,
@@ -681,3 +714,18 @@ def _check_positive_int(value, name):
     raise ValueError(f"`{name}` must be a positive integer; got {value!r}.")
   if value < 1:
     raise ValueError(f"`{name}` must be a positive integer; got {value!r}.")
+
+
+def max_num_groups(num_examples: int, expected_batch_size: float) -> int:
+  """Deprecated name of `max_min_separation`."""
+  _renamed.warn("max_num_groups", "max_min_separation", "tf_pxg.data")
+  return max_min_separation(num_examples, expected_batch_size)
+
+
+def check_num_groups(num_groups, num_examples: int,
+                     expected_batch_size: float) -> int:
+  """Deprecated name of `check_min_separation` (messages say
+  `num_groups`)."""
+  _renamed.warn("check_num_groups", "check_min_separation", "tf_pxg.data")
+  return check_min_separation(num_groups, num_examples, expected_batch_size,
+                              "num_groups")

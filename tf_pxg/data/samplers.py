@@ -1,17 +1,22 @@
-"""The `Sampler` protocol: how a DP run draws its batches, and its event.
+"""Samplers: how a DP run draws its batches, and the event that implies.
 
 A sampler decides which privacy units each logical step trains on and
 states the `dp_accounting` event that law implies for a noise mechanism:
 `sampler.dp_event(mechanism, noise_multiplier, steps)`. The accountant
 (`tf_pxg.accounting.event_epsilon`, `tf_pxg.keras.PrivacyCallback`)
 composes that event and nothing else; a DP model's `fit` builds the
-sampler from its `sampling=` argument (`resolve`, one table from the
-strings users pass to classes) and never asks which one it has.
+sampler from its `sampling=` argument (`resolve`: a registered name or a
+class) and a `SamplerConfig`, and never asks which one it has.
+
+The protocol is `Sampler` (`tf_pxg.data.protocol`: every member tf_pxg
+reads, with defaults); the participation a sampler gives is its
+`participation` (`tf_pxg.data.participation`), which `participation.check`
+matches against the noise mechanism's needs before any step.
 
 Implementations (each states its own event):
 
 - `tf_pxg.data.PoissonSampler`: Poisson sampling at rate q = B / N, and
-  with `num_groups=b` cyclic Poisson sampling for BandMF/BLT
+  with `min_separation=b` cyclic Poisson sampling for BandMF/BLT
   (`tf_pxg.accounting.cyclic_poisson_event`).
 - `tf_pxg.data.balls_in_bins.BallsInBinsSampler`: one batch per example
   per epoch (its stated upper bound).
@@ -23,63 +28,44 @@ Implementations (each states its own event):
 
 A masked sampler (one whose batches `fit` lays out as fixed-shape masked
 physical batches, `tf_pxg.data.poisson_dataset`) is a `PoissonSampler`
-subclass: it overrides `step_indices(step, key)` (TF ops: the sorted
-indices of global logical step `step`) and `dp_event`, and `fit` takes the
-class as `sampling=`. That is the whole of adding a sampler: one file
-(see `tests/test_samplers.py`, which defines one in the test).
+subclass: it defines `step_indices(step, key)` (TF ops: the sorted
+indices of global logical step `step`), `dp_event` and, if its
+participation is not (cyclic) Poisson, `schema`; `fit` takes the class as
+`sampling=`, or its registered name. That is the whole of adding a sampler:
+one file plus a row in tests/test_parts.py (docs/extending.md).
 
 Names. `SAMPLINGS` maps the names `fit(sampling=...)` and
-`DPOptimizer(sampling=...)` take to classes ("poisson", "shuffled";
-`tf_pxg.data.balls_in_bins` adds "balls_in_bins" when imported);
-`register(name, cls)` adds one. A DP plan's sampling
+`DPOptimizer(sampling=...)` take to classes ("poisson", "shuffled",
+"balls_in_bins"); `register(name, cls)` (or `@register(name)`) adds one,
+with the idiom of every part (`tf_pxg.parts`). The built-in samplers'
+modules are listed in `tf_pxg.parts.BUILTIN_MODULES` and imported when a
+name is first resolved, so no import is needed first. A DP plan's sampling
 choice is a class (`choice`) and is saved by its name (`sampling_name`),
 which is why a class without one cannot be saved.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import Optional
 
+from tf_pxg import parts
+from tf_pxg.data import participation
 from tf_pxg.data import poisson
+from tf_pxg.data.protocol import Sampler
+from tf_pxg.data.protocol import SamplerConfig
 
 __all__ = ["NotCertifiedError", "PrivacyUnits", "SAMPLINGS", "Sampler",
-           "ShuffledSampler", "choice", "known_names", "register", "resolve",
-           "sampling_name"]
+           "SamplerConfig", "ShuffledSampler", "choice", "known_names",
+           "register", "resolve", "sampling_name"]
 
-
-@runtime_checkable
-class Sampler(Protocol):
-  """What the accountant and `fit` read of a sampler.
-
-  Attributes:
-    privacy_unit: "example" or "user": what one ε protects.
-    certified: whether `dp_event` is a guarantee (False: Keras' shuffled
-      batches, whose `dp_event` raises).
-    num_examples: the number of privacy units sampled from (N, or U).
-    expected_batch_size: B, the data-independent divisor of a step's
-      noisy sum (None: the realised batch size, shuffled batches).
-    sampling_rate: q, the probability that a unit joins a step it is
-      eligible for (None when there is none).
-    num_groups: b of a cyclic participation schema (1: none).
-  """
-  privacy_unit: str
-  certified: bool
-  num_examples: Optional[int]
-  expected_batch_size: Optional[float]
-  sampling_rate: Optional[float]
-  num_groups: int
-
-  def dp_event(self, mechanism, noise_multiplier: float, steps: int):
-    """The `dp_accounting.DpEvent` of `steps` logical steps of this
-    sampler with `mechanism` (a `tf_pxg.dp.mechanisms.NoiseMechanism`) at
-    `noise_multiplier`; None if no ε is claimed for that many steps."""
+_KIND = "sampler"
 
 
 class NotCertifiedError(ValueError):
   """A sampler's batches carry no privacy guarantee to account."""
 
 
-class ShuffledSampler:
+class ShuffledSampler(Sampler):
   """Keras' own data path: shuffled fixed batches (or a dataset's batches),
   each one step divided by its realised size.
 
@@ -94,11 +80,8 @@ class ShuffledSampler:
     num_examples: N if known (arrays), else None.
     batch_size: the fixed batch size if known, else None.
   """
-  privacy_unit = "example"
   certified = False
-  num_groups = 1
-  expected_batch_size = None
-  sampling_rate = None
+  schema = participation.Participation("shuffled", 1, certified=False)
 
   def __init__(self, num_examples: Optional[int] = None,
                batch_size: Optional[int] = None):
@@ -115,7 +98,7 @@ class ShuffledSampler:
         "sampling='poisson' (the default) for a guarantee.")
 
 
-class PrivacyUnits:
+class PrivacyUnits(Sampler):
   """A sampler of privacy units of several rows, drawn by `inner`.
 
   User-level DP (`fit(user_ids=..., examples_per_user=k)`): `inner` samples
@@ -133,8 +116,6 @@ class PrivacyUnits:
     augmult: K copies of each example.
     examples_per_user: k for user-level units, else None.
   """
-  certified = True
-
   def __init__(self, inner, privacy_unit: str = "example", augmult: int = 1,
                examples_per_user: Optional[int] = None):
     if privacy_unit not in ("example", "user"):
@@ -149,8 +130,10 @@ class PrivacyUnits:
   expected_batch_size = property(
       lambda self: self.inner.expected_batch_size)
   sampling_rate = property(lambda self: self.inner.sampling_rate)
-  num_groups = property(lambda self: getattr(self.inner, "num_groups", 1))
+  min_separation = property(lambda self: self.inner.min_separation)
   steps_per_epoch = property(lambda self: self.inner.steps_per_epoch)
+  certified = property(lambda self: self.inner.certified)
+  participation = property(lambda self: self.inner.participation)
 
   def dp_event(self, mechanism, noise_multiplier: float, steps: int):
     """`inner.dp_event(...)`: the units are what `inner` samples."""
@@ -159,49 +142,47 @@ class PrivacyUnits:
 
 #: `fit(sampling=...)`'s names and the sampler classes they stand for; the
 #: name is also how a `DPOptimizer(sampling=...)` choice is saved
-#: (`sampling_name`). `register` adds to it.
-SAMPLINGS = {"poisson": poisson.PoissonSampler, "shuffled": ShuffledSampler}
+#: (`sampling_name`). `register` adds to it; the built-ins' modules are
+#: `tf_pxg.parts.BUILTIN_MODULES["sampler"]`.
+SAMPLINGS = {}
 
 # What `fit` can draw from: Keras' batches or the masked stream
 # (`tf_pxg.keras._poisson_fit` has one builder for each).
 _BASES = (poisson.PoissonSampler, ShuffledSampler)
 
 
+def _not_a_sampler(cls) -> Optional[str]:
+  if isinstance(cls, type) and issubclass(cls, _BASES):
+    return None
+  return ("not a subclass of tf_pxg.data.PoissonSampler (masked batches) "
+          "or ShuffledSampler, the two data paths fit has.")
+
+
 def register(name: str, sampler_class: Optional[type] = None, *,
              override: bool = False):
-  """Registers a sampler class under `name` in `SAMPLINGS`.
+  """Registers a sampler class under `name` in `SAMPLINGS`
+  (`tf_pxg.parts.add`: the idiom of every part).
 
   `fit(sampling=name)` then builds it, and a `DPOptimizer(sampling=cls)`
   is saved as `name` (load the model in a process that has registered it
-  again, as for Keras' custom objects: a sampler's module registers it
-  when imported, e.g. `tf_pxg.data.balls_in_bins` registers
-  "balls_in_bins"). Usable as a decorator, `@register("full_batch")`.
+  again, as for Keras' custom objects; the built-ins are loaded by name).
+  Usable as a decorator, `@register("full_batch")`.
 
   Raises:
     ValueError: `name` is taken by another class (pass `override=True`),
       or the class is not a `PoissonSampler` or `ShuffledSampler` subclass.
   """
-  def add(cls):
-    if not (isinstance(cls, type) and issubclass(cls, _BASES)):
-      raise ValueError(
-          f"samplers.register({name!r}): {cls!r} is not a subclass of "
-          "tf_pxg.data.PoissonSampler (masked batches) or ShuffledSampler, "
-          "the two data paths fit has.")
-    if not isinstance(name, str) or not name:
-      raise ValueError(f"samplers.register: name must be a non-empty "
-                       f"string; got {name!r}.")
-    taken = SAMPLINGS.get(name)
-    if taken is not None and taken is not cls and not override:
-      raise ValueError(
-          f"samplers.register: {name!r} already names {taken!r}; choose "
-          "another name, or pass override=True to replace it.")
-    SAMPLINGS[name] = cls
-    return cls
-  return add if sampler_class is None else add(sampler_class)
+  return parts.add(SAMPLINGS, _KIND, name, sampler_class, override=override,
+                   check=_not_a_sampler)
+
+
+register("poisson", poisson.PoissonSampler)
+register("shuffled", ShuffledSampler)
 
 
 def known_names() -> tuple:
-  """The names `resolve` takes (`SAMPLINGS`' keys)."""
+  """The names `resolve` takes (`SAMPLINGS`' keys, the built-ins loaded)."""
+  parts.load_builtins(_KIND)
   return tuple(SAMPLINGS)
 
 
@@ -210,24 +191,27 @@ def _names() -> str:
 
 
 def resolve(sampling) -> type:
-  """The sampler class of `fit(sampling=...)`: a name of `SAMPLINGS`, or a
-  sampler class (`ShuffledSampler`, or a `PoissonSampler` subclass, built
-  by `fit` with `PoissonSampler`'s arguments). (`fit` also takes an
-  instance of such a class: it resolves the instance's class.)
+  """The sampler class of `fit(sampling=...)`: a name of `SAMPLINGS` (the
+  built-in samplers' modules are imported first if the name is not yet
+  known), or a sampler class (`ShuffledSampler`, or a `PoissonSampler`
+  subclass, built by `fit` with `PoissonSampler.from_config`). (`fit`
+  also takes an instance of such a class: it resolves the instance's
+  class.)
 
   Raises:
     ValueError: anything else (the message lists the names).
   """
-  if isinstance(sampling, str) and sampling in SAMPLINGS:
-    return SAMPLINGS[sampling]
+  if isinstance(sampling, str):
+    if sampling not in SAMPLINGS:
+      parts.load_builtins(_KIND)
+    if sampling in SAMPLINGS:
+      return SAMPLINGS[sampling]
   if isinstance(sampling, type) and issubclass(sampling, _BASES):
     return sampling
   raise ValueError(
       f"`sampling` must be one of {_names()} ('poisson', the default, is "
       "the sampling DP-SGD's ε assumes) or a tf_pxg.data sampler class such "
       f"as BallsInBinsSampler (a PoissonSampler subclass); got {sampling!r}.")
-
-
 def choice(sampling, where: str) -> Optional[type]:
   """A DP plan's sampling choice: None (not chosen) or the sampler class
   `resolve(sampling)`; an instance is refused (it is built from the data:
@@ -258,9 +242,10 @@ def sampling_name(sampler_class: type) -> str:
   Raises:
     ValueError: the class has no name (register it with `register`).
   """
-  for name, cls in SAMPLINGS.items():
-    if cls is sampler_class:
-      return name
+  parts.load_builtins(_KIND)
+  name = parts.name_of(SAMPLINGS, sampler_class)
+  if name is not None:
+    return name
   raise ValueError(
       f"The sampler class {sampler_class!r} has no registered name, so a "
       "DP plan that chose it cannot be saved (a class made by "

@@ -11,7 +11,7 @@ The `tf.data` stream of `tf_pxg.data.poisson_dataset` is built from these:
 - `layout(indices, ...)`: the step's `[m, P]` index and mask matrices, the
   same layout as `PoissonSampler.layout`.
 - `group_step_indices(key, step, members, offsets, q)`: cyclic Poisson
-  sampling (`PoissonSampler(num_groups=b, group_seed=...)`): step `step`
+  sampling (`PoissonSampler(min_separation=b, group_seed=...)`): step `step`
   samples only group `g = step mod b`, i.e. the geometric skips run over
   the positions k of the group's member list
   `members[offsets[g]:offsets[g + 1]]` (the sampler's `GroupIndex`, held
@@ -28,7 +28,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tf_pxg.data import poisson
+from tf_pxg.data._gaps import gap_chunk_size
 
 _URANDOM = "/dev/urandom"
 
@@ -98,11 +98,11 @@ def step_indices(key, num_examples, sampling_rate: float,
                        "max_examples, a Python int bound on it.")
     n = tf.cast(num_examples, tf.int64)
     n_float = tf.cast(n, tf.float64)
-    chunk = poisson.gap_chunk_size(int(max_examples), q)
+    chunk = gap_chunk_size(int(max_examples), q)
   else:
     n = int(num_examples)
     n_float = float(n)
-    chunk = poisson.gap_chunk_size(n, q)
+    chunk = gap_chunk_size(n, q)
   if q >= 1.0:
     return tf.range(n, dtype=tf.int64)
   log1mq = tf.constant(math.log1p(-q), tf.float64)
@@ -188,7 +188,7 @@ def layout(indices, physical_batch_size: int, accumulation_steps: int,
   return idx, mask, tf.equal(tf.range(m), m - 1)
 
 
-def index_stream(sampler: "poisson.PoissonSampler",
+def index_stream(sampler: "tf_pxg.data.PoissonSampler",
                  start_step: Optional[int] = None,
                  num_steps: Optional[int] = None) -> tf.data.Dataset:
   """Physical batches of indices: `(indices [P], mask [P], step_end)`.
@@ -205,9 +205,9 @@ def index_stream(sampler: "poisson.PoissonSampler",
 
   In secure mode every step's 128-bit key is read from the OS CSPRNG (no
   seed, nothing shared between steps); `start_step` then only counts (and
-  places the cycle of `num_groups`).
+  places the cycle of `min_separation`).
 
-  Cyclic sampling (`sampler.num_groups` = b > 1): the stream's step
+  Cyclic sampling (`sampler.min_separation` = b > 1): the stream's step
   `start_step + t` samples group `(start_step + t) mod b`
   (`group_step_indices` over the sampler's member lists, the same groups
   as its numpy path: one `group_assignment` under `sampler.group_seed`),
@@ -220,15 +220,15 @@ def index_stream(sampler: "poisson.PoissonSampler",
     ValueError: `start_step=None` with b > 1 and `num_steps` not a
       multiple of b.
   """
-  n, q, b = sampler.num_examples, sampler.sampling_rate, getattr(
-      sampler, "num_groups", 1)
+  n, q, b = (sampler.num_examples, sampler.sampling_rate,
+             sampler.min_separation)
   p, k, r = (sampler.physical_batch_size, sampler.accumulation_steps,
              sampler.num_replicas)
   alg = "philox"
   if b > 1 and start_step is None and num_steps is not None and (
       num_steps % b):
     raise ValueError(
-        f"Cyclic Poisson sampling with num_groups={b}: a stream without "
+        f"Cyclic Poisson sampling with min_separation={b}: a stream without "
         f"start_step restarts the cycle at group 0 on every iteration, so "
         f"its num_steps (steps_per_epoch) must be a multiple of {b}; got "
         f"{num_steps}. Pass start_step (the global step, e.g. "
@@ -259,10 +259,11 @@ def index_stream(sampler: "poisson.PoissonSampler",
     idx, mask, end = layout(indices, p, k, r)
     return tf.data.Dataset.from_tensor_slices((idx, mask, end))
 
-  select = getattr(sampler, "step_indices", None)
+  select = sampler.step_indices
   if select is not None:
     # The sampler protocol: a sampler with its own selection (e.g.
-    # `tf_pxg.data.balls_in_bins`) maps (global step, key) to indices.
+    # `tf_pxg.data.balls_in_bins`) maps (global step, key) to indices;
+    # None is the (cyclic) Poisson selection below.
     if start_step is None:
       raise ValueError(
           f"{type(sampler).__name__} selects by the global step: pass "

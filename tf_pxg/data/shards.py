@@ -6,8 +6,9 @@ No Apache Beam needed here: the shards are plain TFRecord files and a
 Layout written by the pipeline (`output_dir`):
 
 - `manifest.json`: `num_examples` N, `expected_batch_size` B,
-  `sampling_rate` q (`B b / N`), `num_groups` b (cyclic sampling; 1, also
-  for manifests written before it existed), `steps_per_epoch` T, `epochs` E,
+  `sampling_rate` q (`B b / N`), `num_groups`: b, the `min_separation` of
+  cyclic sampling (the file keeps the key it was first written with; 1
+  for manifests written before cyclic sampling existed), `steps_per_epoch` T, `epochs` E,
   `physical_batch_size` P, `accumulation_steps` k, `num_replicas` R,
   `num_shards`, `steps_per_shard`, `physical_batches` (per shard), the
   seed (null if drawn from OS entropy), `group_seed` (the secret key of
@@ -39,6 +40,8 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from tf_pxg.data import batch_info
+from tf_pxg.data import participation
+from tf_pxg.data import protocol
 
 MANIFEST = "manifest.json"
 RECORDS = "dp/records"
@@ -53,7 +56,7 @@ def shard_file_name(shard: int, num_shards: int, replica: int,
           f"{replica:03d}-of-{num_replicas:03d}.tfrecord")
 
 
-class PoissonShards:
+class PoissonShards(protocol.Sampler):
   """The shards of one pipeline run, and their `tf.data` stream.
 
   Args:
@@ -64,16 +67,19 @@ class PoissonShards:
       epochs=E)`, E at most the pipeline's epochs).
 
   Attributes: those of the manifest (`num_examples`, `expected_batch_size`,
-  `sampling_rate`, `num_groups`, `group_seed`, `steps_per_epoch`, `epochs`,
+  `sampling_rate`, `min_separation` (the manifest's `num_groups`),
+  `group_seed`, `steps_per_epoch`, `epochs`,
   `physical_batch_size`, `accumulation_steps`, `num_replicas`,
   `num_shards`, `physical_batches`).
 
   Raises:
     ValueError: no manifest (the pipeline did not finish) in `output_dir`.
   """
-  # The `tf_pxg.data.samplers.Sampler` protocol (the event: `dp_event`).
-  privacy_unit = "example"
-  certified = True
+  # The `tf_pxg.data.samplers.Sampler` protocol (the event: `dp_event`):
+  # (cyclic) Poisson sampling, b from the manifest.
+  schema = participation.Participation.poisson(min_separation=None)
+  #: The manifest's key of `min_separation` (kept for the files written).
+  MANIFEST_MIN_SEPARATION = "num_groups"
 
   def __init__(self, output_dir: str, parse_fn: Optional[Callable] = None):
     path = os.path.join(output_dir, MANIFEST)
@@ -85,27 +91,26 @@ class PoissonShards:
       self.manifest = json.load(f)
     self.output_dir = output_dir
     self.parse_fn = parse_fn
-    self.num_groups = 1  # manifests from before cyclic sampling
+    self.min_separation = 1  # manifests from before cyclic sampling
     self.group_seed = None
     for key, value in self.manifest.items():
+      if key == self.MANIFEST_MIN_SEPARATION:
+        key, value = "min_separation", int(value)
       setattr(self, key, value)
 
   def dp_event(self, mechanism, noise_multiplier: float, steps: int):
     """The event of `steps` steps of these shards' (cyclic) Poisson sampling
     composed with `mechanism`: `PoissonSampler.dp_event`'s, at the
-    manifest's `sampling_rate` and `num_groups`.
+    manifest's `sampling_rate` and `min_separation`.
 
     Raises:
-      ValueError: the mechanism needs a cyclic schema of another b.
+      ValueError: the mechanism needs another participation
+        (`tf_pxg.data.participation.check`).
     """
     from tf_pxg import accounting  # noqa: PLC0415
-    if int(mechanism.participation_groups) != int(self.num_groups):
-      raise ValueError(
-          f"The noise mechanism {mechanism!r} needs cyclic participation "
-          f"in {mechanism.participation_groups} group(s), but these shards "
-          f"were sampled with num_groups={self.num_groups}.")
+    participation.check(self, mechanism, "PoissonShards.dp_event")
     return accounting.cyclic_poisson_event(
-        mechanism, float(self.sampling_rate), int(self.num_groups),
+        mechanism, float(self.sampling_rate), self.min_separation,
         noise_multiplier, steps)
 
   def files(self, replica: int, first_shard: int = 0) -> list:

@@ -37,7 +37,7 @@ matters for utility: privacy is computed for the C it gives.
 Each unit participates only at steps `t = g mod b` of its group g, at most
 once every `b = min_separation` steps, and the run has at most
 `num_steps = n` steps: cyclic sampling with b groups, as BandMF's
-(`tf_pxg.data.PoissonSampler(num_groups=b)`; Poisson sampling within the
+(`tf_pxg.data.PoissonSampler(min_separation=b)`; Poisson sampling within the
 group is allowed, below). For one unit with participation set P (clipped
 contributions `g_i`, `||g_i|| <= C_clip`), C's release changes by
 `sum_{i in P} C[:, i] g_i^T`, whose squared Frobenius norm is
@@ -55,8 +55,9 @@ whole run is `GaussianDpEvent(sigma / sens)` (`dp_event`), composed
 with nothing (the participations are already inside `sens`; no
 amplification by sampling is claimed, so it is an upper bound for cyclic
 Poisson sampling, exact for cyclic fixed batches). `tf_pxg.accounting`
-refuses an ε for a run longer than `num_steps` or with another
-participation schema (`participation_groups` must match the sampler's
+refuses an ε for a run longer than `num_steps`, and
+`tf_pxg.data.participation.check` one with another participation schema
+(`min_separation` must match the sampler's
 groups).
 
 Distribution: each of R replicas draws `z^r ~ N(0, s^2 / R)` and keeps its
@@ -154,6 +155,7 @@ def inverse_parameters(theta, omega):
   return p, r * p
 
 
+@mechanisms.register("blt")
 class BLT(mechanisms.NoiseMechanism):
   """BLT correlated noise: C and `C^-1` d-buffer BLTs (module docstring).
 
@@ -208,10 +210,6 @@ class BLT(mechanisms.NoiseMechanism):
   @property
   def num_buffers(self) -> int:
     return int(self.inverse_theta.size)
-
-  @property
-  def participation_groups(self) -> int:
-    return self.min_separation
 
   # Matrices (float64, NumPy) ---------------------------------------------
 

@@ -15,6 +15,15 @@ The alternative, skipping the whole update when any example is non-finite,
 is not private: whether the weights move would depend on one example (a
 planted NaN-producing record reveals whether it was sampled), a change of
 unbounded size that no noise covers.
+
+Policies by name. `POLICIES` maps names to policy classes ("flat",
+"automatic", "quantile_adaptive"); `register(name, cls)` (or
+`@register(name)`) adds one, with the idiom and the errors of every part
+(`tf_pxg.parts.add`), and `get(name)` builds it with its defaults. This
+module imports nothing of tf_pxg (the tape API clips with `clip_factors`,
+below the DP layer: tests/test_import_graph.py), so `register` is written
+out here rather than calling `tf_pxg.parts.add`; tests/test_parts.py
+checks that the two refuse alike.
 """
 
 import math
@@ -55,20 +64,57 @@ def clip_factors(norms, l2_norm_clip):
 class ClippingPolicy:
   """How per-example gradients are scaled before they are summed.
 
-  Subclasses implement `factors(norms, clip)`, returning `[B]` factors with
-  `factor_b * ||g_b|| <= clip` for every finite norm and 0 for a non-finite
-  one, and `get_config()`. The policies are small, immutable settings
+  The protocol (every member tf_pxg reads, with the defaults of a
+  non-adaptive policy): `factors(norms, clip)`, returning `[B]` factors
+  with `factor_b * ||g_b|| <= clip` for every finite norm and 0 for a
+  non-finite one, and `get_config()`. An adaptive policy (`adaptive` True)
+  also releases a noisy count each step and moves the clip: the train step
+  reads `resolve_count_stddev`, `unclipped_count` and `next_clip` of it,
+  and of no other policy. The policies are small, immutable settings
   objects; their state (the adaptive clip) is a `tf.Variable` held by the
   `tf_pxg.keras.DPOptimizer`.
+
+  Attributes:
+    name: the policy's registered name (`serialize` saves it; `register`
+      sets it on the class).
+    adaptive: whether the clip moves (then the three count methods are
+      read).
   """
 
   name = "policy"
   adaptive = False
 
   def factors(self, norms, clip):
+    """`[B]` factors for `[B]` norms and the clip (class docstring)."""
     raise NotImplementedError
 
+  def resolve_count_stddev(self, expected_batch_size: Optional[float]
+                           ) -> Optional[float]:
+    """The count's noise std for a run of expected batch size B (None: no
+    count released, a non-adaptive policy)."""
+    del expected_batch_size
+    return None
+
+  def unclipped_count(self, norms, clip, mask=None):
+    """`sum_b mask_b (1[||g_b|| <= C] - 1/2)`, float32 (sensitivity 1/2).
+
+    A non-finite norm counts as clipped (-1/2), a data-independent rule
+    whose contribution is still bounded by 1/2. `mask` excludes padding
+    rows (0) of a Poisson physical batch.
+    """
+    norms = tf.cast(norms, tf.float32)
+    within = tf.cast(norms <= tf.cast(clip, tf.float32), tf.float32) - 0.5
+    if mask is not None:
+      within = within * tf.cast(mask, tf.float32)
+    return tf.reduce_sum(within)
+
+  def next_clip(self, clip, noisy_count, normalizer):
+    """The next step's clip, float32 (default: unchanged)."""
+    del noisy_count, normalizer
+    return tf.cast(clip, tf.float32)
+
   def get_config(self) -> dict:
+    """The constructor's arguments (JSON-able)."""
     return {}
 
   def __eq__(self, other):
@@ -82,15 +128,55 @@ class ClippingPolicy:
     return f"{type(self).__name__}({args})"
 
 
+#: Names -> policy classes (`register` adds one; module docstring).
+POLICIES = {}
+
+
+def _not_a_policy(cls) -> Optional[str]:
+  if isinstance(cls, type) and issubclass(cls, ClippingPolicy):
+    return None
+  return "not a subclass of tf_pxg.clipping.ClippingPolicy."
+
+
+def register(name: str, policy_class: Optional[type] = None, *,
+             override: bool = False):
+  """Registers a `ClippingPolicy` class under `name` in `POLICIES` (the
+  idiom of every part, `tf_pxg.parts.add`) and sets its `name`, which
+  `serialize` saves. Usable as a decorator, `@register("my_policy")`.
+
+  Raises:
+    ValueError: `name` is taken by another class (pass `override=True`),
+      or the class is not a `ClippingPolicy` subclass.
+  """
+  def add(cls):
+    if not isinstance(name, str) or not name:
+      raise ValueError("register: a clipping policy name must be a "
+                       f"non-empty string; got {name!r}.")
+    why = _not_a_policy(cls)
+    if why is not None:
+      raise ValueError(f"register({name!r}): {cls!r} is not a clipping "
+                       f"policy: {why}")
+    taken = POLICIES.get(name)
+    if taken is not None and taken is not cls and not override:
+      raise ValueError(
+          f"register: the clipping policy name {name!r} already names "
+          f"{taken!r}; choose another name, or pass override=True to "
+          "replace it.")
+    POLICIES[name] = cls
+    cls.name = name
+    return cls
+  return add if policy_class is None else add(policy_class)
+
+
+@register("flat")
 class Flat(ClippingPolicy):
   """Flat L2 clipping to a fixed norm C (Abadi et al. 2016): the default."""
-
-  name = "flat"
 
   def factors(self, norms, clip):
     return clip_factors(norms, clip)
 
 
+@register("automatic")
 class Automatic(ClippingPolicy):
   """Automatic clipping (Bu et al. 2022): `factor_b = R / (||g_b|| + gamma)`.
 
@@ -107,8 +193,6 @@ class Automatic(ClippingPolicy):
     Bu, Wang, Zha, Karypis, "Automatic Clipping: Differentially Private Deep
     Learning Made Easier and Stronger", NeurIPS 2023 (arXiv 2206.07136).
   """
-
-  name = "automatic"
 
   def __init__(self, stability: float = 0.01):
     stability = float(stability)
@@ -127,6 +211,7 @@ class Automatic(ClippingPolicy):
     return {"stability": self.stability}
 
 
+@register("quantile_adaptive")
 class QuantileAdaptive(ClippingPolicy):
   """Adaptive clipping to a private quantile of the norms (Andrew et al. 2021).
 
@@ -171,7 +256,6 @@ class QuantileAdaptive(ClippingPolicy):
     with Adaptive Clipping", NeurIPS 2021 (arXiv 1905.03871).
   """
 
-  name = "quantile_adaptive"
   adaptive = True
 
   def __init__(self, target_quantile: float = 0.5,
@@ -209,19 +293,6 @@ class QuantileAdaptive(ClippingPolicy):
           "QuantileAdaptive(count_stddev=B / 20).")
     return float(expected_batch_size) / 20.0
 
-  def unclipped_count(self, norms, clip, mask=None):
-    """`sum_b mask_b (1[||g_b|| <= C] - 1/2)`, float32 (sensitivity 1/2).
-
-    A non-finite norm counts as clipped (-1/2), a data-independent rule
-    whose contribution is still bounded by 1/2. `mask` excludes padding
-    rows (0) of a Poisson physical batch.
-    """
-    norms = tf.cast(norms, tf.float32)
-    within = tf.cast(norms <= tf.cast(clip, tf.float32), tf.float32) - 0.5
-    if mask is not None:
-      within = within * tf.cast(mask, tf.float32)
-    return tf.reduce_sum(within)
-
   def next_clip(self, clip, noisy_count, normalizer):
     """`C exp(-eta (noisy_count / n + 1/2 - gamma))`, float32."""
     fraction = noisy_count / tf.cast(normalizer, tf.float32) + 0.5
@@ -234,25 +305,29 @@ class QuantileAdaptive(ClippingPolicy):
             "count_stddev": self.count_stddev}
 
 
-_POLICIES = {cls.name: cls for cls in (Flat, Automatic, QuantileAdaptive)}
-
-
 def get(identifier) -> ClippingPolicy:
-  """A `ClippingPolicy` from None (flat), a name ("flat", "automatic",
-  "quantile_adaptive"), a `{"class_name": ..., "config": ...}` dict (from
-  `serialize`) or an instance."""
+  """A `ClippingPolicy` from None (flat), a registered name ("flat",
+  "automatic", "quantile_adaptive", or one added with `register`), a
+  `{"class_name": ..., "config": ...}` dict (from `serialize`) or an
+  instance.
+
+  Raises:
+    ValueError: anything else (the message lists the names).
+  """
   if identifier is None:
     return Flat()
   if isinstance(identifier, ClippingPolicy):
     return identifier
-  if isinstance(identifier, str) and identifier in _POLICIES:
-    return _POLICIES[identifier]()
-  if isinstance(identifier, dict) and identifier.get("class_name") in _POLICIES:
-    return _POLICIES[identifier["class_name"]](**identifier.get("config", {}))
+  if isinstance(identifier, str) and identifier in POLICIES:
+    return POLICIES[identifier]()
+  if isinstance(identifier, dict) and identifier.get("class_name") in POLICIES:
+    return POLICIES[identifier["class_name"]](**identifier.get("config", {}))
+  names = ", ".join(repr(n) for n in POLICIES)
   raise ValueError(
-      f"Unknown clipping policy {identifier!r}: use None or 'flat', "
-      "'automatic', 'quantile_adaptive', or an instance of "
-      "tf_pxg.clipping.Flat, Automatic or QuantileAdaptive.")
+      f"Unknown clipping policy {identifier!r}: use None or one of {names} "
+      "(registered with tf_pxg.clipping.register), or an instance of a "
+      "tf_pxg.clipping.ClippingPolicy such as Flat, Automatic or "
+      "QuantileAdaptive.")
 
 
 def serialize(policy: ClippingPolicy) -> dict:

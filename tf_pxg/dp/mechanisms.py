@@ -24,16 +24,29 @@ protocol (the Optax/jax-privacy "privatizer" with `init`/`update` state):
 - `dp_event(noise_multiplier)`: the `dp_accounting` event of ONE
   participation of one unit under this mechanism (the sampler composes it:
   `tf_pxg.accounting`), valid under the participation schema
-  `participation_groups` states.
-- `participation_groups`: b such that the event holds when each unit
+  `min_separation` states; or, with `whole_run_event`, the event of the
+  whole run of at most `num_steps` steps (not to be composed).
+- `min_separation`: b such that the event holds when each unit
   participates only at steps `i = g mod b` of its group g (cyclic
-  sampling; 1: any step, e.g. Poisson sampling).
+  sampling; 1: any step, e.g. Poisson sampling): b-min-separation
+  participation (Choquette-Choo et al. 2023). `participation_groups` is
+  its deprecated name. `tf_pxg.data.participation.check` refuses a
+  sampler that does not give it, before any step.
+- `whole_run_event`, `num_steps`: whether `dp_event` is the whole run's
+  event (BLT), and the most steps it covers (None: any number).
 - `noise_source(generator)`: where the randomness comes from (the model's
   `tf.random.Generator`, or OS keys in secure mode); the train step uses
   it for every noise it draws (also the private scalars').
 - `noise_dtype(dtype)`: the dtype `add` returns for a sum of `dtype`.
 - `state_variables(state)`: the `tf.Variable`s of `state` (saved in the
   `.keras` file and checkpoints, in this order).
+
+Names. `MECHANISMS` maps names to mechanism classes ("independent_gaussian",
+"band_mf", "secure_gaussian", "blt"); `register(name, cls)` (or
+`@register(name)`) adds one, with the idiom of every part
+(`tf_pxg.parts`; the built-ins' modules are listed in
+`tf_pxg.parts.BUILTIN_MODULES` and imported when a name is resolved), and
+`from_setting` takes the name of a mechanism built without arguments.
 
 A mechanism is also a saved setting: `get_config()` and `from_config`, and
 `serialize`/`deserialize` below store its module so that a mechanism
@@ -56,6 +69,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import dp_accounting
 import tensorflow as tf
 
+from tf_pxg import _renamed
+from tf_pxg import parts
+from tf_pxg import mf
 from tf_pxg.dp import correlated
 from tf_pxg.dp import noise as dp_noise
 from tf_pxg.dp import secure
@@ -63,20 +79,75 @@ from tf_pxg.dp import secure
 __all__ = [
     "BandMF",
     "IndependentGaussian",
+    "MECHANISMS",
     "NoiseMechanism",
     "SecureGaussian",
     "deserialize",
     "from_setting",
+    "known_names",
+    "register",
+    "resolve",
     "serialize",
 ]
+
+_KIND = "noise mechanism"
+
+#: Names -> mechanism classes (`register` adds one; module docstring).
+MECHANISMS = {}
+
+
+def _not_a_mechanism(cls) -> Optional[str]:
+  if isinstance(cls, type) and issubclass(cls, NoiseMechanism):
+    return None
+  return "not a subclass of tf_pxg.dp.mechanisms.NoiseMechanism."
+
+
+def register(name: str, mechanism_class: Optional[type] = None, *,
+             override: bool = False):
+  """Registers a `NoiseMechanism` class under `name` in `MECHANISMS`
+  (`tf_pxg.parts.add`: the idiom of every part). Usable as a decorator,
+  `@register("my_noise")`.
+
+  Raises:
+    ValueError: `name` is taken by another class (pass `override=True`),
+      or the class is not a `NoiseMechanism` subclass.
+  """
+  return parts.add(MECHANISMS, _KIND, name, mechanism_class,
+                   override=override, check=_not_a_mechanism)
+
+
+def known_names() -> tuple:
+  """The registered names (`MECHANISMS`' keys, the built-ins loaded)."""
+  parts.load_builtins(_KIND)
+  return tuple(MECHANISMS)
+
+
+def resolve(name: str) -> type:
+  """The mechanism class registered as `name` (the built-ins' modules are
+  imported first if it is not yet known).
+
+  Raises:
+    ValueError: an unknown name (the message lists the names).
+  """
+  if name not in known_names():
+    raise ValueError(f"Unknown noise mechanism {name!r}; registered: "
+                     f"{', '.join(repr(n) for n in MECHANISMS)}.")
+  return MECHANISMS[name]
 
 
 class NoiseMechanism:
   """The protocol (module docstring), with the defaults of a stateless
   mechanism whose noise is independent across steps."""
 
-  #: b of the cyclic participation its `dp_event` assumes (1: any).
-  participation_groups = 1
+  #: b of the cyclic participation its `dp_event` assumes (1: any): its
+  #: b-min-separation participation (module docstring).
+  min_separation = 1
+  #: Whether `dp_event` is the event of the whole run (not composed).
+  whole_run_event = False
+  #: The most steps a whole-run event covers (None: any).
+  num_steps = None
+  participation_groups = _renamed.alias("participation_groups",
+                                        "min_separation")
   #: Whether `init_state` makes state (kept by a `DPOptimizer`).
   stateful = False
   #: Whether `add` can run inside XLA-compiled code.
@@ -141,6 +212,7 @@ def _divide(grads, normalizer):
   return [g / tf.cast(normalizer, g.dtype) for g in grads]
 
 
+@register("independent_gaussian")
 class IndependentGaussian(NoiseMechanism):
   """DP-SGD's noise: `N(0, (sigma C)^2)` per coordinate, fresh every step.
 
@@ -171,6 +243,7 @@ class IndependentGaussian(NoiseMechanism):
     return dp_accounting.GaussianDpEvent(noise_multiplier)
 
 
+@register("band_mf")
 class BandMF(NoiseMechanism):
   """BandMF's correlated noise `x = C^-1 z`, streamed from `b - 1` buffers.
 
@@ -179,7 +252,7 @@ class BandMF(NoiseMechanism):
   is a `tf_pxg.dp.correlated.NoiseBuffers`; the recurrence and the
   distribution over replicas are in `tf_pxg.dp.correlated`. Its event per
   participation is `GaussianDpEvent(sigma)`, valid when each unit
-  participates only at steps `b` apart (`participation_groups = b`, cyclic
+  participates only at steps `b` apart (`min_separation = b`, cyclic
   Poisson sampling with b groups): the columns of C at those steps do not
   overlap and each has norm <= 1 (Choquette-Choo et al. 2023).
   """
@@ -194,15 +267,16 @@ class BandMF(NoiseMechanism):
   stateful = True
 
   @property
-  def participation_groups(self) -> int:
-    return int(self.strategy.num_bands)
+  def min_separation(self) -> int:
+    """b: the strategy's `min_separation` (its band count)."""
+    return int(self.strategy.min_separation)
 
   @property
   def coefs(self):
     return self.strategy.coefs
 
   def init_state(self, variables):
-    return correlated.NoiseBuffers(variables, self.participation_groups)
+    return correlated.NoiseBuffers(variables, self.strategy.num_bands)
 
   def state_variables(self, state):
     return [] if state is None else list(state.buffers)
@@ -232,6 +306,7 @@ class BandMF(NoiseMechanism):
     return cls(deserialize(config["strategy"]))
 
 
+@register("secure_gaussian")
 class SecureGaussian(NoiseMechanism):
   """`inner`'s noise with the secure source (`tf_pxg.dp.secure`): every
   key from the OS CSPRNG, a sum of four Gaussians per coordinate. The law
@@ -242,9 +317,11 @@ class SecureGaussian(NoiseMechanism):
   def __init__(self, inner: NoiseMechanism):
     self.inner = inner
 
-  @property
-  def participation_groups(self):
-    return self.inner.participation_groups
+  # The inner mechanism's contract, member by member (the base class's
+  # defaults would otherwise hide the inner values).
+  min_separation = property(lambda self: self.inner.min_separation)
+  whole_run_event = property(lambda self: self.inner.whole_run_event)
+  num_steps = property(lambda self: self.inner.num_steps)
 
   @property
   def stateful(self):
@@ -289,25 +366,38 @@ def from_setting(noise_mechanism=None,
 
   Args:
     noise_mechanism: None (DP-SGD), a `tf_pxg.mf.BandedToeplitz` (b = 1:
-      DP-SGD exactly; b > 1: `BandMF`), or a `NoiseMechanism`.
+      DP-SGD exactly; b > 1: `BandMF`), a `NoiseMechanism`, or the name of
+      a registered mechanism built without arguments
+      ("independent_gaussian").
     secure_mode: wrap it in `SecureGaussian`.
 
   Raises:
-    TypeError: for anything else.
+    TypeError: for anything else (an unknown name included), or a name
+      whose class needs arguments (the message says to pass an instance).
   """
   if noise_mechanism is None:
     mech = IndependentGaussian()
   elif isinstance(noise_mechanism, NoiseMechanism):
     mech = noise_mechanism
-  elif hasattr(noise_mechanism, "num_bands") and hasattr(noise_mechanism,
-                                                         "coefs"):
+  elif isinstance(noise_mechanism, str) and noise_mechanism in known_names():
+    cls = MECHANISMS[noise_mechanism]
+    try:
+      mech = cls()
+    except TypeError as e:
+      raise TypeError(
+          f"noise_mechanism={noise_mechanism!r}: {cls.__name__} needs "
+          f"arguments ({e}); pass an instance, e.g. "
+          f"{cls.__name__}(...).") from None
+  elif isinstance(noise_mechanism, mf.BandedToeplitz):
     mech = (IndependentGaussian() if int(noise_mechanism.num_bands) == 1
             else BandMF(noise_mechanism))
   else:
     raise TypeError(
         "noise_mechanism must be None (DP-SGD), a "
-        "tf_pxg.mf.BandedToeplitz(num_bands=b), or a "
-        f"tf_pxg.dp.mechanisms.NoiseMechanism; got {noise_mechanism!r}.")
+        "tf_pxg.mf.BandedToeplitz(num_bands=b), a "
+        "tf_pxg.dp.mechanisms.NoiseMechanism, or the name of one built "
+        f"without arguments ({', '.join(repr(n) for n in known_names())}); "
+        f"got {noise_mechanism!r}.")
   if secure_mode and not isinstance(mech, SecureGaussian):
     mech = SecureGaussian(mech)
   return mech

@@ -4,7 +4,7 @@
 Toeplitz matrix C with normalised columns whose inverse turns i.i.d.
 Gaussian noise z into the correlated noise x = C⁻¹ z that each step adds
 (streamed with b - 1 buffers). b = 1 is DP-SGD. Its ε comes from
-`tf_pxg.accounting` with ``num_bands=b`` (amplified BandMF with cyclic
+`tf_pxg.accounting` with ``min_separation=b`` (amplified BandMF with cyclic
 Poisson sampling). NumPy/SciPy only; no TensorFlow. See
 docs/correlated_noise.md.
 """

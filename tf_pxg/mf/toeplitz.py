@@ -24,7 +24,10 @@ largest column norm is 1 (for n >= b). If every example participates only in
 steps at least b apart, its columns touch disjoint rows, and each
 participation changes C·G by at most (clip norm) × 1 in L2 norm, exactly as
 one DP-SGD step does; that is what the amplified BandMF accounting in
-`tf_pxg.accounting` (``num_bands=b``) assumes.
+`tf_pxg.accounting` (``min_separation=b``) assumes. So a b-banded strategy
+needs b-min-separation participation: `BandedToeplitz.min_separation` is b
+(the participation it needs; `num_bands` is the matrix's band count, the
+same number).
 
 b = 1 is DP-SGD: c = [1.0] exactly, C = I, x_i = z_i.
 
@@ -321,7 +324,8 @@ class BandedToeplitz:
   in float64: in [1 - 8 eps, 1], never above 1) and c_0 > 0. The noise of step i is x_i = (C⁻¹ z)_i, streamed
   as x_i = (z_i - sum_{j=1}^{b-1} c_j x_{i-j}) / c_0 with b - 1 buffers
   (`num_buffers`). See the module docstring for the sensitivity argument
-  and `tf_pxg.accounting` (``num_bands``) for the ε.
+  and `tf_pxg.accounting` (``min_separation=strategy.min_separation``)
+  for the ε.
 
   Args:
     num_bands: b >= 1. b = 1 is DP-SGD (coefs == [1.0] exactly).
@@ -370,6 +374,13 @@ class BandedToeplitz:
   @property
   def num_bands(self) -> int:
     """b, the number of bands (nonzero diagonals) of C."""
+    return self._num_bands
+
+  @property
+  def min_separation(self) -> int:
+    """b of the b-min-separation participation this strategy's ε needs
+    (participations at least b steps apart, on a fixed cycle): its band
+    count."""
     return self._num_bands
 
   @property
@@ -479,7 +490,8 @@ def choose_num_bands(num_examples: int,
   group of N / b at rate q = B b / N and participates in ceil(T / b)
   rounds); more bands mean more noise cancellation. For each candidate b
   this computes σ_b, the smallest noise multiplier whose amplified BandMF
-  run (`tf_pxg.accounting.noise_multiplier_for_epsilon(..., num_bands=b)`)
+  run (`tf_pxg.accounting.noise_multiplier_for_epsilon(...,
+  min_separation=b)`)
   is (target_epsilon, delta)-DP, builds the strategy for T steps, and
   scores it by
 
@@ -544,7 +556,7 @@ def choose_num_bands(num_examples: int,
   for b in candidates:
     sigma = accounting.noise_multiplier_for_epsilon(
         target_epsilon, num_examples, batch_size, steps=steps, delta=delta,
-        accountant=accountant, num_bands=b)
+        accountant=accountant, min_separation=b)
     strategy = BandedToeplitz(b, method=method, steps=steps)
     error = strategy.mean_error(steps)
     expected = sigma * sigma * error
