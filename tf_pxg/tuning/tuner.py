@@ -61,6 +61,7 @@ import tempfile
 from typing import Any, Dict, Optional
 
 import keras_tuner
+from keras_tuner.engine import hyperparameters as kt_hp
 from keras_tuner.engine import trial as kt_trial
 from keras_tuner.engine import tuner as kt_tuner
 
@@ -212,10 +213,9 @@ class DPTuner(keras_tuner.Tuner):
                            f"hyperparameter {name!r} in the space).")
         supports.append([default])
         continue
-      try:
-        values = list(hp.values)
-      except (AttributeError, TypeError, ValueError):
-        values = None
+      # A Float's `values` is a sample of its range, not its support.
+      values = (None if isinstance(hp, kt_hp.Float) else
+                list(getattr(hp, "values", None) or []))
       if not values:
         raise ValueError(
             f"DPTuner: the hyperparameter {name!r} ({hp!r}) must take "
