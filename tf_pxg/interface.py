@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tf_pxg import batch_axis
 from tf_pxg import batch_copies
+from tf_pxg.tape import library_constants
 from tf_pxg.tape import recording
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
@@ -351,7 +352,9 @@ class Classifier:
     dimension is not a multiple of B is a constant; anything else is data
     (this includes graph constants, as tf.function captures small eager
     inputs by value). With B unknown (scalar target), graph constants are
-    constants.
+    constants. A value proven to be a library's own literal
+    (`tf_pxg.tape.library_constants`, bit-identical to a constant traced
+    on placeholders) is a constant whatever its shape.
     """
     if t.dtype in _NON_DATA_DTYPES:
       return CONST
@@ -365,9 +368,13 @@ class Classifier:
       if lead is not None and (self._batch_size == 0 or lead == 0 or
                                lead % self._batch_size):
         return CONST
-      return DATA
-    if getattr(getattr(t, "op", None), "type", None) == "Const" and not (
+    elif getattr(getattr(t, "op", None), "type", None) == "Const" and not (
         hasattr(t, "numpy") and tf.executing_eagerly()):
+      return CONST
+    if library_constants.is_library_constant(t):
+      # Bit for bit a literal a library builds with no example in scope
+      # (TFP's lbeta coefficients): why this is safe is the docstring of
+      # tf_pxg.tape.library_constants.
       return CONST
     return DATA
 
