@@ -440,7 +440,8 @@ def main(argv=None):
       seed=args.seed, secure_mode=args.secure_mode,
       min_separation=1 if args.min_separation is None else
       args.min_separation, group_seed=args.group_seed,
-      **({} if args.num_groups is None else {"num_groups": args.num_groups}))
+      **({} if args.num_groups is None else
+         {"num_groups": args.num_groups}))
   run(args.input, args.output, config, PipelineOptions(beam_args))
 
 

@@ -532,9 +532,10 @@ class GroupIndex:
   `[N]` assignment in the smallest unsigned dtype that holds b.
   """
 
-  def __init__(self, num_examples: int, num_groups: int, group_seed: int):
-    n, b = int(num_examples), int(num_groups)
-    self.num_examples, self.num_groups = n, b
+  def __init__(self, num_examples: int, min_separation: int,
+               group_seed: int):
+    n, b = int(num_examples), int(min_separation)
+    self.num_examples, self.min_separation = n, b
     self.group_seed = check_group_seed(group_seed, b)
     dtype = (np.uint8 if b <= 1 << 8 else np.uint16 if b <= 1 << 16 else
              np.uint32 if b <= 1 << 32 else np.uint64)
@@ -553,12 +554,12 @@ class GroupIndex:
 
   def members(self, group: int) -> np.ndarray:
     """Group g's members, ascending (a view of `member_indices`)."""
-    g = _check_group(group, self.num_groups)
+    g = _check_group(group, self.min_separation)
     return self.member_indices[self.offsets[g]:self.offsets[g + 1]]
 
   def size(self, group: int) -> int:
     """|G_g|."""
-    g = _check_group(group, self.num_groups)
+    g = _check_group(group, self.min_separation)
     return int(self.offsets[g + 1] - self.offsets[g])
 
   def assignment(self) -> np.ndarray:
