@@ -5,7 +5,6 @@ nothing of a losing run survives; the refusals."""
 
 import gc
 import os
-import tempfile
 import weakref
 
 import keras
@@ -15,6 +14,7 @@ import pytest
 keras_tuner = pytest.importorskip("keras_tuner")
 
 from tf_pxg import tuning  # noqa: E402
+import test_tuning_search  # noqa: E402  (the attack's directories)
 
 N = 120
 _rng = np.random.default_rng(0)
@@ -74,11 +74,7 @@ def test_attack_nothing_of_a_losing_trial_survives(tmp_path, monkeypatch,
   """Weakrefs to every layer build_model makes: after the search only the
   winner's layers are alive; no file in the working or temp directory; no
   output (keras-tuner prints a table per trial)."""
-  work, temp = tmp_path / "work", tmp_path / "temp"
-  work.mkdir()
-  temp.mkdir()
-  monkeypatch.chdir(work)
-  monkeypatch.setattr(tempfile, "tempdir", str(temp))
+  dirs = test_tuning_search.isolated_dirs(tmp_path, monkeypatch)
   layers = []
 
   def logged_build(hp):
@@ -98,7 +94,7 @@ def test_attack_nothing_of_a_losing_trial_survives(tmp_path, monkeypatch,
   leftovers = [layer for layer in alive
                if not any(layer is w for w in winner.layers)]
   assert leftovers == [], leftovers
-  assert os.listdir(work) == [] and os.listdir(temp) == []
+  assert test_tuning_search.files_in(dirs) == []
   out = capfd.readouterr()
   assert out.out == "" and out.err == "", out
   assert [layer.name for layer in winner.layers] == ["dense", "dense_1"]

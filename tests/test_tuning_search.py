@@ -35,6 +35,23 @@ CANDIDATES = [dict(learning_rate=lr, l2_norm_clip=c, epochs=e, batch_size=30)
               for lr in (0.01, 0.1) for c in (0.5, 1.0) for e in (1, 2)]
 
 
+def isolated_dirs(tmp_path, monkeypatch):
+  """A fresh working directory and a fresh temporary directory for this
+  process (`tempfile.tempdir`: AutoGraph writes one source file there per
+  converted function; the machine's /tmp is shared with other processes),
+  both empty."""
+  dirs = tmp_path / "work", tmp_path / "temp"
+  for d in dirs:
+    d.mkdir()
+  monkeypatch.chdir(dirs[0])
+  monkeypatch.setattr(tempfile, "tempdir", str(dirs[1]))
+  return dirs
+
+
+def files_in(dirs):
+  return sorted(str(p) for d in dirs for p in d.rglob("*"))
+
+
 def _trainer(log=None, **model_kwargs):
   """The user's training function: a DP model with NoisyLoss, string loss,
   numpy arrays. `log` collects weakrefs of every model it trains."""
@@ -101,13 +118,7 @@ def test_attack_a_losing_run_leaves_nothing(tmp_path, capfd, monkeypatch):
   test keeps weakrefs to every model. After the search: no file in the
   working directory or the temp directory, no output, and only the
   winner alive; the winner's layer names do not count the runs."""
-  work, temp = tmp_path / "work", tmp_path / "temp"
-  work.mkdir()
-  temp.mkdir()
-  monkeypatch.chdir(work)
-  # this process's temporary files (AutoGraph's sources among them) go to
-  # `temp`: the machine's /tmp is shared with other processes
-  monkeypatch.setattr(tempfile, "tempdir", str(temp))
+  dirs = isolated_dirs(tmp_path, monkeypatch)
   log = []
 
   def noisy_train(config, noise_multiplier):
@@ -141,11 +152,9 @@ def test_attack_a_losing_run_leaves_nothing(tmp_path, capfd, monkeypatch):
   gc.collect()
   alive = [r() for r in log if r() is not None]
   leftovers = [m for m in alive if m is not result.model]
-  files = os.listdir(work)
-  new_tmp = os.listdir(temp)
+  assert leftovers == [] and files_in(dirs) == [], (leftovers,
+                                                    files_in(dirs))
   out = capfd.readouterr()
-  assert leftovers == [] and files == [] and not new_tmp, (
-      leftovers, files, new_tmp)
   assert out.out == "" and out.err == "", out
   assert alive == [result.model]
   # names: Keras' counters were reset before each run
