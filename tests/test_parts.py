@@ -305,6 +305,38 @@ def test_a_sampler_that_ignores_its_groups_is_refused():
   assert participation.check(honest, _bandmf(), "fit").min_separation == 2
 
 
+class DrawsOutsideItsGroups(dpd.PoissonSampler):
+  """The other attack: it keeps the groups it is given (so it states
+  cyclic participation) but its own selection takes every example."""
+
+  def step_indices(self, step, key=None):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    del step, key
+    return tf.range(self.num_examples, dtype=tf.int64)
+
+
+def test_a_sampler_whose_selection_ignores_its_groups_is_refused():
+  config = dpd.SamplerConfig(N, B, seed=0, min_separation=2, group_seed=1)
+  attack = DrawsOutsideItsGroups.from_config(config)
+  assert attack.participation.min_separation == 2  # what it states
+  with pytest.raises(participation.ParticipationError,
+                     match=r"fit: .*DrawsOutsideItsGroups.*drew example \d+ "
+                     r"\(group 1\) at step 0, which samples only group 0"):
+    participation.check(attack, _bandmf(), "fit")
+  # A selection that keeps to the groups passes.
+
+  class KeepsToItsGroups(dpd.PoissonSampler):
+
+    def step_indices(self, step, key=None):
+      import tensorflow as tf  # pylint: disable=import-outside-toplevel
+      del key
+      members = self.group_members(int(step) % self.min_separation)
+      return tf.constant(members[:3], tf.int64)
+
+  participation.check(KeepsToItsGroups.from_config(config), _bandmf(),
+                      "fit")
+
+
 @pytest.mark.xfail(reason="needs fit to call participation.check where it "
                    "builds the sampler (tf_pxg/keras/_poisson_fit.py, the "
                    "lead's part of issue 42)", strict=False)

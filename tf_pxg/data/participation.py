@@ -22,7 +22,11 @@ for an instance, `SamplerClass.schema` for the class, where a
 `min_separation` of None means "whatever the config asks for"), a mechanism
 states what it needs by its `min_separation` and `whole_run_event`, and
 `check` refuses a mismatch, in one place, before any step: so a sampler
-that ignores the cyclic groups it is given cannot report BandMF's ε.
+that ignores the cyclic groups it is given cannot report BandMF's ε. A
+sampler that states cyclic groups but selects its steps itself
+(`step_indices`) is also drawn for one cycle and refused if a step takes
+an example outside the step's group (a sanity check of the statement, not
+a proof: the built-in selection is tested where it is defined).
 
 Imports nothing of tf_pxg: it reads the sampler and the mechanism by their
 protocols (`tf_pxg.data.samplers.Sampler`,
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Optional
+
+import numpy as np
 
 __all__ = ["Participation", "ParticipationError", "check", "of"]
 
@@ -114,7 +120,9 @@ def check(sampler_or_class, mechanism, where: str) -> Participation:
   Rules (module docstring): the sampler's `min_separation` must be the
   mechanism's (unless the sampler class leaves it to its config); a
   mechanism with a whole-run event needs a certified sampler that takes
-  one (`whole_run_events`). An uncertified sampler (shuffled batches)
+  one (`whole_run_events`); an instance with b > 1 and its own
+  `step_indices` must draw each of its first b steps from that step's
+  group. An uncertified sampler (shuffled batches)
   claims no ε, so only the first rule applies to it.
 
   Args:
@@ -131,6 +139,8 @@ def check(sampler_or_class, mechanism, where: str) -> Participation:
       what each states, and the fix.
   """
   schema = of(sampler_or_class)
+  if not isinstance(sampler_or_class, type):
+    _check_selection(sampler_or_class, where)
   need = int(mechanism.min_separation)
   whole = bool(mechanism.whole_run_event)
   name = _name(sampler_or_class)
@@ -155,3 +165,28 @@ def check(sampler_or_class, mechanism, where: str) -> Participation:
         f"{_note(schema)}) would compose over its steps or epochs. Use "
         "sampling='poisson' for it.")
   return schema
+
+
+def _check_selection(sampler, where: str) -> None:
+  """Draws the first b steps of a sampler with b > 1 groups and its own
+  selection (`step_indices`, eagerly), and refuses it if a step takes an
+  example outside group `step mod b` (`sampler.group_index`)."""
+  b = int(sampler.min_separation)
+  if b <= 1 or sampler.step_indices is None:
+    return
+  import tensorflow as tf  # noqa: PLC0415  (only for such samplers)
+  groups = sampler.group_index.assignment()
+  for step in range(b):
+    key = tf.constant([0, step], tf.int64)
+    drawn = np.asarray(sampler.step_indices(tf.constant(step, tf.int64),
+                                            key), np.int64)
+    outside = drawn[groups[drawn] != step % b]
+    if outside.size:
+      raise ParticipationError(
+          f"{where}: the sampler <{type(sampler).__name__} instance> states "
+          f"cyclic participation with min_separation={b}, but its "
+          f"step_indices drew example {int(outside[0])} (group "
+          f"{int(groups[outside[0]])}) at step {step}, which samples only "
+          f"group {step % b}. Its ε would not hold: make step_indices draw "
+          "step s from group s mod b only (sampler.group_index), or state "
+          "the participation it has (schema).")

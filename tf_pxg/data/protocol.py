@@ -41,11 +41,17 @@ class Sampler:
       `min_separation` None when the config sets it); `participation` is
       the instance's.
 
+    step_indices: None, or a method `step_indices(step, key)`: a masked
+      sampler's own selection (see `PoissonSampler`; None there is the
+      stream's (cyclic) Poisson selection, and a sampler without a
+      stream has none).
+    group_index: the `tf_pxg.data.poisson.GroupIndex` of the cyclic
+      groups (None without groups).
+
   Masked samplers (`PoissonSampler` and its subclasses, whose batches `fit`
   lays out as fixed-shape masked physical batches) also have the layout
-  (`physical_batch_size`, `accumulation_steps`, `num_replicas`), the
-  stream's randomness (`seed`, `secure_mode`, `group_seed`,
-  `group_index`) and `step_indices` (see `PoissonSampler`).
+  (`physical_batch_size`, `accumulation_steps`, `num_replicas`) and the
+  stream's randomness (`seed`, `secure_mode`, `group_seed`).
   """
   privacy_unit: str = "example"
   certified: bool = True
@@ -56,6 +62,8 @@ class Sampler:
   min_separation: int = 1
   schema: participation_lib.Participation = participation_lib.Participation(
       "sampler")
+  step_indices = None
+  group_index = None
 
   num_groups = _renamed.alias("num_groups", "min_separation")
 
