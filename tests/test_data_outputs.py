@@ -508,7 +508,7 @@ def test_noisy_loss_errors_and_saving(tmp_path):
   model = _noisy_loss_model(1.0, dpk.NoisyLoss(2.0, 8.0))
   path = os.path.join(str(tmp_path), "m.keras")
   model.save(path)
-  assert keras.models.load_model(path)._dp_noisy_loss == dpk.NoisyLoss(2.0,
+  assert keras.models.load_model(path).dp_plan.noisy_loss == dpk.NoisyLoss(2.0,
                                                                         8.0)
 
 

@@ -45,8 +45,11 @@ ENGINE_LAYERS = (
 
 # What the engine may import from above it: the tape API's
 # `clipped_gradient_sum` clips with `tf_pxg.dp.clipping.clip_factors`,
-# which imports nothing of tf_pxg (checked below).
-ENGINE_UPWARD = {"tf_pxg.gradient_tape": ("tf_pxg.dp.clipping",)}
+# which imports nothing of tf_pxg but the side-release protocol (its
+# adaptive policy's count), which imports nothing of tf_pxg (checked
+# below).
+ENGINE_UPWARD = {"tf_pxg.gradient_tape": ("tf_pxg.dp.clipping",
+                                          "tf_pxg.dp.releases")}
 
 
 def module_names() -> Dict[str, pathlib.Path]:
@@ -248,4 +251,4 @@ def test_engine_layers():
     assert not above, f"{module} (foundation) imports {sorted(above)}"
   for upward in ENGINE_UPWARD.values():
     for module in upward:
-      assert graph[module] == set(), (module, graph[module])
+      assert graph[module] <= set(upward), (module, graph[module])

@@ -41,9 +41,11 @@ class BatchInfo(NamedTuple):
     mask: `[P]` float32, 1 for a sampled privacy unit, 0 for a padding row
       (which contributes nothing: no gradient, norm, loss or metric).
     step_end: scalar bool, True on the physical batch that ends its logical
-      step (the noise is drawn and the update applied there).
+      step (the noise is drawn and the update applied there); None for a
+      plain batch (`plain`), always a whole step.
     normalizer: scalar float32, what the logical step's noisy sum is
-      divided by: the expected batch size qN, data-independent.
+      divided by: the expected batch size qN, data-independent (a plain
+      batch's realised size).
     weight: optional per-row sample weights (`[P]`, or `[P G]` with
       `row_mask`), the user's `sample_weight`/`class_weight` rows.
     row_mask: optional `[P G]` float32 mask of the rows of units of G
@@ -55,6 +57,21 @@ class BatchInfo(NamedTuple):
   normalizer: Any
   weight: Optional[Any] = None
   row_mask: Optional[Any] = None
+
+  @classmethod
+  def plain(cls, batch_size, weight=None) -> "BatchInfo":
+    """A plain batch (not a sampler's: `train_on_batch` with arrays, Keras'
+    shuffled batches, a custom loop's) as a `BatchInfo`: every one of its
+    `batch_size` rows real, one whole step (`step_end` None), divided by
+    its realised size (this replica's `batch_size`; the DP step
+    all-reduces it under a strategy)."""
+    return cls(mask=tf.ones([batch_size], tf.float32), step_end=None,
+               normalizer=tf.cast(batch_size, tf.float32), weight=weight)
+
+  @property
+  def is_plain(self) -> bool:
+    """Whether this is a plain batch (`plain`): a whole step of real rows."""
+    return self.step_end is None
 
   def to_element(self) -> dict:
     """The wire form: a dict of `[P]` (`[P G]`) float32 tensors."""

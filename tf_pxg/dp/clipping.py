@@ -20,16 +20,19 @@ Policies by name. `POLICIES` maps names to policy classes ("flat",
 "automatic", "quantile_adaptive"); `register(name, cls)` (or
 `@register(name)`) adds one, with the idiom and the errors of every part
 (`tf_pxg.parts.add`), and `get(name)` builds it with its defaults. This
-module imports nothing of tf_pxg (the tape API clips with `clip_factors`,
-below the DP layer: tests/test_import_graph.py), so `register` is written
-out here rather than calling `tf_pxg.parts.add`; tests/test_parts.py
-checks that the two refuse alike.
+module imports nothing of tf_pxg but `tf_pxg.dp.releases` (which imports
+nothing of tf_pxg: the tape API clips with `clip_factors`, below the DP
+layer, tests/test_import_graph.py), so `register` is written out here
+rather than calling `tf_pxg.parts.add`; tests/test_parts.py checks that
+the two refuse alike.
 """
 
 import math
 from typing import Optional
 
 import tensorflow as tf
+
+from tf_pxg.dp import releases
 
 # Norms below this are treated as this, so zero gradients get factor 1.
 _TINY = 1e-12
@@ -67,18 +70,21 @@ class ClippingPolicy:
   The protocol (every member tf_pxg reads, with the defaults of a
   non-adaptive policy): `factors(norms, clip)`, returning `[B]` factors
   with `factor_b * ||g_b|| <= clip` for every finite norm and 0 for a
-  non-finite one, and `get_config()`. An adaptive policy (`adaptive` True)
-  also releases a noisy count each step and moves the clip: the train step
-  reads `resolve_count_stddev`, `unclipped_count` and `next_clip` of it,
-  and of no other policy. The policies are small, immutable settings
-  objects; their state (the adaptive clip) is a `tf.Variable` held by the
-  `tf_pxg.keras.DPOptimizer`.
+  non-finite one, `side_releases(expected_batch_size)` and
+  `get_config()`. An adaptive policy (`adaptive` True) moves the clip: its
+  clip is a `tf.Variable` held by the `tf_pxg.keras.DPOptimizer`
+  (initialised to the plan's `l2_norm_clip`), the state of the one side
+  release it returns with `drives_clip` True (a
+  `tf_pxg.dp.releases.SideRelease`: a noisy statistic of each step's
+  batch, its `next_state` the next clip, e.g. `QuantileCount`); the plan
+  splits σ over the policy's releases with the others'. The policies are
+  small, immutable settings objects.
 
   Attributes:
     name: the policy's registered name (`serialize` saves it; `register`
       sets it on the class).
-    adaptive: whether the clip moves (then the three count methods are
-      read).
+    adaptive: whether the clip moves (a variable, driven by one of its
+      `side_releases`).
   """
 
   name = "policy"
@@ -88,30 +94,13 @@ class ClippingPolicy:
     """`[B]` factors for `[B]` norms and the clip (class docstring)."""
     raise NotImplementedError
 
-  def resolve_count_stddev(self, expected_batch_size: Optional[float]
-                           ) -> Optional[float]:
-    """The count's noise std for a run of expected batch size B (None: no
-    count released, a non-adaptive policy)."""
+  def side_releases(self, expected_batch_size: Optional[float]) -> tuple:
+    """The private side releases each step makes for this policy (a tuple
+    of `tf_pxg.dp.releases.SideRelease`; how many must not depend on
+    `expected_batch_size`, B of the run's sampler, None for a plain
+    batch). Default: none."""
     del expected_batch_size
-    return None
-
-  def unclipped_count(self, norms, clip, mask=None):
-    """`sum_b mask_b (1[||g_b|| <= C] - 1/2)`, float32 (sensitivity 1/2).
-
-    A non-finite norm counts as clipped (-1/2), a data-independent rule
-    whose contribution is still bounded by 1/2. `mask` excludes padding
-    rows (0) of a Poisson physical batch.
-    """
-    norms = tf.cast(norms, tf.float32)
-    within = tf.cast(norms <= tf.cast(clip, tf.float32), tf.float32) - 0.5
-    if mask is not None:
-      within = within * tf.cast(mask, tf.float32)
-    return tf.reduce_sum(within)
-
-  def next_clip(self, clip, noisy_count, normalizer):
-    """The next step's clip, float32 (default: unchanged)."""
-    del noisy_count, normalizer
-    return tf.cast(clip, tf.float32)
+    return ()
 
   def get_config(self) -> dict:
     """The constructor's arguments (JSON-able)."""
@@ -281,6 +270,11 @@ class QuantileAdaptive(ClippingPolicy):
   def factors(self, norms, clip):
     return clip_factors(norms, clip)
 
+  def side_releases(self, expected_batch_size: Optional[float]) -> tuple:
+    """Its count (`QuantileCount`), whose state is the clip."""
+    return (QuantileCount(self, self.resolve_count_stddev(
+        expected_batch_size)),)
+
   def resolve_count_stddev(self, expected_batch_size: Optional[float]) -> float:
     """`count_stddev`, or `expected_batch_size / 20` when not given."""
     if self.count_stddev is not None:
@@ -293,6 +287,19 @@ class QuantileAdaptive(ClippingPolicy):
           "QuantileAdaptive(count_stddev=B / 20).")
     return float(expected_batch_size) / 20.0
 
+  def unclipped_count(self, norms, clip, mask=None):
+    """`sum_b mask_b (1[||g_b|| <= C] - 1/2)`, float32 (sensitivity 1/2).
+
+    A non-finite norm counts as clipped (-1/2), a data-independent rule
+    whose contribution is still bounded by 1/2. `mask` excludes padding
+    rows (0) of a Poisson physical batch.
+    """
+    norms = tf.cast(norms, tf.float32)
+    within = tf.cast(norms <= tf.cast(clip, tf.float32), tf.float32) - 0.5
+    if mask is not None:
+      within = within * tf.cast(mask, tf.float32)
+    return tf.reduce_sum(within)
+
   def next_clip(self, clip, noisy_count, normalizer):
     """`C exp(-eta (noisy_count / n + 1/2 - gamma))`, float32."""
     fraction = noisy_count / tf.cast(normalizer, tf.float32) + 0.5
@@ -303,6 +310,54 @@ class QuantileAdaptive(ClippingPolicy):
     return {"target_quantile": self.target_quantile,
             "learning_rate": self.learning_rate,
             "count_stddev": self.count_stddev}
+
+
+class QuantileCount(releases.SideRelease):
+  """Adaptive clipping's unclipped count (`tf_pxg.clipping.QuantileAdaptive`,
+  Andrew et al. 2021): `sum_b mask_b (1[||g_b|| <= C_t] - 1/2)`,
+  sensitivity 1/2, noise std `count_stddev` (multiplier `2 count_stddev`).
+  Its state is the clip itself: `C_{t+1} = policy.next_clip(C_t, estimate)`
+  (logged as `l2_norm_clip`), the clip the next step uses.
+
+  Args:
+    policy: the `QuantileAdaptive` policy.
+    count_stddev: the count's noise std (resolved from the run's expected
+      batch size when the policy does not fix it).
+  """
+
+  name = "l2_norm_clip"
+  drives_clip = True
+
+  def __init__(self, policy, count_stddev: float):
+    self.policy = policy
+    self.count_stddev = float(count_stddev)
+    self.noise_multiplier = 2.0 * self.count_stddev
+
+  def sensitivity(self, clip) -> float:
+    del clip
+    return 0.5
+
+  def stddev(self, clip) -> float:
+    del clip
+    return self.count_stddev
+
+  def statistic(self, batch: releases.ReleaseBatch) -> tf.Tensor:
+    return self.policy.unclipped_count(batch.norms, batch.clip, batch.mask)
+
+  def initial_state(self, l2_norm_clip: float) -> float:
+    return float(l2_norm_clip)
+
+  def next_state(self, state, estimate):
+    return self.policy.next_clip(state, estimate, 1.0)
+
+  def overuse_hint(self, noise_multiplier: float) -> str:
+    return (f"{self.policy!r}: 2 * count_stddev ({self.noise_multiplier!r}) "
+            f"must exceed noise_multiplier ({noise_multiplier!r}), else the "
+            "count alone would use the whole budget; raise count_stddev "
+            "(Andrew et al. use B / 20).")
+
+  def get_config(self) -> dict:
+    return {"policy": self.policy, "count_stddev": self.count_stddev}
 
 
 def get(identifier) -> ClippingPolicy:

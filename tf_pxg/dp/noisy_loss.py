@@ -26,7 +26,9 @@ mechanism with
 
 The DP step therefore gives the gradient `σ_g = (σ⁻² − z⁻² [− (2σ_b)⁻²])^-1/2`
 (slightly more noise than σ) and the run is accounted with the model's σ,
-unchanged: `PrivacyCallback`'s ε covers the logged loss. Callbacks that read
+unchanged: `PrivacyCallback`'s ε covers the logged loss. `NoisyLoss` is a
+`tf_pxg.dp.releases.SideRelease`: the split is
+`tf_pxg.dp.releases.gradient_noise_multiplier`'s, with the other releases. Callbacks that read
 `loss` (`TerminateOnNaN`, `EarlyStopping`, `ReduceLROnPlateau`) then decide
 on a DP release: post-processing. `z` must exceed σ (else the loss alone
 would use the whole budget); `z = 10 σ` costs the gradient 0.5 % more noise.
@@ -41,8 +43,10 @@ import math
 
 import tensorflow as tf
 
+from tf_pxg.dp import releases
 
-class NoisyLoss:
+
+class NoisyLoss(releases.SideRelease):
   """The noisy, accounted training loss (module doc).
 
   Args:
@@ -57,6 +61,10 @@ class NoisyLoss:
       finite and > 0.
   """
 
+  #: Logged as Keras' `loss` (its loss tracker averages an epoch's steps).
+  name = "loss"
+  stateful = False
+
   def __init__(self, bound: float, noise_multiplier: float):
     for name, value in (("bound", bound),
                         ("noise_multiplier", noise_multiplier)):
@@ -67,21 +75,14 @@ class NoisyLoss:
     self.bound = float(bound)
     self.noise_multiplier = float(noise_multiplier)
 
-  def __repr__(self):
-    return (f"NoisyLoss(bound={self.bound!r}, "
-            f"noise_multiplier={self.noise_multiplier!r})")
+  def sensitivity(self, clip) -> float:
+    """`bound`: each term is in `[0, bound]` (a non-finite one is 0)."""
+    del clip
+    return self.bound
 
-  def __eq__(self, other):
-    return (isinstance(other, NoisyLoss) and
-            self.get_config() == other.get_config())
-
-  def __hash__(self):
-    return hash((self.bound, self.noise_multiplier))
-
-  @property
-  def stddev(self) -> float:
-    """The noise std of the released sum: `noise_multiplier * bound`."""
-    return self.noise_multiplier * self.bound
+  def statistic(self, batch: releases.ReleaseBatch) -> tf.Tensor:
+    """The clamped loss sum of the real, finite examples."""
+    return self.clamped_sum(batch.losses, batch.keep)
 
   def clamped_sum(self, losses: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
     """`sum_b keep_b * min(max(l_b, 0), bound)` as float32.
@@ -96,22 +97,24 @@ class NoisyLoss:
 
   def gradient_noise_multiplier(self, noise_multiplier: float,
                                 *other_multipliers: float) -> float:
-    """σ_g for an accounted σ, given the other releases' multipliers.
+    """σ_g for an accounted σ, given the other releases' multipliers
+    (`tf_pxg.dp.releases.gradient_noise_multiplier`).
 
     Raises:
-      ValueError: if σ⁻² is not larger than the others' share (z <= σ).
+      ValueError: if σ⁻² is not larger than the releases' shares (z <= σ).
     """
-    share = self.noise_multiplier**-2 + sum(m**-2 for m in other_multipliers)
-    remainder = noise_multiplier**-2 - share
-    if remainder <= 0:
-      raise ValueError(
-          f"{self!r} is too noisy a release for noise_multiplier="
-          f"{noise_multiplier!r}: its noise multiplier must exceed the "
-          "model's (with any adaptive clipping count's share), else the "
-          "logged loss alone would use the whole privacy budget. Use "
-          f"noise_multiplier > {noise_multiplier!r}; 10x costs the gradient "
-          "0.5% more noise.")
-    return float(remainder**-0.5)
+    others = [releases.MechanismRelease("a side release", m)
+              for m in other_multipliers]
+    return releases.gradient_noise_multiplier(noise_multiplier,
+                                              [self] + others)
+
+  def overuse_hint(self, noise_multiplier: float) -> str:
+    return (f"{self!r} is too noisy a release for noise_multiplier="
+            f"{noise_multiplier!r}: its noise multiplier must exceed the "
+            "model's (with any adaptive clipping count's share), else the "
+            "logged loss alone would use the whole privacy budget. Use "
+            f"noise_multiplier > {noise_multiplier!r}; 10x costs the "
+            "gradient 0.5% more noise.")
 
   def get_config(self) -> dict:
     return {"bound": self.bound, "noise_multiplier": self.noise_multiplier}

@@ -4,7 +4,13 @@ The plan holds everything the privacy guarantee is computed from: the clip
 `l2_norm_clip`, the noise multiplier sigma, the clipping policy
 (`tf_pxg.clipping`), the noise mechanism setting (`None`, a
 `tf_pxg.mf.BandedToeplitz`, or a `tf_pxg.dp.mechanisms.NoiseMechanism`),
-secure mode, the sampling and the accountant ("rdp" or "pld").
+secure mode, the sampling, the accountant ("rdp" or "pld"), and the
+private side releases made with the gradient on the same batch (the noisy
+training loss, `noisy_loss`, and any others, `side_releases`; a
+`QuantileAdaptive` policy's count and a sparse mechanism's selection are
+the policy's and the mechanism's). `step_noise` derives the step's noise
+multipliers from them: the one place σ is split
+(`tf_pxg.dp.releases.gradient_noise_multiplier`).
 
 The sampling has two fields, because a sampler instance is built from the
 data and the model (N, the replicas, the cyclic groups) and so cannot be
@@ -37,16 +43,49 @@ jax-privacy's `DPExecutionPlan` and Opacus' `DPOptimizer` are the anchors.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 from tf_pxg.data import samplers
 from tf_pxg.dp import clipping as clipping_policies
 from tf_pxg.dp import mechanisms
+from tf_pxg.dp import releases as releases_lib
 
-__all__ = ["ACCOUNTANTS", "DPPlan"]
+__all__ = ["ACCOUNTANTS", "DPPlan", "StepNoise"]
 
 #: The accountants `tf_pxg.accounting` offers.
 ACCOUNTANTS = ("rdp", "pld")
+
+
+class StepNoise(NamedTuple):
+  """The noise multipliers of one step, derived from the plan.
+
+  Attributes:
+    gradient: σ_g, the gradient noise's multiplier (the accounted σ less
+      the side releases' shares; σ itself without side releases).
+    releases: the side releases the step computes and noises itself (in
+      order: the clipping policy's, `noisy_loss`, `side_releases`); those
+      a mechanism draws are only in the split.
+  """
+  gradient: float
+  releases: Tuple[releases_lib.SideRelease, ...]
+
+
+def _check_releases(side_releases) -> tuple:
+  side_releases = tuple(side_releases or ())
+  for release in side_releases:
+    if (not isinstance(release, releases_lib.SideRelease) or
+        release.drawn_by_mechanism or not release.stateful):
+      raise TypeError(
+          "DPPlan: side_releases must be stateful tf_pxg.dp.releases."
+          "SideRelease instances computed by the step (the noisy training "
+          f"loss goes in noisy_loss=); got {release!r}.")
+  names = [r.name for r in side_releases]
+  if len(set(names)) != len(names) or {"loss", "l2_norm_clip"} & set(names):
+    raise ValueError(f"DPPlan: side releases need distinct names (their "
+                     "log keys), other than 'loss' and 'l2_norm_clip' "
+                     f"(the noisy loss's and the adaptive clip's); got "
+                     f"{names}.")
+  return side_releases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +105,9 @@ class DPPlan:
       (the owner's plan; `model.dp_plan` holds the one `fit` built).
     accountant: "rdp" or "pld" (`PrivacyCallback`'s, unless it is given
       one).
+    noisy_loss: a `tf_pxg.keras.NoisyLoss` (the logged training loss, a
+      side release), or None.
+    side_releases: more `tf_pxg.dp.releases.SideRelease`s (a tuple).
 
   Raises:
     ValueError: an unknown accountant or sampling (an instance included),
@@ -80,12 +122,22 @@ class DPPlan:
   sampling: Optional[type] = None
   sampler: Any = None
   accountant: str = "rdp"
+  noisy_loss: Any = None
+  side_releases: tuple = ()
 
   def __post_init__(self):
     object.__setattr__(self, "clipping",
                        clipping_policies.get(self.clipping))
     object.__setattr__(self, "sampling",
                        samplers.choice(self.sampling, "DPPlan"))
+    if self.noisy_loss is not None:
+      from tf_pxg.dp.noisy_loss import NoisyLoss  # noqa: PLC0415
+      if not isinstance(self.noisy_loss, NoisyLoss):
+        raise TypeError(
+            "noisy_loss must be None or a tf_pxg.keras.NoisyLoss(bound, "
+            f"noise_multiplier); got {self.noisy_loss!r}.")
+    object.__setattr__(self, "side_releases",
+                       _check_releases(self.side_releases))
     if self.accountant not in ACCOUNTANTS:
       raise ValueError(f"DPPlan: accountant must be one of {ACCOUNTANTS}; "
                        f"got {self.accountant!r}.")
@@ -103,6 +155,59 @@ class DPPlan:
   def mechanism(self) -> mechanisms.NoiseMechanism:
     """The `NoiseMechanism` the step runs (secure mode wraps it)."""
     return mechanisms.from_setting(self.noise_mechanism, self.secure_mode)
+
+  def releases(self, expected_batch_size: Optional[float]
+               ) -> Tuple[releases_lib.SideRelease, ...]:
+    """Every private side release of a step, in the split's order: the
+    clipping policy's (adaptive clipping's count, whose noise depends on
+    the expected batch size B of the run's sampler; None: a plain batch),
+    then `_other_releases`."""
+    return (tuple(self.clipping.side_releases(expected_batch_size)) +
+            self._other_releases())
+
+  def _other_releases(self) -> Tuple[releases_lib.SideRelease, ...]:
+    """`noisy_loss`, `side_releases`, then the mechanism's (drawn by it):
+    the releases known before the run's batch size is."""
+    own = () if self.noisy_loss is None else (self.noisy_loss,)
+    mechanism = tuple(releases_lib.MechanismRelease(
+        f"{self.noise_mechanism!r}'s selection", m,
+        f"Raise the selection_noise_multiplier of {self.noise_mechanism!r} "
+        "above noise_multiplier (a few times it leaves most of the budget "
+        "to the gradient).")
+                      for m in self.mechanism.side_multipliers())
+    return own + self.side_releases + mechanism
+
+  def step_noise(self, expected_batch_size: Optional[float]) -> StepNoise:
+    """σ_g and the step's own side releases (`StepNoise`); with no noise
+    (σ = 0) the releases are not noised either.
+
+    Raises:
+      ValueError: the side releases would use the whole budget (named),
+        or adaptive clipping's count noise is unknown (no expected batch
+        size and no `count_stddev`).
+    """
+    every = self.releases(expected_batch_size)
+    sigma = self.noise_multiplier or 0.0
+    gradient = releases_lib.gradient_noise_multiplier(sigma, every, "DPPlan")
+    return StepNoise(gradient, tuple(r for r in every
+                                     if not r.drawn_by_mechanism))
+
+  @property
+  def num_step_releases(self) -> int:
+    """How many side releases the step computes itself (`step_noise`'s
+    `releases`): the accumulator's extra scalar sums."""
+    # How many a policy releases does not depend on the batch size.
+    return (len(self.clipping.side_releases(1.0)) +
+            int(self.noisy_loss is not None) + len(self.side_releases))
+
+  def check_budget(self) -> None:
+    """Raises ValueError now if the side releases known before the run
+    (`_other_releases`) would use the whole budget; with adaptive
+    clipping's count, whose noise may depend on the run's batch size,
+    `step_noise` checks them all at the first step."""
+    if self.noise_multiplier:
+      releases_lib.gradient_noise_multiplier(
+          self.noise_multiplier, self._other_releases(), "DPPlan")
 
   @property
   def num_bands(self) -> int:

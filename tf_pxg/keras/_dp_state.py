@@ -19,6 +19,10 @@ optimizer, in the strategy scope Keras builds optimizers in:
   the b groups (`tf_pxg.data.PoissonSampler(group_seed=...)`), which must
   stay the same for the whole run, resumed fits included. It is read in
   Python only (by `fit`'s sampler), never in the train step;
+- `releases`: one float32 scalar per stateful side release of the plan's
+  `side_releases` (`tf_pxg.dp.releases.SideRelease.initial_state`, then
+  `next_state` of each applied step's noisy release; `ONLY_FIRST_REPLICA`,
+  like the clip, which is the adaptive count's state);
 - `ledger`: the model's privacy ledger (`tf_pxg.dp.ledger`), its JSON in
   an int32 variable of `LEDGER_BYTES / 4` words (4 bytes a word,
   zero-padded; int32 because the collectives that broadcast a variable's
@@ -54,6 +58,7 @@ class DPState(tf.Module):
     self.noise: Any = None  # the noise mechanism's state
     self._noise_keys = None  # ids of the variables `noise` was made for
     self._noise_buffers = []  # tracked list of the state's variables
+    self.releases = {}  # side release name -> its state variable
     self.group_seed: Optional[tf.Variable] = None
     self._ledger = ledger_lib.PrivacyLedger()
     self._ledger_var: Optional[tf.Variable] = None
@@ -70,8 +75,18 @@ class DPState(tf.Module):
             secrets.randbits(62), dtype=tf.int64, trainable=False,
             name="dp_group_seed")
 
-  def build(self, var_list, clipping, noise_mechanism, l2_norm_clip):
-    """Creates what `clipping` and `noise_mechanism` need (once)."""
+  def build(self, var_list, plan):
+    """Creates what the plan's clipping policy, side releases and noise
+    mechanism need (once; the noise state again for other variables)."""
+    clipping, noise_mechanism = plan.clipping, plan.noise_mechanism
+    l2_norm_clip = plan.l2_norm_clip
+    for release in plan.side_releases:
+      if release.name not in self.releases:
+        self.releases[release.name] = tf.Variable(
+            float(release.initial_state(l2_norm_clip)), dtype=tf.float32,
+            trainable=False,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            name=f"dp_{release.name}")
     if clipping is not None and clipping.adaptive and self.clip is None:
       self.clip = tf.Variable(
           float(l2_norm_clip), dtype=tf.float32, trainable=False,
@@ -95,7 +110,18 @@ class DPState(tf.Module):
     out = [] if self.clip is None else [self.clip]
     out += [] if self.group_seed is None else [self.group_seed]
     out += [] if self._ledger_var is None else [self._ledger_var]
-    return out + list(self._noise_buffers)
+    return out + list(self._noise_buffers) + list(self.releases.values())
+
+  def release_states(self, releases) -> tuple:
+    """The state variable of each of the step's `releases` (the adaptive
+    count's is the clip; None for the stateless `NoisyLoss`)."""
+    def state(release):
+      if not release.stateful:
+        return None
+      if release.drives_clip:
+        return self.clip
+      return self.releases[release.name]
+    return tuple(state(r) for r in releases)
 
   @property
   def privacy_ledger(self) -> ledger_lib.PrivacyLedger:

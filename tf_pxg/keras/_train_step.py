@@ -62,7 +62,6 @@ import keras
 import tensorflow as tf
 
 from tf_pxg import _compat
-from tf_pxg.dp import mechanisms as dp_mechanisms
 from tf_pxg.dp import noise as dp_noise
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
@@ -190,34 +189,43 @@ def _regularization(model, variables):
   return reg_loss, reg_tape.gradient(reg_loss, variables)
 
 
-class Mechanism(NamedTuple):
-  """The parts of the DP plan a step composes beyond the clip value.
+class StepParts(NamedTuple):
+  """The DP plan's parts one step composes; always all present (the
+  default clipping is `Flat`, the default mechanism `IndependentGaussian`).
+
+  Built by the model from its plan (`tf_pxg.dp.plan.DPPlan.step_noise`
+  derives the multipliers); the stages below read nothing else.
 
   Attributes:
     clipping: the `tf_pxg.clipping` policy.
-    clip_variable: the adaptive clip's variable (`QuantileAdaptive`), else
-      None (the clip is the Python `l2_norm_clip`).
-    count_stddev: the unclipped count's noise std (adaptive), else 0.
-    gradient_noise_multiplier: sigma_g, the gradient noise's multiplier:
-      the accounted `noise_multiplier` sigma, or with adaptive clipping
-      `(sigma^-2 - (2 count_stddev)^-2)^-1/2` (Andrew et al., Theorem 1),
-      less the noisy loss's share `z^-2` too when there is one.
-    noise: the `tf_pxg.dp.mechanisms.NoiseMechanism` (independent, BandMF,
-      secure, ...); the step calls its `add` and nothing else about it.
-    noise_state: its state (`noise.init_state(...)`, held by the
-      `DPOptimizer`), or None.
+    clip: the clip in use: the plan's `l2_norm_clip` (a float), or the
+      adaptive clip's state variable.
+    noise_multiplier: σ, the accounted multiplier (0: no noise, the side
+      releases are then not noised either).
+    gradient_noise_multiplier: σ_g, the gradient's share of σ after the
+      side releases' (`tf_pxg.dp.releases`).
+    noise: the `tf_pxg.dp.mechanisms.NoiseMechanism`; the step calls its
+      `prepare` and `add` and nothing else about it.
+    noise_state: its state (held by the `DPOptimizer`), or None.
     optimizer: the optimizer whose `iterations` index the steps.
-    noisy_loss: the `tf_pxg.dp.noisy_loss.NoisyLoss` released and logged
-      as `loss`, else None.
+    releases: the step's own `tf_pxg.dp.releases.SideRelease`s.
+    release_states: their state variables (held by the `DPOptimizer`), one
+      per release, None for a stateless one (`NoisyLoss`).
   """
   clipping: Any
-  clip_variable: Optional[tf.Variable]
-  count_stddev: float
+  clip: Any
+  noise_multiplier: float
   gradient_noise_multiplier: float
   noise: Any
   noise_state: Any
   optimizer: Any
-  noisy_loss: Any = None
+  releases: tuple = ()
+  release_states: tuple = ()
+
+  def clip_value(self):
+    """The clip as a tensor or float (the variable's value if adaptive)."""
+    return (self.clip.read_value() if isinstance(self.clip, tf.Variable)
+            else self.clip)
 
 
 class ReplicaGradients(NamedTuple):
@@ -238,20 +246,17 @@ class ReplicaGradients(NamedTuple):
     x, y, y_pred, sample_weight, losses, mask, reg_loss: for the loss and
       metric trackers (`mask` None for a plain batch; for units of several
       rows the pair `(unit mask [P], row mask [P G])`, `losses` per unit).
-    count: adaptive clipping's noisy unclipped count (this replica's share,
-      meaningful at a step's end), else None.
-    count_normalizer: the divisor for `count` and `loss_sum` (qN, or this
-      replica's example count of a plain batch; all-reduced in
-      `dp_apply`).
-    mechanism: the step's `Mechanism` when `dp_apply` needs it (an
-      adaptive clip to update), else None: a result that holds only
-      tensors can be returned from a `tf.function` (a custom loop's
-      compiled `dp_gradients`).
+    released: the side releases' noisy sums (this replica's shares,
+      meaningful at a step's end), in `StepParts.releases` order.
+    release_normalizer: their divisor (qN, or this replica's example count
+      of a plain batch; all-reduced in `dp_apply`), None without releases.
+    parts: the step's `StepParts` when `dp_apply` needs them (side releases
+      to publish), else None: a result that holds only tensors can be
+      returned from a `tf.function` (a custom loop's compiled
+      `dp_gradients`).
     finite: `[B]` (or `[P]` units) bool: the example's loss and gradient
       norm are finite (its clip factor was not zeroed); for the opt-in
       unprotected metrics, which must never see a non-finite example.
-    loss_sum: `tf_pxg.dp.noisy_loss.NoisyLoss`'s noisy clamped loss sum
-      (this replica's share, meaningful at a step's end), else None.
   """
   grads: list
   normalizer: tf.Tensor
@@ -264,34 +269,213 @@ class ReplicaGradients(NamedTuple):
   losses: tf.Tensor
   mask: Optional[tf.Tensor]
   reg_loss: tf.Tensor
-  count: Optional[tf.Tensor] = None
-  count_normalizer: Optional[tf.Tensor] = None
-  mechanism: Optional[Mechanism] = None
+  released: tuple = ()
+  release_normalizer: Optional[tf.Tensor] = None
+  parts: Optional[StepParts] = None
   finite: Optional[tf.Tensor] = None
-  loss_sum: Optional[tf.Tensor] = None
 
 
-def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
-                 noise_multiplier: float, generator: tf.random.Generator,
-                 accumulator_for=None,
-                 mechanism: Optional[Mechanism] = None,
+class Forward(NamedTuple):
+  """The forward stage's result (`forward_losses`).
+
+  Attributes:
+    x, y, y_pred, sample_weight: the batch and the model's outputs.
+    info: the batch's `tf_pxg.data.BatchInfo` (a plain batch's too).
+    losses: `[B]` per-example (per-unit) losses, padding rows constant 0.
+    target: what the backward pass differentiates (`losses`, times the
+      loss scale under mixed_float16).
+    scale: the loss scale, or None.
+    tape: the `tf_pxg.GradientTape` that recorded the forward pass.
+    variables: the trainable variables (read after the forward pass: a
+      lazily built model makes them in its first call).
+  """
+  x: Any
+  y: Any
+  y_pred: Any
+  sample_weight: Any
+  info: Any
+  losses: tf.Tensor
+  target: tf.Tensor
+  scale: Any
+  tape: Any
+  variables: list
+
+
+class Clipped(NamedTuple):
+  """The clip stage's result: this physical batch's clipped sums (one per
+  variable, then one per side release) and the per-example norms."""
+  sums: list
+  norms: tf.Tensor
+  finite: tf.Tensor
+
+
+def forward_losses(model: keras.Model, data, loss_scale=None) -> Forward:
+  """Stage 1: the forward pass under a `tf_pxg.GradientTape`, per-example
+  (per-unit) losses, padding rows' losses replaced by a constant (zero
+  gradient and norm), and the checks of what the forward pass did.
+
+  `data` is `(x, y, sample_weight)`; `sample_weight` may be the wire form
+  of a sampler's `BatchInfo` (`tf_pxg.data`), else the batch is plain
+  (`BatchInfo.plain`).
+
+  Raises:
+    ValueError: the forward pass mixes examples, writes state, or has a
+      data-dependent loss (named by `_validation`).
+  """
+  from tf_pxg.data.batch_info import BatchInfo  # noqa: PLC0415
+
+  x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+  # The one place the wire dict becomes the typed info.
+  info = BatchInfo.from_element(sample_weight)
+  if info is not None:
+    sample_weight = info.weight
+  # Eagerly a refused write has already run when it is seen: keep the
+  # state to put back (in a graph the refusal comes at trace time).
+  before = _eager_state(model)
+  with GradientTape() as tape:
+    if _compat.call_has_training_arg(model):
+      y_pred = model(x, training=True)
+    else:
+      y_pred = model(x)
+    losses = pe_losses.per_example_losses(model, y, y_pred, sample_weight)
+    if info is None:
+      info = BatchInfo.plain(tf.shape(losses)[0], sample_weight)
+    if info.row_mask is not None:
+      # Privacy units of G contiguous rows (augmult copies, a user's
+      # examples): the unit's loss is the mean of its real rows' losses, so
+      # its gradient is the mean of theirs, clipped as one. The engine takes
+      # a `[P]` target over `[P G]` rows in one backward pass.
+      row_mask = tf.cast(info.row_mask, losses.dtype)
+      rows = tf.where(row_mask > 0, losses, tf.zeros_like(losses))
+      units = tf.shape(info.mask)[0]
+      rows = tf.reshape(rows, [units, -1])
+      per_unit = tf.reshape(row_mask, [units, -1])
+      losses = tf.reduce_sum(rows, axis=1) / tf.maximum(
+          tf.reduce_sum(per_unit, axis=1), 1.0)
+    if not info.is_plain:
+      # A padding row's loss is replaced by a constant: its output gradient,
+      # hence its per-example gradient and norm, are exactly zero.
+      mask = tf.cast(info.mask, losses.dtype)
+      losses = tf.where(mask > 0, losses, tf.zeros_like(losses))
+    scale, target = None, losses
+    if loss_scale is not None:  # mixed_float16: see dp_gradients
+      scale = tf.cast(loss_scale.scale_loss(1.0), losses.dtype)
+      target = losses * scale
+  variables = list(model.trainable_variables)
+  _validation.check_no_data_dependent_losses(model)
+  with _restored_on_error(before):
+    _validation.check_forward_side_effects(model, tape, data)
+  return Forward(x, y, y_pred, sample_weight, info, losses, target, scale,
+                 tape, variables)
+
+
+def clip(model: keras.Model, forward: Forward, parts: StepParts,
+         xla: bool) -> Clipped:
+  """Stage 2: per-example clipping in one backward pass
+  (`tf_pxg.GradientTape.clipped_gradient_sum` with the plan's policy),
+  then the side releases' statistics on the same batch (un-noised sums,
+  appended after the variables' sums)."""
+  info, variables = forward.info, forward.variables
+  clip_value = parts.clip_value()
+  # A mechanism may read the recorded batch before the gradient drops it
+  # (sparse embedding rows: the ids each example gathers,
+  # tf_pxg.dp.sparse_selection); a no-op for the others.
+  parts.noise.prepare(
+      forward.tape, variables, model=model,
+      batch_size=tf.shape(forward.losses)[0],
+      mask=None if info.is_plain else info.mask, step_end=info.step_end,
+      xla=xla)
+  # A non-finite example's clip factor is 0 there: nothing to check here.
+  sums, norms = forward.tape.clipped_gradient_sum(
+      forward.target, variables, clip_value, clipping=parts.clipping,
+      gradient_scale=forward.scale)
+  # An embedding's sum stays `IndexedSlices` up to the noise, which adds
+  # its rows inside the fused noise loop (tf_pxg.dp.threefry).
+  sums = [tf.zeros_like(v) if s is None else s
+          for s, v in zip(sums, variables)]
+  # Audits only: gradient canaries join the clipped sum through the hook
+  # `tf_pxg.audit.gradient_canaries.attach` sets on the model (none
+  # attached: `sums` unchanged at trace time). Read from the model, so
+  # keras does not import audit (which imports keras).
+  canary_hook = model.__dict__.get(CLIPPED_SUM_HOOK)
+  if canary_hook is not None:
+    sums = canary_hook(model, sums, variables,
+                       None if info.is_plain else info, clip_value,
+                       parts.clipping)
+  finite = tf.logical_and(tf.math.is_finite(forward.losses),
+                          tf.math.is_finite(norms))
+  from tf_pxg.dp import releases  # noqa: PLC0415
+  batch = releases.ReleaseBatch(forward.losses, norms, clip_value,
+                                tf.cast(info.mask, tf.float32), finite)
+  statistics = [r.statistic(batch) for r in parts.releases]
+  return Clipped(sums + statistics, norms, finite)
+
+
+def accumulate(model: keras.Model, clipped: Clipped, info, variables,
+               num_scalars: int, xla: bool) -> list:
+  """Stage 3: a Poisson logical step's running totals over its physical
+  batches (`tf_pxg.dp.accumulation.LogicalStepAccumulator`, the model's);
+  a plain batch is a whole step, passed through."""
+  if info.is_plain:
+    return clipped.sums
+  return model._dp_accumulator_for(variables, num_scalars).step(  # pylint: disable=protected-access
+      [dp_noise.densify(s) for s in clipped.sums], info.step_end,
+      branchless=xla)
+
+
+def privatize(model: keras.Model, parts: StepParts, totals: list, info,
+              generator, xla: bool):
+  """Stage 4: the noise, drawn once per logical step (at its end, or at
+  every physical batch under XLA, used only at the end): `noise.add` on
+  the gradient sums with σ_g, and each side release's Gaussian on its
+  sum. Returns `(noisy sums, normalizer left to dp_apply or None, noisy
+  releases)`.
+
+  The divisor is known here for a Poisson step (qN) or the only replica's
+  plain batch: the mechanism divides in its noise pass (one pass over the
+  weights fewer); otherwise `dp_apply` divides by the all-reduced batch
+  size. With no noise the sums are divided in `dp_apply` (dividing them
+  here, outside the apply's conditional, fails in Keras' graph apply for
+  weight-regularized models,
+  tests/test_keras_dp.py::test_weight_regularizer_added_unclipped).
+  """
+  replicas = _num_replicas()
+  draw = None if xla else info.step_end
+  source = parts.noise.noise_source(generator)
+  count = len(parts.releases)
+  sums, tail = totals[:len(totals) - count], totals[len(totals) - count:]
+  clip_value = parts.clip_value()
+  released = tuple(
+      _noisy_scalar(value, r.stddev(clip_value) if parts.noise_multiplier
+                    else None, source, replicas, draw)
+      for r, value in zip(parts.releases, tail))
+  divide = bool(parts.noise_multiplier) and (not info.is_plain or
+                                             replicas == 1)
+  normalizer = info.normalizer
+  noisy = _add_noise(model, parts, sums, clip_value,
+                     normalizer if divide else None, source, replicas,
+                     info.step_end, draw)
+  return noisy, None if divide else normalizer, released
+
+
+def dp_gradients(model: keras.Model, data, parts: StepParts,
+                 generator: tf.random.Generator,
                  loss_scale=None) -> ReplicaGradients:
   """The replica-local part of a DP step: no cross-replica communication.
 
-  Forward pass, per-example losses, flat per-example clipping, the logical
-  step's accumulation and the noise (drawn only at a step's end);
-  `dp_apply` normalises. It holds no synchronisation point, so it compiles
-  as one XLA program per replica under any strategy (`tf.function(...,
-  jit_compile=True)`), including MirroredStrategy on CPUs, whose optimizer
-  step still needs `merge_call`.
+  The stages, each a function of this module: `forward_losses` ->
+  `clip` -> `accumulate` -> `privatize`; `dp_apply` then normalises,
+  publishes the side releases and applies. It holds no synchronisation
+  point, so it compiles as one XLA program per replica under any strategy
+  (`tf.function(..., jit_compile=True)`), including MirroredStrategy on
+  CPUs, whose optimizer step still needs `merge_call`.
 
   `data` is `(x, y, sample_weight)`. When `sample_weight` is the `info` dict
   of a Poisson physical batch (`tf_pxg.data`), padding rows are masked out,
-  the clipped sums accumulate until the batch that ends the logical step,
-  and the noisy sum is to be divided by the expected batch size; then
-  `accumulator_for(variables)` must return the model's
-  `tf_pxg.dp.accumulation.LogicalStepAccumulator`. Otherwise the batch is
-  one logical step, to be divided by its realised global size.
+  the clipped sums accumulate until the batch that ends the logical step
+  (in the model's `LogicalStepAccumulator`), and the noisy sum is to be
+  divided by the expected batch size. Otherwise the batch is one logical
+  step, to be divided by its realised global size.
 
   `loss_scale` (mixed_float16): the `keras.optimizers.LossScaleOptimizer`
   Keras compiled the model with. The backward pass runs on the per-example
@@ -306,159 +490,37 @@ def dp_gradients(model: keras.Model, data, l2_norm_clip: float,
   overflow (the sum of zeroed examples is finite), so neither happens and
   the step and S are data-independent.
 
-  `mechanism` (None: DP-SGD with flat clipping and independent noise)
-  brings a clipping policy (automatic; adaptive, whose clip is a variable
-  and whose unclipped count is accumulated with the sums and noised with
-  them) and the `tf_pxg.dp.mechanisms.NoiseMechanism` with its state. The
-  step composes clip -> `noise.add` -> normalise and never asks which
-  mechanism it has: the step index is `optimizer.iterations`, and a step
-  that will not be applied (not a logical step's end, past the step
-  limit) passes `write=False`, so a stateful mechanism (BandMF's buffers)
-  keeps its state.
+  `parts` (`StepParts`) brings the clipping policy (automatic; adaptive,
+  whose clip is a variable), the side releases (accumulated with the sums
+  and noised with them) and the `tf_pxg.dp.mechanisms.NoiseMechanism`
+  with its state. The step never asks which mechanism it has: the step
+  index is `optimizer.iterations`, and a step that will not be applied
+  (not a logical step's end, past the step limit) passes `write=False`, so
+  a stateful mechanism (BandMF's buffers) keeps its state.
   """
-  from tf_pxg.data.batch_info import BatchInfo  # noqa: PLC0415
-
   # Under the model's XLA compilation, selects replace the conditionals and
   # the noise is drawn at every physical batch (used only at a step's end):
   # on CPU an XLA conditional copies every tensor it passes.
   xla = bool(getattr(model, "jit_compile", False))
-  x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-  # The one place the wire dict becomes the typed info (None: a plain batch).
-  info = BatchInfo.from_element(sample_weight)
-  if info is not None:
-    sample_weight = info.weight
-  # Eagerly a refused write has already run when it is seen: keep the
-  # state to put back (in a graph the refusal comes at trace time).
-  before = _eager_state(model)
-  with GradientTape() as tape:
-    if _compat.call_has_training_arg(model):
-      y_pred = model(x, training=True)
-    else:
-      y_pred = model(x)
-    losses = pe_losses.per_example_losses(model, y, y_pred, sample_weight)
-    row_mask = None
-    if info is not None and info.row_mask is not None:
-      # Privacy units of G contiguous rows (augmult copies, a user's
-      # examples): the unit's loss is the mean of its real rows' losses, so
-      # its gradient is the mean of theirs, clipped as one. The engine takes
-      # a `[P]` target over `[P G]` rows in one backward pass.
-      row_mask = tf.cast(info.row_mask, losses.dtype)
-      rows = tf.where(row_mask > 0, losses, tf.zeros_like(losses))
-      units = tf.shape(info.mask)[0]
-      rows = tf.reshape(rows, [units, -1])
-      per_unit = tf.reshape(row_mask, [units, -1])
-      losses = tf.reduce_sum(rows, axis=1) / tf.maximum(
-          tf.reduce_sum(per_unit, axis=1), 1.0)
-    if info is not None:
-      # A padding row's loss is replaced by a constant: its output gradient,
-      # hence its per-example gradient and norm, are exactly zero.
-      mask = tf.cast(info.mask, losses.dtype)
-      losses = tf.where(mask > 0, losses, tf.zeros_like(losses))
-    scale = None
-    target = losses
-    if loss_scale is not None:  # mixed_float16: see the docstring
-      scale = tf.cast(loss_scale.scale_loss(1.0), losses.dtype)
-      target = losses * scale
-  # Read after the forward pass: a lazily built model (e.g. a Sequential
-  # without an Input) creates its variables in its first call.
-  variables = list(model.trainable_variables)
-  _validation.check_no_data_dependent_losses(model)
-  with _restored_on_error(before):
-    _validation.check_forward_side_effects(model, tape, data)
-  clipping = None if mechanism is None else mechanism.clipping
-  clip_variable = None if mechanism is None else mechanism.clip_variable
-  clip = l2_norm_clip if clip_variable is None else clip_variable.read_value()
-  if mechanism is not None:
-    # A mechanism may read the recorded batch before the gradient drops it
-    # (sparse embedding rows: the ids each example gathers,
-    # tf_pxg.dp.sparse_selection); a no-op for the others.
-    mechanism.noise.prepare(
-        tape, variables, model=model, batch_size=tf.shape(losses)[0],
-        mask=None if info is None else info.mask,
-        step_end=None if info is None else info.step_end,
-        xla=xla)
-  # A non-finite example's clip factor is 0 there: nothing to check here.
-  sums, norms = tape.clipped_gradient_sum(target, variables, clip,
-                                          clipping=clipping,
-                                          gradient_scale=scale)
-  # An embedding's sum stays `IndexedSlices` up to the noise, which adds
-  # its rows inside the fused noise loop (tf_pxg.dp.threefry).
-  sums = [tf.zeros_like(v) if s is None else s
-          for s, v in zip(sums, variables)]
-  # Audits only: gradient canaries join the clipped sum through the hook
-  # `tf_pxg.audit.gradient_canaries.attach` sets on the model (none
-  # attached: `sums` unchanged at trace time). Read from the model, so
-  # keras does not import audit (which imports keras).
-  canary_hook = model.__dict__.get(CLIPPED_SUM_HOOK)
-  if canary_hook is not None:
-    sums = canary_hook(model, sums, variables, info, clip, clipping)
-  replicas = _num_replicas()
+  forward = forward_losses(model, data, loss_scale)
+  info, variables = forward.info, forward.variables
+  clipped = clip(model, forward, parts, xla)
+  totals = accumulate(model, clipped, info, variables, len(parts.releases),
+                      xla)
+  noisy, normalizer, released = privatize(model, parts, totals, info,
+                                          generator, xla)
   # Data-independent weight regularizers: unclipped, un-noised, once per
   # logical step (divided by R: the all-reduce sums the replicas' copies).
   reg_loss, reg_grads = _regularization(model, variables)
-
-  finite = tf.logical_and(tf.math.is_finite(losses), tf.math.is_finite(norms))
-  # Private scalars released with the sum, each `(value, noise std)`,
-  # accumulated and noised as the gradient is: adaptive clipping's count,
-  # the noisy training loss.
-  scalars = {}
-  if clip_variable is not None:  # adaptive: sum_b (1[||g_b|| <= C] - 1/2)
-    scalars["count"] = (clipping.unclipped_count(
-        norms, clip, None if info is None else info.mask),
-                        mechanism.count_stddev)
-  if mechanism is not None and mechanism.noisy_loss is not None:
-    keep = finite if info is None else tf.logical_and(
-        finite, info.mask > 0)
-    scalars["loss_sum"] = (mechanism.noisy_loss.clamped_sum(losses, keep),
-                           mechanism.noisy_loss.stddev)
-  sums = sums + [value for value, _ in scalars.values()]
-  if info is None:
-    step_end, mask = None, None
-    normalizer = tf.cast(tf.shape(losses)[0], tf.float32)
-  else:
-    step_end = info.step_end
-    normalizer = info.normalizer
-    sums = accumulator_for(variables).step(
-        [dp_noise.densify(s) for s in sums], step_end, branchless=xla)
-    mask = info.mask
-    if row_mask is not None:
-      mask = (mask, info.row_mask)  # per unit, per row (metrics)
-  draw = None if xla else step_end
-  noise = dp_mechanisms.IndependentGaussian() if mechanism is None else \
-      mechanism.noise
-  source = noise.noise_source(generator)
-  released = {}
-  if scalars:
-    sums, tail = sums[:-len(scalars)], sums[-len(scalars):]
-    released = {name: _noisy_scalar(value, stddev, source, replicas, draw)
-                for (name, (_, stddev)), value in zip(scalars.items(), tail)}
-  if mechanism is not None and noise_multiplier:
-    # The gradient's share of the accounted noise (adaptive clipping keeps
-    # the rest for the count), times the clip in use.
-    noise_multiplier = mechanism.gradient_noise_multiplier
-  # clip -> mechanism -> normalise. The divisor is known here for a Poisson
-  # step (qN) or the only replica's batch: the mechanism divides in its
-  # noise pass (one pass over the weights fewer); otherwise `dp_apply`
-  # divides by the all-reduced batch size.
-  # With no noise the sums are divided in `dp_apply` (as before the
-  # mechanisms were parts): dividing them here, outside the apply's
-  # conditional, fails in Keras' graph apply for weight-regularized models
-  # (tests/test_keras_dp.py::test_weight_regularizer_added_unclipped).
-  divide = bool(noise_multiplier) and (info is not None or replicas == 1)
-  noisy = _add_noise(model, noise, mechanism, sums, clip, noise_multiplier,
-                     normalizer if divide else None, source, replicas,
-                     step_end, draw)
-  normalizer = None if divide else normalizer
-  reg_grads = [None if r is None else r / replicas for r in reg_grads]
-  count_normalizer = None
-  if released:
-    count_normalizer = (info.normalizer if info is not None else
-                        tf.cast(tf.shape(losses)[0], tf.float32))
-  return ReplicaGradients(noisy, normalizer, reg_grads, step_end, x, y,
-                          y_pred, sample_weight, losses, mask, reg_loss,
-                          released.get("count"), count_normalizer,
-                          None if clip_variable is None else mechanism,
-                          finite, released.get("loss_sum"))
+  reg_grads = [None if r is None else r / _num_replicas() for r in reg_grads]
+  mask = None if info.is_plain else info.mask
+  if info.row_mask is not None:
+    mask = (mask, info.row_mask)  # per unit, per row (metrics)
+  return ReplicaGradients(
+      noisy, normalizer, reg_grads, info.step_end, forward.x, forward.y,
+      forward.y_pred, forward.sample_weight, forward.losses, mask, reg_loss,
+      released, info.normalizer if released else None,
+      parts if released else None, clipped.finite)
 
 
 def _eager_state(model):
@@ -482,8 +544,10 @@ def _restored_on_error(state):
 
 def _noisy_scalar(value, stddev, generator, replicas, draw):
   """`value + N(0, stddev^2 / R)`: this replica's share of a noisy released
-  scalar, e.g. the count (drawn only when `draw` is true or None)."""
-  if not stddev:
+  scalar, e.g. the count (drawn only when `draw` is true or None). A
+  `stddev` of None or a Python 0 adds nothing (no noise: σ = 0); a tensor
+  (a release in units of an adaptive clip) always adds."""
+  if stddev is None or (not tf.is_tensor(stddev) and not stddev):
     return value
   share = dp_noise.replica_noise_stddev(stddev, replicas)
   add = lambda: dp_noise.add_gaussian_noise(  # noqa: E731
@@ -493,24 +557,21 @@ def _noisy_scalar(value, stddev, generator, replicas, draw):
   return tf.cond(draw, add, lambda: tf.identity(value))
 
 
-def _add_noise(model, noise, mechanism, sums, clip, noise_multiplier,
-               normalizer, source, replicas, step_end, draw):
-  """`noise.add(...)`: this replica's noisy sums (divided by `normalizer`
-  unless None), drawn only when `draw` is true or None (a physical batch
-  that does not end its logical step discards them). The mechanism's state
-  is written only if this step is applied: at a logical step's end and
-  within the step limit (both data-independent)."""
-  state = None if mechanism is None else mechanism.noise_state
-  optimizer = None if mechanism is None else mechanism.optimizer
-  step = write = None
-  if optimizer is not None:
-    step = optimizer.iterations
-    write = _within_limit(optimizer, step_limit_variable(model), step_end)
+def _add_noise(model, parts: StepParts, sums, clip_value, normalizer, source,
+               replicas, step_end, draw):
+  """`noise.add(...)` with σ_g: this replica's noisy sums (divided by
+  `normalizer` unless None), drawn only when `draw` is true or None (a
+  physical batch that does not end its logical step discards them). The
+  mechanism's state is written only if this step is applied: at a logical
+  step's end and within the step limit (both data-independent)."""
+  noise = parts.noise
+  write = _within_limit(parts.optimizer, step_limit_variable(model), step_end)
 
   def noisy():
-    return noise.add(sums, state, step, noise_multiplier=noise_multiplier,
-                     l2_norm_clip=clip, num_replicas=replicas, source=source,
-                     normalizer=normalizer, write=write)[0]
+    return noise.add(sums, parts.noise_state, parts.optimizer.iterations,
+                     noise_multiplier=parts.gradient_noise_multiplier,
+                     l2_norm_clip=clip_value, num_replicas=replicas,
+                     source=source, normalizer=normalizer, write=write)[0]
 
   if draw is None:
     return noisy()
@@ -521,16 +582,18 @@ def _add_noise(model, noise, mechanism, sums, clip, noise_multiplier,
 
 def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
              xla: bool = False):
-  """The synchronising part of a DP step: all-reduce, apply, metrics.
+  """Stage 5, the synchronising part of a DP step: all-reduce, publish
+  the side releases, apply, logs.
 
   At a logical step's end, and while `optimizer.iterations` is below the
   model's step limit (`step_limit_variable`), applies `result.grads` with
   `optimizer` (whose all-reduce sums the replicas' noisy shares). Returns
   the logs: nothing computed from the private batch by default (see
-  `_unprotected_metrics` for why, and for the opt-in): the learning rate,
-  the `NoisyLoss` release as `loss` when there is one, and the adaptive
-  clip (a function of noisy counts) when there is one. Nothing here depends on
-  whether an example was non-finite (its clip factor was 0).
+  `_unprotected_metrics` for why, and for the opt-in): the learning rate
+  and the side releases (`NoisyLoss` as `loss`, averaged by Keras' loss
+  tracker; a stateful release's state under its name, e.g. the adaptive
+  clip as `l2_norm_clip`), functions of noised values only. Nothing here
+  depends on whether an example was non-finite (its clip factor was 0).
   """
   variables = list(model.trainable_variables)
   if not optimizer.built:  # not inside a conditional
@@ -553,13 +616,9 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
     return [g if r is None else g + tf.cast(r, g.dtype)
             for g, r in zip(grads, result.reg_grads)]
 
-  clip_variable = (None if result.mechanism is None else
-                   result.mechanism.clip_variable)
-  if clip_variable is not None:
-    _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
-                          replicas)
-  if result.loss_sum is not None:
-    _track_noisy_loss(model, result, optimizer, limit, ctx, replicas)
+  published = {}
+  if result.released:
+    published = _publish(model, result, optimizer, limit, ctx, replicas)
   _apply_gated(optimizer, result.grads, variables, limit, xla=xla,
                step_end=step_end, transform=normalise)
 
@@ -568,35 +627,43 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
   logs = {"learning_rate": tf.identity(optimizer.learning_rate)}
   if getattr(model, "unprotected_training_metrics", False):
     logs.update(_unprotected_metrics(model, result))
-  if result.loss_sum is not None:
-    # The noisy, accounted loss (tf_pxg.dp.noisy_loss): safe to log.
-    logs["loss"] = _compat.loss_tracker(model).result()
-  if clip_variable is not None:
-    # A function of the noisy counts only: post-processing, safe to log.
-    logs["l2_norm_clip"] = clip_variable.read_value()
+  logs.update(published)
   return logs
 
 
-def _released_scalar(value, n, result, ctx, replicas):
-  """A released scalar and its divisor, summed over the replicas (their
-  noise shares add up to the whole noise, once)."""
+def _publish(model, result, optimizer, limit, ctx, replicas) -> dict:
+  """The side releases at an applied step (a logical step's end within the
+  step limit, decided before the apply moves `iterations`): the replicas'
+  noisy shares are all-reduced (summed: their noise adds up to the whole
+  noise, once) and divided by the step's divisor; a stateful release's
+  state becomes `next_state(state, estimate)` (every replica computes the
+  same), a stateless one (`NoisyLoss`) goes to Keras' loss tracker (other
+  physical batches weigh 0: no conditional). Returns the logs: functions
+  of the noisy releases only."""
+  n = result.release_normalizer
   if ctx is not None and replicas > 1:
-    value = ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+    released = [ctx.all_reduce(tf.distribute.ReduceOp.SUM, v)
+                for v in result.released]
     if result.step_end is None:  # plain batches: the global batch size
       n = ctx.all_reduce(tf.distribute.ReduceOp.SUM, n)
-  return value, n
-
-
-def _track_noisy_loss(model, result, optimizer, limit, ctx, replicas):
-  """Adds the step's noisy mean loss to Keras' loss tracker (logged as
-  `loss`, averaged over the epoch's steps) at an applied step; other
-  physical batches weigh 0 (no conditional)."""
-  loss_sum, n = _released_scalar(result.loss_sum, result.count_normalizer,
-                                 result, ctx, replicas)
-  weight = tf.cast(_within_limit(optimizer, limit, result.step_end),
-                   tf.float32)
-  _compat.loss_tracker(model).update_state(
-      loss_sum / tf.cast(n, tf.float32), sample_weight=weight)
+  else:
+    released = list(result.released)
+  go = _within_limit(optimizer, limit, result.step_end)
+  parts = result.parts
+  logs = {}
+  for release, state, value in zip(parts.releases, parts.release_states,
+                                   released):
+    estimate = value / tf.cast(n, tf.float32)
+    if state is None:
+      _compat.loss_tracker(model).update_state(
+          estimate, sample_weight=tf.cast(go, tf.float32))
+      logs[release.name] = _compat.loss_tracker(model).result()
+      continue
+    old = state.read_value()
+    state.assign(tf.where(go, tf.cast(release.next_state(old, estimate),
+                                      old.dtype), old))
+    logs[release.name] = state.read_value()
+  return logs
 
 
 def _unprotected_metrics(model, result: ReplicaGradients) -> dict:
@@ -631,7 +698,9 @@ def _unprotected_metrics(model, result: ReplicaGradients) -> dict:
   rows = mask if row_mask is None else row_mask
   y = _zero_rows(y, rows)
   y_pred = _zero_rows(y_pred, rows)
-  noisy_loss = result.loss_sum is not None  # owns Keras' loss tracker
+  # A NoisyLoss release owns Keras' loss tracker (logged as `loss`).
+  noisy_loss = result.parts is not None and any(
+      not r.stateful for r in result.parts.releases)
   if not noisy_loss:
     _compat.loss_tracker(model).update_state(
         losses + tf.cast(result.reg_loss, losses.dtype), sample_weight=mask)
@@ -652,24 +721,6 @@ def _zero_rows(nest, rows):
     keep = tf.reshape(rows > 0, [-1] + [1] * (t.shape.rank - 1))
     return tf.where(keep, t, tf.zeros_like(t))
   return tf.nest.map_structure(zero, nest)
-
-
-def _update_adaptive_clip(result, clip_variable, optimizer, limit, ctx,
-                          replicas):
-  """`C <- C exp(-eta (noisy_count / n + 1/2 - gamma))` at an applied step.
-
-  The replicas' noisy count shares are all-reduced (summed: their noise
-  adds up to `N(0, count_stddev^2)`, once), so every replica computes the
-  same new clip; it is assigned only where the step's update is applied
-  (a logical step's end, within the step limit), decided before the apply
-  moves `iterations`.
-  """
-  count, n = _released_scalar(result.count, result.count_normalizer, result,
-                              ctx, replicas)
-  go = _within_limit(optimizer, limit, result.step_end)
-  new = result.mechanism.clipping.next_clip(clip_variable.read_value(), count,
-                                            n)
-  clip_variable.assign(tf.where(go, new, clip_variable.read_value()))
 
 
 # The closed forward pass: every DP step runs as a traced graph -------------
@@ -779,13 +830,10 @@ def traced_step(model, key: str, fn):
   return function
 
 
-def dp_train_step(model: keras.Model, data, l2_norm_clip: float,
-                  noise_multiplier: float, generator: tf.random.Generator,
-                  optimizer, accumulator_for=None, mechanism=None,
-                  loss_scale=None):
+def dp_train_step(model: keras.Model, data, parts: StepParts,
+                  generator: tf.random.Generator, optimizer, loss_scale=None):
   """One DP-SGD (physical) step: `dp_gradients` then `dp_apply`."""
-  result = dp_gradients(model, data, l2_norm_clip, noise_multiplier,
-                        generator, accumulator_for, mechanism, loss_scale)
+  result = dp_gradients(model, data, parts, generator, loss_scale)
   return dp_apply(model, result, optimizer,
                   xla=bool(getattr(model, "jit_compile", False)))
 

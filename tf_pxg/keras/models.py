@@ -20,7 +20,6 @@ from tf_pxg.keras import _ledger
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
 from tf_pxg.keras import _train_step
-from tf_pxg.keras._train_step import dp_train_step
 from tf_pxg.keras.optimizers import DPOptimizer
 
 _DP_CONFIG_KEYS = ("l2_norm_clip", "noise_multiplier")
@@ -51,15 +50,6 @@ def _check_secure_mode(secure_mode, seed, where: str) -> bool:
   return secure_mode
 
 
-def _check_noisy_loss(noisy_loss, where: str):
-  from tf_pxg.dp.noisy_loss import NoisyLoss  # noqa: PLC0415
-  if noisy_loss is not None and not isinstance(noisy_loss, NoisyLoss):
-    raise TypeError(f"{where}: noisy_loss must be None or a "
-                    f"tf_pxg.keras.NoisyLoss(bound, noise_multiplier); got "
-                    f"{noisy_loss!r}.")
-  return noisy_loss
-
-
 def _loss_scale_optimizer(optimizer):
   """`optimizer` if it is a `LossScaleOptimizer` (Keras wraps the compiled
   optimizer in one under the mixed_float16 policy), else None."""
@@ -82,24 +72,6 @@ def _applying(optimizer):
   if isinstance(optimizer, DPOptimizer):
     return optimizer.inner_optimizer
   return optimizer
-
-
-def _without_side_releases(noise, noise_multiplier, sigma_g, side):
-  """sigma_g after the side releases' shares: `(sigma_g^-2 - sum m^-2)^-1/2`
-  (Gaussians on one batch compose in 1/sigma^2; tf_pxg.dp.sparse_selection).
-
-  Raises:
-    ValueError: if they would use the whole budget.
-  """
-  remainder = sigma_g**-2 - sum(float("inf") if m == 0 else m**-2
-                                for m in side)
-  if remainder <= 0:
-    raise ValueError(
-        f"noise_mechanism={noise!r}: its side releases (noise multipliers "
-        f"{tuple(side)}) would use the whole budget of noise_multiplier="
-        f"{noise_multiplier!r}. Give them larger noise multipliers (a few "
-        "times noise_multiplier leaves most of the budget to the gradient).")
-  return float(remainder**-0.5)
 
 
 class _DPTrainingMixin:
@@ -142,7 +114,11 @@ class _DPTrainingMixin:
       bound]`, summed, Gaussian-noised once per step, divided as the
       gradient), covered by the model's ε: the gradient's noise takes the
       rest of the budget (`tf_pxg.dp.noisy_loss`). Default None: no
-      training loss is logged. Saved in the config.
+      training loss is logged. Saved in the config. Like the settings
+      above, a request for the `DPOptimizer`'s plan.
+    side_releases: more private side releases on each step's batch
+      (`tf_pxg.dp.releases.SideRelease`s, each logged under its name; see
+      `tf_pxg.keras.DPOptimizer`). Saved in the config.
     unprotected_training_metrics: log the compiled loss and metrics on
       the private batches, un-noised and not covered by ε, under
       `unprotected_<name>` keys (default False: no batch values logged;
@@ -201,7 +177,7 @@ class _DPTrainingMixin:
                seed: Optional[int] = None, secure_mode: bool = False,
                clipping=None, noise_mechanism=None, sampling=None,
                unprotected_training_metrics: bool = False,
-               noisy_loss=None, **kwargs):
+               noisy_loss=None, side_releases=(), **kwargs):
     clip, noise = _validation.validate_dp_params(
         l2_norm_clip, noise_multiplier, type(self).__name__)
     clipping, noise_mechanism = _validation.validate_mechanism(
@@ -214,10 +190,14 @@ class _DPTrainingMixin:
     from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
     # The constructor's request: handed to the optimizer at `compile` (see
     # `_dp_plan`), saved in the config; the step reads the optimizer's.
-    self._dp_request = dp_plan.DPPlan(clip, noise, clipping, noise_mechanism,
-                                      secure_mode, sampling=sampling)
+    try:
+      self._dp_request = dp_plan.DPPlan(
+          clip, noise, clipping, noise_mechanism, secure_mode,
+          sampling=sampling, noisy_loss=noisy_loss,
+          side_releases=side_releases)
+    except TypeError as e:
+      raise TypeError(f"{type(self).__name__}: {e}") from None
     self._dp_seed_given = seed is not None
-    self._dp_noisy_loss = _check_noisy_loss(noisy_loss, type(self).__name__)
     self._dp_unprotected_metrics = _check_bool(
         unprotected_training_metrics, "unprotected_training_metrics",
         type(self).__name__)
@@ -356,66 +336,64 @@ class _DPTrainingMixin:
           f"its DPOptimizer has sampling={plan.sampling.__name__}. Choose "
           "the sampling in one place: on the DPOptimizer, or on the model "
           "(then create the DPOptimizer without `sampling`).")
+    for name in ("noisy_loss", "side_releases"):
+      mine, theirs = getattr(own, name), getattr(plan, name)
+      if mine and theirs and mine != theirs:
+        raise ValueError(
+            f"Model {self.name!r} has {name}={mine!r} but its DPOptimizer "
+            f"has {name}={theirs!r}. Set the side releases in one place: "
+            "on the DPOptimizer, or on the model (then create the "
+            f"DPOptimizer without `{name}`).")
     # The model's request fills what the optimizer's plan leaves open.
     # pylint: disable=protected-access
+    if own.noisy_loss is not None or own.side_releases:
+      optimizer._require_releases(own.noisy_loss, own.side_releases)
     if own.secure_mode and not plan.secure_mode:
       optimizer._require_secure_mode()
     if own.sampling is not None and plan.sampling is None:
       optimizer._require_sampling(own.sampling)
     # pylint: enable=protected-access
 
-  def _dp_step_mechanism(self, noise_multiplier):
-    """The train step's `_train_step.Mechanism`: the clipping policy and
-    its state, the `NoiseMechanism` (`tf_pxg.dp.mechanisms.from_setting`;
-    secure mode wraps it) and its state, the noisy loss."""
-    from tf_pxg import accounting  # noqa: PLC0415
+  def _dp_step_parts(self) -> _train_step.StepParts:
+    """The train step's `_train_step.StepParts`, from the one plan: the
+    clipping policy and its clip, the multipliers
+    (`tf_pxg.dp.plan.DPPlan.step_noise`, at the expected batch size of the
+    run's sampler; None: a plain batch), the `NoiseMechanism` and the
+    state the `DPOptimizer` holds for them."""
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
     optimizer = _unscaled(self.optimizer)
-    plan = self._dp_plan(optimizer)
-    policy, mech, noise = plan.clipping, plan.noise_mechanism, plan.mechanism
-    noisy_loss = getattr(self, "_dp_noisy_loss", None)
-    clip_variable = noise_state = None
-    stateless = isinstance(policy, policies.Flat) and not noise.stateful
+    plan = self._dp_plan(optimizer, strict=True)
+    sampler = self.__dict__.get("_dp_sampler")
+    step_noise = plan.step_noise(
+        None if sampler is None else sampler.expected_batch_size)
+    noise = plan.mechanism
+    clip, noise_state, states = plan.l2_norm_clip, None, ()
+    stateless = (isinstance(plan.clipping, policies.Flat) and
+                 not noise.stateful and not plan.num_step_releases)
     if isinstance(optimizer, DPOptimizer) and not stateless:
-      # Only a policy or mechanism with state builds the optimizer here
-      # (a stateless step leaves it to Keras, as plain DP-SGD always has:
-      # building it in a traced multi-worker step would create variables
-      # outside the strategy's own build).
+      # Only a policy, mechanism or release with state builds the
+      # optimizer here (a stateless step leaves it to Keras, as plain
+      # DP-SGD always has: building it in a traced multi-worker step would
+      # create variables outside the strategy's own build).
       if not optimizer.built:
         with tf.init_scope():
           optimizer.build(list(self.trainable_variables))
-      clip_variable = optimizer.dp_state.clip
-      noise_state = optimizer.dp_state.noise
+      state = optimizer.dp_state
+      clip = plan.l2_norm_clip if state.clip is None else state.clip
+      noise_state = state.noise
+      states = state.release_states(step_noise.releases)
     elif not stateless and not isinstance(optimizer, DPOptimizer):
       raise ValueError(  # compile wraps; only a hand-set optimizer gets here
-          f"Model {self.name!r}: clipping={policy!r} and noise_mechanism="
-          f"{mech!r} keep state in a tf_pxg.keras.DPOptimizer; compile with "
-          "one.")
-    count_stddev, sigma_g = 0.0, noise_multiplier
-    if policy.adaptive:
-      # The expected batch of the run's sampler (None: a plain batch's
-      # realised size, e.g. shuffled batches or before any fit).
-      count_stddev = policy.resolve_count_stddev(getattr(
-          self.__dict__.get("_dp_sampler"), "expected_batch_size", None))
-      if noise_multiplier:
-        sigma_g = accounting.split_noise_multipliers(noise_multiplier,
-                                                     count_stddev)
-    if noisy_loss is not None and noise_multiplier:
-      sigma_g = noisy_loss.gradient_noise_multiplier(
-          noise_multiplier, *([2.0 * count_stddev] if policy.adaptive
-                              else []))
-    side = noise.side_multipliers() if noise_multiplier else ()
-    if side:  # side releases on the same batch (DP-AdaFEST's selection)
-      sigma_g = _without_side_releases(noise, noise_multiplier, sigma_g, side)
-    return _train_step.Mechanism(
-        policy, clip_variable, count_stddev, sigma_g, noise, noise_state,
-        optimizer, noisy_loss)
+          f"Model {self.name!r}: clipping={plan.clipping!r}, "
+          f"noise_mechanism={plan.noise_mechanism!r} and the side releases "
+          "keep state in a tf_pxg.keras.DPOptimizer; compile with one.")
+    return _train_step.StepParts(
+        plan.clipping, clip, plan.noise_multiplier or 0.0, step_noise.gradient,
+        noise, noise_state, optimizer, step_noise.releases, states)
 
   def _check_trainable_for_dp(self, optimizer):
     optimizer = _unscaled(optimizer)  # mixed_float16: see dp_gradients
-    noise = self._dp_plan(optimizer, strict=True).noise_multiplier
-    if getattr(self, "_dp_noisy_loss", None) is not None and noise:
-      self._dp_noisy_loss.gradient_noise_multiplier(noise)  # raises if z <= σ
+    self._dp_plan(optimizer, strict=True).check_budget()
     inner = _applying(optimizer)
     if getattr(inner, "gradient_accumulation_steps", None):
       raise ValueError(
@@ -455,7 +433,9 @@ class _DPTrainingMixin:
           _unscaled(optimizer), request.l2_norm_clip,
           request.noise_multiplier, secure_mode=request.secure_mode,
           clipping=request.clipping, sampling=request.sampling,
-          noise_mechanism=request.noise_mechanism)
+          noise_mechanism=request.noise_mechanism,
+          noisy_loss=request.noisy_loss,
+          side_releases=request.side_releases)
       if scaled is not None:
         optimizer = keras.optimizers.LossScaleOptimizer(
             optimizer, initial_scale=scaled.initial_scale,
@@ -520,14 +500,10 @@ class _DPTrainingMixin:
 
   def _dp_train_step(self, data):
     self._check_trainable_for_dp(self.optimizer)
-    plan = self._dp_plan(self.optimizer, strict=True)
-    clip, noise = plan.l2_norm_clip, plan.noise_multiplier
-    mechanism = self._dp_step_mechanism(noise)
-    return dp_train_step(self, data, clip, noise, self._dp_noise_source(),
-                         _applying(self.optimizer),
-                         accumulator_for=self._dp_accumulator_for,
-                         mechanism=mechanism,
-                         loss_scale=_loss_scale_optimizer(self.optimizer))
+    return _train_step.dp_train_step(
+        self, data, self._dp_step_parts(), self._dp_noise_source(),
+        _applying(self.optimizer),
+        loss_scale=_loss_scale_optimizer(self.optimizer))
 
   def dp_gradients(self, data):
     """The replica-local half of `train_step` (no synchronisation).
@@ -541,22 +517,18 @@ class _DPTrainingMixin:
     """
     def gradients(data):
       self._check_trainable_for_dp(self.optimizer)
-      plan = self._dp_plan(self.optimizer, strict=True)
-      clip, noise = plan.l2_norm_clip, plan.noise_multiplier
       result = _train_step.dp_gradients(
-          self, data, clip, noise, self._dp_noise_source(),
-          self._dp_accumulator_for, self._dp_step_mechanism(noise),
+          self, data, self._dp_step_parts(), self._dp_noise_source(),
           _loss_scale_optimizer(self.optimizer))
-      # Only tensors leave a tf.function: the mechanism (an adaptive
-      # clip's policy and variable) is put back below.
-      return result._replace(mechanism=None), result.mechanism is not None
+      # Only tensors leave a tf.function: the parts (a policy, variables)
+      # are put back below.
+      return result._replace(parts=None), result.parts is not None
 
-    result, has_mechanism = _train_step.traced_step(
+    result, has_parts = _train_step.traced_step(
         self, _TRACED_GRADIENTS, gradients)(data)
-    if not has_mechanism:
+    if not has_parts:
       return result
-    noise = self._dp_plan(self.optimizer, strict=True).noise_multiplier
-    return result._replace(mechanism=self._dp_step_mechanism(noise))
+    return result._replace(parts=self._dp_step_parts())
 
   def dp_apply(self, result):
     """The synchronising half of `train_step`: apply (within the step
@@ -600,8 +572,10 @@ class _DPTrainingMixin:
 
   # Poisson sampling and logical steps -----------------------------------------
 
-  def _dp_accumulator_for(self, variables):
-    """The model's `LogicalStepAccumulator` for `variables` (made if needed).
+  def _dp_accumulator_for(self, variables, num_scalars=None):
+    """The model's `LogicalStepAccumulator` for `variables` and the step's
+    `num_scalars` side releases (default: the plan's count), made if
+    needed.
 
     `fit` makes it in the strategy scope before training; made here (e.g.
     `train_on_batch` with a Poisson batch) it is lifted out of the traced
@@ -609,10 +583,10 @@ class _DPTrainingMixin:
     """
     from tf_pxg.dp import accumulation  # noqa: PLC0415
     acc = self.__dict__.get("_dp_accumulator")
-    # Adaptive clipping's unclipped count and the noisy loss's sum are
-    # accumulated with the sums.
-    scalars = int(self.dp_plan.clipping.adaptive) + int(
-            getattr(self, "_dp_noisy_loss", None) is not None)
+    # The side releases' sums (adaptive clipping's unclipped count, the
+    # noisy loss's, ...) are accumulated with the gradient's.
+    scalars = (self.dp_plan.num_step_releases if num_scalars is None
+               else num_scalars)
     if acc is None or not acc.matches(variables, scalars):
       with tf.init_scope():
         acc = accumulation.LogicalStepAccumulator(variables, scalars)
@@ -819,8 +793,11 @@ class _DPTrainingMixin:
     config["secure_mode"] = self.secure_mode
     if self.unprotected_training_metrics:
       config["unprotected_training_metrics"] = True
-    if getattr(self, "_dp_noisy_loss", None) is not None:
-      config["noisy_loss"] = self._dp_noisy_loss.get_config()
+    if request.noisy_loss is not None:
+      config["noisy_loss"] = request.noisy_loss.get_config()
+    if request.side_releases:
+      config["side_releases"] = [keras.saving.serialize_keras_object(r)
+                                 for r in request.side_releases]
     if request.sampling is not None:
       config["sampling"] = request.sampling_name  # raises if unnamed
     if not request.is_default_mechanism:
@@ -842,6 +819,9 @@ class _DPTrainingMixin:
     if noisy_loss is not None:
       from tf_pxg.dp.noisy_loss import NoisyLoss  # noqa: PLC0415
       noisy_loss = NoisyLoss.from_config(noisy_loss)
+    side_releases = tuple(
+        keras.saving.deserialize_keras_object(r, custom_objects=custom_objects)
+        for r in config.pop("side_releases", ()))
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
     from tf_pxg.keras import _dp_state  # noqa: PLC0415
     clipping = policies.get(config.pop("clipping", None))
@@ -849,12 +829,12 @@ class _DPTrainingMixin:
         config.pop("noise_mechanism", None))
     model = super().from_config(config, custom_objects=custom_objects)
     model._dp_unprotected_metrics = unprotected
-    model._dp_noisy_loss = noisy_loss
     clip, noise = _validation.validate_dp_params(
         dp["l2_norm_clip"], dp["noise_multiplier"], cls.__name__)
     from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
-    model._dp_request = dp_plan.DPPlan(clip, noise, clipping, mechanism,
-                                       secure_mode, sampling=sampling)
+    model._dp_request = dp_plan.DPPlan(
+        clip, noise, clipping, mechanism, secure_mode, sampling=sampling,
+        noisy_loss=noisy_loss, side_releases=side_releases)
     return model
 
 
@@ -915,11 +895,12 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                  secure_mode: bool = False, clipping=None,
                  noise_mechanism=None, sampling=None,
                  unprotected_training_metrics: bool = False,
-                 noisy_loss=None) -> keras.Model:
+                 noisy_loss=None, side_releases=()) -> keras.Model:
   """A DP model sharing `model`'s layers and weights.
 
   `secure_mode`, `clipping`, `noise_mechanism`, `sampling`,
-  `unprotected_training_metrics`, `noisy_loss`: see `_DPTrainingMixin`
+  `unprotected_training_metrics`, `noisy_loss`, `side_releases`: see
+  `_DPTrainingMixin`
   (secure mode raises with a `seed`).
 
   Works for functional and `Sequential` models (the result is a `DPModel` or
@@ -940,7 +921,7 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
                 secure_mode=secure_mode, clipping=clipping,
                 noise_mechanism=noise_mechanism, sampling=sampling,
                 unprotected_training_metrics=unprotected_training_metrics,
-                noisy_loss=noisy_loss)
+                noisy_loss=noisy_loss, side_releases=side_releases)
   if isinstance(model, keras.Sequential):
     return DPSequential(model.layers, name=f"dp_{model.name}", **kwargs)
   if isinstance(model, _compat.functional_class()):

@@ -67,6 +67,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
       (pass it to `fit`). Saved in the config by name: a class without one
       (e.g. made by `BallsInBinsSampler.configured(...)`) raises at
       `get_config`; register it first.
+    noisy_loss: a `tf_pxg.keras.NoisyLoss(bound, noise_multiplier)`: the
+      logged training `loss`, a private side release covered by ε (the
+      gradient's noise takes the rest of σ; `tf_pxg.dp.noisy_loss`).
+      Saved in the config.
+    side_releases: more private side releases made on each step's batch,
+      a sequence of stateful `tf_pxg.dp.releases.SideRelease`s (each
+      logged under its name; its state, like the adaptive clip, is held
+      here and saved). Saved in the config (register the class with
+      `keras.saving.register_keras_serializable`).
     accountant: "rdp" (default) or "pld": what `PrivacyCallback` computes
       ε with unless it is given its own `accountant=` (the callback's
       wins; either is an upper bound for the same event). Saved in the
@@ -90,7 +99,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, l2_norm_clip, noise_multiplier,
                name=None, secure_mode=False, clipping=None,
                noise_mechanism=None, sampling=None, accountant="rdp",
-               **kwargs):
+               noisy_loss=None, side_releases=(), **kwargs):
     if kwargs:
       raise ValueError(
           f"DPOptimizer does not take `{'`, `'.join(kwargs)}`; set them on "
@@ -115,7 +124,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
           f"got {accountant!r}.")
     plan = dp_plan.DPPlan(clip, noise, clipping, noise_mechanism,
                           secure_mode, sampling=sampling,
-                          accountant=accountant)
+                          accountant=accountant, noisy_loss=noisy_loss,
+                          side_releases=tuple(side_releases or ()))
+    plan.check_budget()
     super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
     self.inner_optimizer = inner_optimizer
     self._plan = plan
@@ -167,6 +178,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
     compiled with this optimizer): the plan is replaced, never weakened."""
     self._plan = self._plan.replace(secure_mode=True)
 
+  def _require_releases(self, noisy_loss, side_releases) -> None:
+    """Takes the side releases of a model created with `noisy_loss=` or
+    `side_releases=` (at `compile`; only where this plan has none: a
+    different one raises there)."""
+    self._plan = self._plan.replace(
+        noisy_loss=self._plan.noisy_loss or noisy_loss,
+        side_releases=self._plan.side_releases or tuple(side_releases))
+
   def _require_sampling(self, sampling) -> None:
     """Takes the sampling choice of a model created with `sampling=` (at
     `compile`; only when this plan has none: a different one raises
@@ -180,8 +199,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def build(self, var_list):
     self.inner_optimizer.build(var_list)
     super().build(var_list)
-    self.dp_state.build(var_list, self.clipping, self.noise_mechanism,
-                        self.l2_norm_clip)
+    self.dp_state.build(var_list, self._plan)
 
   @property
   def variables(self):
@@ -266,6 +284,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "noise_mechanism": dp_state.serialize_mechanism(self.noise_mechanism),
         "sampling": self._plan.sampling_name,
         "accountant": self.accountant,
+        "noisy_loss": (None if self._plan.noisy_loss is None else
+                       self._plan.noisy_loss.get_config()),
+        "side_releases": [keras.saving.serialize_keras_object(r)
+                          for r in self._plan.side_releases],
     }
 
   @classmethod
@@ -276,6 +298,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
     config["clipping"] = clipping_policies.get(config.get("clipping"))
     config["noise_mechanism"] = dp_state.deserialize_mechanism(
         config.get("noise_mechanism"))
+    if config.get("noisy_loss") is not None:
+      from tf_pxg.dp.noisy_loss import NoisyLoss  # noqa: PLC0415
+      config["noisy_loss"] = NoisyLoss.from_config(config["noisy_loss"])
+    config["side_releases"] = tuple(
+        keras.saving.deserialize_keras_object(r, custom_objects=custom_objects)
+        for r in config.get("side_releases", ()))
     name = config.get("sampling")
     if name is not None and name not in samplers.known_names():
       raise ValueError(
@@ -288,23 +316,32 @@ class DPOptimizer(keras.optimizers.Optimizer):
     return cls(inner, **config)
 
 
+#: The `DPOptimizer` arguments `DPSGD` and `DPAdam` take besides the clip
+#: and sigma (the rest go to the inner optimizer).
+_DP_ARGS = ("secure_mode", "clipping", "noise_mechanism", "sampling",
+            "accountant", "noisy_loss", "side_releases")
+
+
+def _wrapping(inner_class, l2_norm_clip, noise_multiplier,
+              kwargs) -> DPOptimizer:
+  dp_args = {k: kwargs.pop(k) for k in _DP_ARGS if k in kwargs}
+  return DPOptimizer(inner_class(**kwargs), l2_norm_clip, noise_multiplier,
+                     **dp_args)
+
+
 def DPSGD(l2_norm_clip: float, noise_multiplier: float,
-          secure_mode: bool = False, clipping=None, noise_mechanism=None,
-          sampling=None, accountant: str = "rdp",
-          **sgd_kwargs) -> DPOptimizer:  # noqa: N802  (optimizer-class style)
-  """DP-SGD: `DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), ...)`."""
-  return DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), l2_norm_clip,
-                     noise_multiplier, secure_mode=secure_mode,
-                     clipping=clipping, noise_mechanism=noise_mechanism,
-                     sampling=sampling, accountant=accountant)
+          **kwargs) -> DPOptimizer:  # noqa: N802  (optimizer-class style)
+  """DP-SGD: `DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), ...)`; the
+  `DPOptimizer` arguments (`secure_mode`, `clipping`, `noise_mechanism`,
+  `sampling`, `accountant`, `noisy_loss`, `side_releases`) go to it, the
+  rest to `SGD`."""
+  return _wrapping(keras.optimizers.SGD, l2_norm_clip, noise_multiplier,
+                   kwargs)
 
 
 def DPAdam(l2_norm_clip: float, noise_multiplier: float,
-           secure_mode: bool = False, clipping=None, noise_mechanism=None,
-           sampling=None, accountant: str = "rdp",
-           **adam_kwargs) -> DPOptimizer:  # noqa: N802
-  """DP-Adam: `DPOptimizer(keras.optimizers.Adam(**adam_kwargs), ...)`."""
-  return DPOptimizer(keras.optimizers.Adam(**adam_kwargs), l2_norm_clip,
-                     noise_multiplier, secure_mode=secure_mode,
-                     clipping=clipping, noise_mechanism=noise_mechanism,
-                     sampling=sampling, accountant=accountant)
+           **kwargs) -> DPOptimizer:  # noqa: N802
+  """DP-Adam: `DPOptimizer(keras.optimizers.Adam(**adam_kwargs), ...)`;
+  the `DPOptimizer` arguments as in `DPSGD`."""
+  return _wrapping(keras.optimizers.Adam, l2_norm_clip, noise_multiplier,
+                   kwargs)
