@@ -157,3 +157,29 @@ def test_register_traced_takes_placeholders_only():
   assert added == 1
   assert library_constants.is_library_constant(tf.constant(made))
   assert not library_constants.is_library_constant(tf.constant(made * 2))
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param("eager", marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError,
+        reason="eagerly, tf.custom_gradient's gradient (recorded by TF's "
+        "tape with record_operation, which runs no op callback) is not "
+        "seen by tf_pxg's recorder, which backprops through the forward "
+        "ops instead: TFP's betainc then loses its a, b gradients "
+        "(reported with issue 43; the DP step is always traced)")),
+    "function", "jit"])
+def test_beta_cdf_through_betainc_custom_gradient(mode):
+  """TFP's betainc has a tf.custom_gradient (TF's Betainc op has no
+  gradient for a and b): a censored Beta likelihood through it."""
+  model = _model()
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(6, 3)).astype(np.float32)
+  y = rng.uniform(0.1, 0.9, size=(6,)).astype(np.float32)
+
+  def loss_fn(labels, p):
+    return -tfd.Beta(tf.nn.softplus(p[:, 0]) + 0.1,
+                     tf.nn.softplus(p[:, 1]) + 0.1).log_cdf(labels)
+
+  err = tf_pxg.testing.check_per_example_gradients(
+      loss_fn, model, model.trainable_variables, x, labels=y, mode=mode)
+  assert err <= 1e-4

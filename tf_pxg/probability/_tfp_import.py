@@ -32,8 +32,7 @@ TFP_FOR_TENSORFLOW = (
 )
 
 
-def _fmt(v) -> str:
-  return ".".join(str(p) for p in v)
+_fmt = _versions._fmt  # pylint: disable=protected-access
 
 
 def _tfp_range(tf_version: str):
