@@ -2,6 +2,7 @@
 
     python examples/dp_tune_digits.py                 # the DP search, ε = 8
     python examples/dp_tune_digits.py --compare       # + the two baselines
+    python examples/dp_tune_digits.py --compare --repeats=3
     python examples/dp_tune_digits.py --mean_runs=3 --eta=0
 
 Searches learning rate, clip norm and epochs for the CNN of
@@ -39,6 +40,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import dp_accounting  # noqa: E402
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 from tf_pxg import accounting  # noqa: E402
 from tf_pxg import tuning  # noqa: E402
@@ -65,6 +67,9 @@ _EPOCHS_GRID = flags.DEFINE_list("epochs_grid", ["20", "40"],
                                  "Epochs to search.")
 _COMPARE = flags.DEFINE_bool("compare", False, "Also run baselines (a) "
                              "and (b) (module docstring).")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Run every arm this many "
+                                "times (fresh noise and K each time) and "
+                                "print the mean and spread.")
 
 
 def candidates():
@@ -104,6 +109,7 @@ def _accuracy(model, x_test, y_test):
 def _final(arm, accuracy, epsilon, wall, extra=""):
   print(f"final: arm={arm} test_accuracy={accuracy:.4f} "
         f"epsilon={epsilon:.3f} wall_s={wall:.0f}{extra}", flush=True)
+  return arm, accuracy, epsilon, wall
 
 
 def run_search(x_train, y_train, x_test, y_test):
@@ -126,8 +132,8 @@ def run_search(x_train, y_train, x_test, y_test):
           result.hyperparameters)].event, FLAGS.delta)
   print(f"ε: the search {result.epsilon:.3f}; the winner's run alone "
         f"{single:.3f}; ledger {result.model.epsilon(FLAGS.delta):.3f}")
-  _final("dp_search", _accuracy(result.model, x_test, y_test),
-         result.epsilon, wall, f" winner={result.hyperparameters}")
+  return _final("dp_search", _accuracy(result.model, x_test, y_test),
+                result.epsilon, wall, f" winner={result.hyperparameters}")
 
 
 def run_default(x_train, y_train, x_test, y_test):
@@ -140,8 +146,8 @@ def run_default(x_train, y_train, x_test, y_test):
   model = make_trainer(x_train, y_train)(
       dict(learning_rate=FLAGS.learning_rate, l2_norm_clip=FLAGS.l2_norm_clip,
            epochs=FLAGS.epochs, batch_size=FLAGS.batch_size), sigma)
-  _final("default_one_run", _accuracy(model, x_test, y_test),
-         model.epsilon(FLAGS.delta), time.time() - start)
+  return _final("default_one_run", _accuracy(model, x_test, y_test),
+                model.epsilon(FLAGS.delta), time.time() - start)
 
 
 def run_unaccounted(x_train, y_train, x_test, y_test):
@@ -162,19 +168,32 @@ def run_unaccounted(x_train, y_train, x_test, y_test):
       best = (loss, config, model)
   composed = accounting.event_epsilon(dp_accounting.ComposedDpEvent(events),
                                       FLAGS.delta)
-  _final("tuned_without_accounting", _accuracy(best[2], x_test, y_test),
-         FLAGS.target_epsilon, time.time() - start,
-         f" winner={best[1]} composed_epsilon_of_all_runs={composed:.3f}")
+  return _final("tuned_without_accounting",
+                _accuracy(best[2], x_test, y_test), FLAGS.target_epsilon,
+                time.time() - start, f" winner={best[1]} "
+                f"composed_epsilon_of_all_runs={composed:.3f}")
 
 
 def main(argv):
   del argv
   keras.utils.set_random_seed(FLAGS.seed)
-  x_train, x_test, y_train, y_test = dp_digits.load_data(FLAGS.seed)
-  run_search(x_train, y_train, x_test, y_test)
-  if _COMPARE.value:
-    run_default(x_train, y_train, x_test, y_test)
-    run_unaccounted(x_train, y_train, x_test, y_test)
+  data = dp_digits.load_data(FLAGS.seed)
+  x_train, x_test, y_train, y_test = data
+  arms = [run_search] + ([run_default, run_unaccounted]
+                         if _COMPARE.value else [])
+  rows = {}
+  for _ in range(_REPEATS.value):
+    for arm in arms:
+      name, accuracy, epsilon, wall = arm(x_train, y_train, x_test, y_test)
+      rows.setdefault(name, []).append((accuracy, epsilon, wall))
+  if _REPEATS.value > 1:
+    for name, values in rows.items():
+      acc, eps, wall = (np.array(v) for v in zip(*values))
+      print(f"summary: arm={name} runs={len(acc)} test_accuracy="
+            f"{acc.mean():.4f}+-{acc.std(ddof=1):.4f} (min {acc.min():.4f}, "
+            f"max {acc.max():.4f}) epsilon={eps.mean():.3f} "
+            f"wall_s={wall.mean():.0f} (min {wall.min():.0f}, max "
+            f"{wall.max():.0f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def rdp_curve(event: dp_accounting.DpEvent,
                      f"{event!r}; a DP search is accounted in RDP only.")
   with accounting._quiet_dp_accounting():  # pylint: disable=protected-access
     rdp.compose(event)
-  return np.asarray(rdp._rdp, dtype=np.float64)  # pylint: disable=protected-access
+  curve = rdp._rdp  # pylint: disable=protected-access
+  return np.asarray(curve, dtype=np.float64)
 
 
 def dominates(upper: dp_accounting.DpEvent,

@@ -392,8 +392,9 @@ def _fds_to_devnull():
 @contextlib.contextmanager
 def _sealed_run():
   """A run's surroundings: silent (stdout/stderr discarded, file
-  descriptors 1 and 2 to /dev/null, Python logging off), in a private working and temporary directory removed afterwards,
-  Keras' name counters reset."""
+  descriptors 1 and 2 to /dev/null, Python logging off), in a private
+  working and temporary directory removed afterwards, Keras' name
+  counters reset."""
   import keras  # noqa: PLC0415
   keras.backend.clear_session()
   cwd = os.getcwd()

@@ -191,7 +191,8 @@ class DPTuner(keras_tuner.Tuner):
     finally:
       shutil.rmtree(scratch, ignore_errors=True)
     self.num_runs, self.score, self.delta = num_runs, score, float(delta)
-    self.target_epsilon, self.noise_multiplier = target_epsilon, noise_multiplier
+    self.target_epsilon = target_epsilon
+    self.noise_multiplier = noise_multiplier
     self.l2_norm_clip = float(l2_norm_clip)
     self.dp_options = dict(dp_options or {})
     self.calibrate = calibrate
@@ -238,7 +239,7 @@ class DPTuner(keras_tuner.Tuner):
         noise_multiplier=self.noise_multiplier, delta=self.delta,
         calibrate=self.calibrate)
 
-  # The search ------------------------------------------------------------------
+  # The search ---------------------------------------------------------------
 
   def search(self, x, y, *, epochs=None, batch_size=None, **fit_kwargs):
     """Runs the DP search on numpy `x`, `y` and keeps only the winner
