@@ -128,7 +128,7 @@ class SamplerConfig:
 
   def kwargs(self) -> dict:
     """The fields as the keyword arguments of a sampler's constructor."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return dataclasses.asdict(self)
 
   @classmethod
   def of(cls, *args, num_groups: Optional[int] = _renamed.NOT_GIVEN,
