@@ -102,7 +102,8 @@ def test_gradient_canaries_do_not_flag_the_correct_mechanism():
   assert audit.gdp_covers(event, claimed, DELTA)
   assert max(bounds) <= claimed, (bounds, canaries.auditor)
   # The hook is gone after fit: a later fit adds no canaries.
-  assert canaries.model.__dict__.get("_dp_gradient_canaries") is None
+  state = canaries.model.optimizer.step_state
+  assert state.audit is None and state.clipped_sum_hook is None
 
 
 def test_no_canaries_no_change():

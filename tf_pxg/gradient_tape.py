@@ -142,6 +142,19 @@ class GradientTape:
         out.append(v)
     return tuple(out)
 
+  def recorded_uses(self, source) -> Optional[tuple]:
+    """What the recording did with `source` (a watched variable or tensor):
+    `(id, entries)`, the recorded id of its value (a variable's resource
+    handle; inside a `tf.function`, its captured placeholder) and the
+    recorded operations in order, each with `op_type`, `inputs`,
+    `input_ids` and `output_ids`; None if `source` is not watched. Read-only
+    (a mechanism that reads the recorded batch, e.g.
+    `tf_pxg.dp.sparse_selection`, follows the id through the entries)."""
+    source_id = self._source_id(source)
+    if source_id is None:
+      return None
+    return source_id, tuple(self._recorder.entries)
+
   # Sources and targets ------------------------------------------------------
 
   def _source_id(self, s) -> Optional[int]:

@@ -69,6 +69,7 @@ from typing import Optional, Sequence
 import keras
 import numpy as np
 
+from tf_pxg import _renamed
 from tf_pxg.audit import gradient_canaries as gc
 from tf_pxg.audit.auditor import CanaryScoreAuditor
 
@@ -186,9 +187,10 @@ class CanaryCallback(keras.callbacks.Callback):
 
   @classmethod
   def gradient(cls, m: int, norm: float, sampling_probability: float, *,
-               num_bands: int = 1, direction: str = "dirac",
+               min_separation: int = 1, direction: str = "dirac",
                score: str = "sum", noise_multiplier: Optional[float] = None,
-               seed: Optional[int] = None) -> "CanaryCallback":
+               seed: Optional[int] = None,
+               num_bands=_renamed.NOT_GIVEN) -> "CanaryCallback":
     """m gradient canaries (`tf_pxg.audit.gradient_canaries`).
 
     Args:
@@ -196,15 +198,19 @@ class CanaryCallback(keras.callbacks.Callback):
       norm: each canary's gradient norm; give more than the clip C (e.g.
         100 C), so that a run that does not clip shows it.
       sampling_probability: q per logical step, as the accountant uses it.
-      num_bands: BandMF's b (cyclic sampling), 1 for DP-SGD.
+      min_separation: BandMF's b (cyclic sampling), 1 for DP-SGD
+        (`num_bands`: its deprecated name).
       direction: "dirac" (a random coordinate each, m ≤ parameters) or
         "random" (a random unit direction each).
       score: "sum" or "likelihood" (module docstring).
       noise_multiplier: the claimed σ, for `score="likelihood"`.
       seed: seeds everything random (tests); default OS entropy.
     """
+    min_separation, _ = _renamed.argument(
+        min_separation, num_bands, new="min_separation", old="num_bands",
+        where="CanaryCallback.gradient", default=1)
     return cls(gradient=gc.GradientCanaries(
-        m, norm, sampling_probability, num_bands=num_bands,
+        m, norm, sampling_probability, min_separation=min_separation,
         direction=direction, seed=seed), score=score,
                noise_multiplier=noise_multiplier)
 

@@ -15,10 +15,11 @@ direction in the flat space of the model's trainable variables (in
 replayed by the scorer), so that the real examples' slow drift along its
 direction does not add up in its score.
 
-**Where they enter.** `attach` sets `add_gradient_canaries` as the model's
-clipped-sum hook (`_dp_clipped_sum_hook`; keras does not import audit), and
-the train step (`tf_pxg.keras._train_step.dp_gradients`) calls it right
-after the real examples' clipped sum:
+**Where they enter.** `attach` sets `add_gradient_canaries` as the DP step's
+clipped-sum hook (in the DPOptimizer's `tf_pxg.dp.step_state.StepState`;
+keras does not import audit), and the train step's clip stage
+(`tf_pxg.keras._train_step.clip`) calls it right after the real examples'
+clipped sum:
 each sampled canary's gradient is scaled by the model's own clipping policy
 (`factor(norm, clip)`, so `norm ≥ C` gives a contribution of norm exactly C
 under flat clipping, and the full `norm` when clipping is broken), added to
@@ -64,11 +65,11 @@ from typing import Optional
 
 import numpy as np
 
+from tf_pxg import _renamed
+
 __all__ = ["GradientCanaries", "add_gradient_canaries", "attach", "detach",
            "signs"]
 
-# The model attribute that holds the attached canaries (read at trace time).
-_ATTR = "_dp_gradient_canaries"
 _DIRECTIONS = ("dirac", "random")
 
 
@@ -80,7 +81,8 @@ class GradientCanaries:
     norm: each canary's gradient norm (≥ the clip, so that clipping acts on
       it: a run without clipping then shows a contribution of `norm`).
     sampling_probability: q, per logical step, as accounted.
-    num_bands: b of BandMF's cyclic sampling (1: DP-SGD).
+    min_separation: b of BandMF's cyclic sampling (1: DP-SGD); `num_bands`
+      is its deprecated name.
     direction: "dirac" or "random" (module docstring).
     seed: seeds inclusion, directions and sampling (tests); default OS
       entropy.
@@ -90,9 +92,14 @@ class GradientCanaries:
     groups: int `[m]`, each canary's cyclic group (all 0 for b = 1).
   """
 
+  num_bands = _renamed.alias("num_bands", "min_separation")
+
   def __init__(self, m: int, norm: float, sampling_probability: float, *,
-               num_bands: int = 1, direction: str = "dirac",
-               seed: Optional[int] = None):
+               min_separation: int = 1, direction: str = "dirac",
+               seed: Optional[int] = None, num_bands=_renamed.NOT_GIVEN):
+    min_separation, arg = _renamed.argument(
+        min_separation, num_bands, new="min_separation", old="num_bands",
+        where="GradientCanaries", default=1)
     if m < 2:
       raise ValueError(f"need at least 2 gradient canaries; got m={m}.")
     if not (math.isfinite(norm) and norm > 0):
@@ -103,14 +110,14 @@ class GradientCanaries:
     if direction not in _DIRECTIONS:
       raise ValueError(f"direction must be one of {_DIRECTIONS}; got "
                        f"{direction!r}.")
-    if num_bands < 1:
-      raise ValueError(f"num_bands must be >= 1; got {num_bands!r}.")
+    if min_separation < 1:
+      raise ValueError(f"{arg} must be >= 1; got {min_separation!r}.")
     self.m, self.norm = int(m), float(norm)
     self.sampling_probability = float(sampling_probability)
-    self.num_bands, self.direction = int(num_bands), direction
+    self.min_separation, self.direction = int(min_separation), direction
     self._rng = np.random.default_rng(seed)
     self.included = self._rng.random(m) < 0.5
-    self.groups = self._rng.integers(0, num_bands, m)
+    self.groups = self._rng.integers(0, min_separation, m)
     self.sampling_seed = int(self._rng.integers(0, 2**31 - 1))
     self.sign_seed = int(self._rng.integers(0, 2**31 - 1))
     self.indices = self.values = None   # set by `directions`
@@ -161,18 +168,39 @@ def attach(model, canaries: GradientCanaries):
     # A variable, not a constant: m d floats need not live in the graph.
     canaries.tf_values = tf.Variable(canaries.values, trainable=False,
                                      name="gradient_canary_directions")
-  object.__setattr__(model, _ATTR, canaries)
+  state = _step_state(model)
+  state.audit = canaries
   # The train step calls this hook (it does not import audit).
-  object.__setattr__(model, "_dp_clipped_sum_hook", add_gradient_canaries)
+  state.clipped_sum_hook = add_gradient_canaries
   _retrace(model)
 
 
 def detach(model):
   """Removes the canaries (the next `fit` traces a step without them)."""
-  if model.__dict__.get(_ATTR) is not None:
-    object.__setattr__(model, _ATTR, None)
-    object.__setattr__(model, "_dp_clipped_sum_hook", None)
+  state = _step_state(model, required=False)
+  if state is not None and state.audit is not None:
+    state.audit = state.clipped_sum_hook = None
     _retrace(model)
+
+
+def _step_state(model, required: bool = True):
+  """The `tf_pxg.dp.step_state.StepState` of the DPOptimizer `model` is
+  compiled with, where the canaries and the step's hook are kept.
+
+  Raises:
+    ValueError: (`required`) the model has no DPOptimizer.
+  """
+  from tf_pxg.keras import optimizers  # noqa: PLC0415
+  optimizer = optimizers.dp_optimizer_of(getattr(model, "optimizer", None))
+  if optimizer is None:
+    if not required:
+      return None
+    raise ValueError(
+        f"gradient canaries go into the DP train step of a tf_pxg DP model "
+        f"compiled with DP settings; {getattr(model, 'name', model)!r} has "
+        "no DPOptimizer (compile a DPModel, DPSequential, make_private(...) "
+        "or make_dp_model_class(...) model first).")
+  return optimizer.step_state
 
 
 def _retrace(model):
@@ -201,7 +229,8 @@ def add_gradient_canaries(model, sums, variables, info, clip, clipping=None):
     The sums with the canaries added at the physical batch that ends a
     logical step.
   """
-  canaries = model.__dict__.get(_ATTR)
+  state = _step_state(model, required=False)
+  canaries = None if state is None else state.audit
   if canaries is None:
     return sums
   import tensorflow as tf  # noqa: PLC0415
@@ -263,8 +292,8 @@ def _sampled(canaries, step):
                                                tf.int64), step]))
   take = tf.logical_and(coins < canaries.sampling_probability,
                         tf.constant(canaries.included))
-  if canaries.num_bands > 1:
-    group = tf.math.floormod(step, canaries.num_bands)
+  if canaries.min_separation > 1:
+    group = tf.math.floormod(step, canaries.min_separation)
     take = tf.logical_and(take, tf.equal(
         tf.constant(canaries.groups, tf.int64), group))
   return take

@@ -167,13 +167,16 @@ class NoiseMechanism:
   def noise_source(self, generator):
     return generator
 
-  def prepare(self, tape, variables, *, model=None, batch_size, mask=None,
+  def prepare(self, tape, variables, *, state=None, batch_size, mask=None,
               step_end=None, xla=False):
     """Reads what `add` needs from the recorded batch, after the forward
     pass and before the tape's gradient drops the recording (a sparse-row
     mechanism: the ids each example gathers, `tf_pxg.dp.sparse_selection`).
-    Default: nothing."""
-    del tape, variables, model, batch_size, mask, step_end, xla
+    `state` is the run's `tf_pxg.dp.step_state.StepState`, where a
+    mechanism keeps what it accumulates over a logical step's physical
+    batches (None: a plain batch outside a DP optimizer). Default:
+    nothing."""
+    del tape, variables, state, batch_size, mask, step_end, xla
 
   def side_multipliers(self) -> tuple:
     """Sensitivity-1 noise multipliers of private side releases `add` makes

@@ -45,6 +45,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple, Optional, Tuple
 
+from tf_pxg import _renamed
+from tf_pxg.data import participation
 from tf_pxg.data import samplers
 from tf_pxg.dp import clipping as clipping_policies
 from tf_pxg.dp import mechanisms
@@ -111,8 +113,9 @@ class DPPlan:
 
   Raises:
     ValueError: an unknown accountant or sampling (an instance included),
-      or shuffled sampling with a noise mechanism whose ε needs cyclic
-      Poisson participation (BandMF, BLT).
+      or a sampling whose participation does not fit the mechanism's ε
+      (`tf_pxg.data.participation.check`: e.g. shuffled batches with
+      BandMF or BLT, which need cyclic Poisson participation).
   """
   l2_norm_clip: Optional[float]
   noise_multiplier: Optional[float]
@@ -141,15 +144,11 @@ class DPPlan:
     if self.accountant not in ACCOUNTANTS:
       raise ValueError(f"DPPlan: accountant must be one of {ACCOUNTANTS}; "
                        f"got {self.accountant!r}.")
-    if (self.sampling is not None and
-        issubclass(self.sampling, samplers.ShuffledSampler) and
-        self.num_bands > 1):
-      raise ValueError(
-          f"DPPlan: sampling={self.sampling.__name__} (Keras' shuffled "
-          f"batches) with noise_mechanism={self.noise_mechanism!r}, whose ε "
-          f"needs cyclic Poisson sampling ({self.num_bands} groups, "
-          "participations at least that many steps apart). Choose "
-          "sampling='poisson' (or leave it unset).")
+    if self.sampling is not None:
+      # The one check that a sampler's participation fits the
+      # mechanism's ε (tf_pxg.data.participation); `fit` checks the
+      # instance it builds again.
+      participation.check(self.sampling, self.mechanism, "DPPlan")
 
   @property
   def mechanism(self) -> mechanisms.NoiseMechanism:
@@ -210,10 +209,12 @@ class DPPlan:
           self.noise_multiplier, self._other_releases(), "DPPlan")
 
   @property
-  def num_bands(self) -> int:
-    """b of the cyclic participation the mechanism's ε needs (1: any)."""
-    return int(mechanisms.from_setting(
-        self.noise_mechanism).participation_groups)
+  def min_separation(self) -> int:
+    """b of the b-min-separation participation the mechanism's ε needs
+    (1: any)."""
+    return int(mechanisms.from_setting(self.noise_mechanism).min_separation)
+
+  num_bands = _renamed.alias("num_bands", "min_separation")
 
   @property
   def is_default_mechanism(self) -> bool:

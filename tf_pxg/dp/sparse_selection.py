@@ -270,15 +270,15 @@ def gather_ids(tape, variable, batch_size) -> Optional[List[tf.Tensor]]:
     table's value reaches any other op (e.g. a tied output projection): it
     is then not a sparse table.
   """
-  # tape internals of our own engine (tf_pxg.tape), not TF's: the
-  # recorded id of the (Keras or tf) variable's handle, inside a
-  # tf.function its captured placeholder.
-  handle = tape._source_id(variable)  # pylint: disable=protected-access
-  if handle is None:
+  # The recorded id of the (Keras or tf) variable's handle, inside a
+  # tf.function its captured placeholder, and the recorded operations.
+  recorded = tape.recorded_uses(variable)
+  if recorded is None:
     return None
+  handle, entries = recorded
   derived = {handle}
   uses = []
-  for entry in tape._recorder.entries:  # pylint: disable=protected-access
+  for entry in entries:
     touches = [i for i, t in enumerate(entry.input_ids) if t in derived]
     if not touches:
       continue
@@ -585,14 +585,15 @@ class _SparseRows(mechanisms.NoiseMechanism):
   stateful = False
   supports_xla = True
 
-  def prepare(self, tape, variables, *, model=None, batch_size, mask=None,
+  def prepare(self, tape, variables, *, state=None, batch_size, mask=None,
               step_end=None, xla=False):
     """Reads the step's sparse tables from `tape` (see `SparseStep`), before
     it computes the clipped sums; the following `add` in the same trace
     uses it. A custom loop calls `prepare` after the forward pass, then
-    `tape.clipped_gradient_sum`, then `add`. `model` holds the counts
-    accumulator of Poisson steps (`step_end` given)."""
-    self._pending = SparseStep(self, model, tape, variables, batch_size,
+    `tape.clipped_gradient_sum`, then `add`. `state` (a
+    `tf_pxg.dp.step_state.StepState`) holds the counts accumulator of
+    Poisson steps (`step_end` given)."""
+    self._pending = SparseStep(self, state, tape, variables, batch_size,
                                mask, step_end, xla)
     return self._pending
 
@@ -885,19 +886,22 @@ def _dense_counts(touched: TouchedRows, num_rows: int) -> tf.Tensor:
   return tf.scatter_nd(rows[:, None], counts, [num_rows])
 
 
-def _counts_accumulator(model, num_rows: Sequence[int]):
-  """The model's accumulator of the selection counts of a logical step
-  (one `[V]` float32 sum per sparse table), made on first use."""
-  from tf_pxg.dp import accumulation  # noqa: PLC0415
-  key = tuple(num_rows)
-  acc = model.__dict__.get("_dp_sparse_counts")
-  if acc is None or acc[0] != key:
-    with tf.init_scope():
-      made = accumulation.LogicalStepAccumulator(
-          [tf.TensorSpec([v], tf.float32) for v in num_rows])
-    acc = (key, made)
-    object.__setattr__(model, "_dp_sparse_counts", acc)
-  return acc[1]
+def _counts_accumulator(state, num_rows: Sequence[int]):
+  """The run's accumulator of the selection counts of a logical step (one
+  `[V]` float32 sum per sparse table), kept in its `StepState`.
+
+  Raises:
+    ValueError: no `StepState` (Poisson batches outside a DPOptimizer).
+  """
+  if state is None:
+    raise ValueError(
+        "DP-AdaFEST on Poisson batches accumulates its selection counts "
+        "over a logical step in the DPOptimizer's step state: compile the "
+        "model with a tf_pxg.keras.DPOptimizer (a DP model's compile does "
+        "so).")
+  return state.accumulator(
+      "sparse_selection_counts",
+      [tf.TensorSpec([v], tf.float32) for v in num_rows])
 
 
 class SparseStep:
@@ -905,13 +909,13 @@ class SparseStep:
 
   The constructor (after the forward pass, before the tape's gradient)
   finds the sparse tables and their touched rows (for a Poisson step:
-  their selection counts, accumulated in the model's counts accumulator);
+  their selection counts, accumulated in the run's `StepState`);
   `privatize` (after the step's accumulation, where the noise goes)
   returns their noisy rows and which sums it took, so that the dense noise
   skips them.
   """
 
-  def __init__(self, config: "_SparseRows", model, tape, variables,
+  def __init__(self, config: "_SparseRows", state, tape, variables,
                batch_size, mask=None, step_end=None, xla: bool = False):
     self.config = config
     self.tables = config.sparse_tables(tape, variables, batch_size)
@@ -928,7 +932,7 @@ class SparseStep:
                                 self.vocab, config.selection_l2_norm_clip,
                                 mask)
     if self.accumulated:
-      self.counts = _counts_accumulator(model, self.vocab).step(
+      self.counts = _counts_accumulator(state, self.vocab).step(
           [_dense_counts(t, v) for t, v in zip(self.touched, self.vocab)],
           step_end, branchless=xla)
 

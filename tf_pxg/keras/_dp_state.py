@@ -14,7 +14,7 @@ optimizer, in the strategy scope Keras builds optimizers in:
   `tf_pxg.dp.correlated.NoiseBuffers` for BandMF with b > 1, `ON_READ`/
   `SUM`: each replica holds its share), None for a stateless mechanism;
 - `group_seed`: int64, for a mechanism whose event needs cyclic
-  participation in b > 1 groups (`participation_groups`), drawn from OS entropy when the optimizer
+  participation in b > 1 groups (`min_separation`), drawn from OS entropy when the optimizer
   is created: it keys cyclic Poisson sampling's assignment of examples to
   the b groups (`tf_pxg.data.PoissonSampler(group_seed=...)`), which must
   stay the same for the whole run, resumed fits included. It is read in
@@ -69,7 +69,7 @@ class DPState(tf.Module):
   def init_group_seed(self, noise_mechanism):
     """Creates `group_seed` (OS entropy) for cyclic participation in
     b > 1 groups (BandMF)."""
-    if num_bands(noise_mechanism) > 1 and self.group_seed is None:
+    if min_separation(noise_mechanism) > 1 and self.group_seed is None:
       with tf.init_scope():
         self.group_seed = tf.Variable(
             secrets.randbits(62), dtype=tf.int64, trainable=False,
@@ -165,10 +165,10 @@ class DPState(tf.Module):
       self._ledger_written = data
 
 
-def num_bands(noise_mechanism) -> int:
+def min_separation(noise_mechanism) -> int:
   """b of the cyclic participation the mechanism's ε needs (BandMF's
   bands); 1 for None (DP-SGD)."""
-  return int(mechanisms.from_setting(noise_mechanism).participation_groups)
+  return int(mechanisms.from_setting(noise_mechanism).min_separation)
 
 
 #: Saved-config (de)serialisation of a noise mechanism setting.

@@ -32,11 +32,9 @@ from tf_pxg.dp import ledger as ledger_lib
 
 def dp_optimizer(optimizer):
   """The DPOptimizer of `optimizer` (inside a LossScaleOptimizer), else
-  None."""
-  from tf_pxg.keras.optimizers import DPOptimizer  # noqa: PLC0415
-  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-    optimizer = optimizer.inner_optimizer
-  return optimizer if isinstance(optimizer, DPOptimizer) else None
+  None (`tf_pxg.keras.optimizers.dp_optimizer_of`)."""
+  from tf_pxg.keras.optimizers import dp_optimizer_of  # noqa: PLC0415
+  return dp_optimizer_of(optimizer)
 
 
 def ledger_of(optimizer) -> Optional[ledger_lib.PrivacyLedger]:

@@ -120,10 +120,11 @@ def _keras_batches(model, sampler_class, data: FitData,
   """Keras' own data path (`ShuffledSampler`): the data as given."""
   if data.augmult != 1 or data.user_ids is not None:
     raise ValueError("augmult and user_ids need sampling='poisson'.")
-  if model.num_bands > 1:
+  if model.min_separation > 1:
     raise ValueError(
         f"Model {model.name!r} uses BandMF correlated noise "
-        f"(num_bands={model.num_bands}), whose ε needs cyclic Poisson "
+        f"(min_separation={model.min_separation}), whose ε needs cyclic "
+        "Poisson "
         "sampling (participations at least b steps apart); "
         "sampling='shuffled' gives no such guarantee. Use the default "
         "sampling='poisson'.")
@@ -257,13 +258,14 @@ def _prepare_shards(model, shards, y, sample_weight, class_weight,
         f"accumulation_steps={accumulation_steps}, but the shards were laid "
         f"out with k={shards.accumulation_steps}; pass "
         f"accumulation_steps={shards.accumulation_steps}.")
-  groups = getattr(shards, "num_groups", 1)
-  if model.num_bands != groups:
+  groups = shards.min_separation
+  if model.min_separation != groups:
     raise ValueError(
-        f"The model's BandMF noise has num_bands={model.num_bands}, but the "
-        f"shards were sampled with num_groups={groups}: its ε needs cyclic "
-        "Poisson sampling with b groups. Rerun the pipeline with "
-        f"num_groups={model.num_bands}, or pass arrays to fit.")
+        f"The model's BandMF noise has min_separation="
+        f"{model.min_separation}, but the shards were sampled with "
+        f"min_separation={groups}: its ε needs cyclic Poisson sampling with "
+        "b groups. Rerun the pipeline with "
+        f"min_separation={model.min_separation}, or pass arrays to fit.")
   strategy = model.distribute_strategy
   if strategy.num_replicas_in_sync != shards.num_replicas:
     raise ValueError(
@@ -408,12 +410,13 @@ def _check_instance(model, sampler, n, secure, batch_size,
     ValueError: naming the first mismatch and the fix.
   """
   name = type(sampler).__name__
-  groups = {"num_groups": 1, "group_seed": None, **_cyclic_groups(model)}
+  groups = {"min_separation": 1, "group_seed": None,
+            **_cyclic_groups(model)}
   expected = {
       "num_examples": n,
       "num_replicas": model.distribute_strategy.num_replicas_in_sync,
-      "secure_mode": secure, "num_groups": groups["num_groups"]}
-  if groups["num_groups"] > 1:
+      "secure_mode": secure, "min_separation": groups["min_separation"]}
+  if groups["min_separation"] > 1:
     expected["group_seed"] = groups["group_seed"]
   fixed = {"expected_batch_size": batch_size,
            "physical_batch_size": physical_batch_size,
@@ -442,11 +445,11 @@ def _cyclic_groups(model) -> dict:
   `group_seed` (`tf_pxg.keras._dp_state`), so a resumed `fit` keeps every
   example in its group and its participations stay b steps apart.
   """
-  bands = model.num_bands
+  bands = model.min_separation
   if bands == 1:
     return {}
   seed = model.optimizer.dp_state.group_seed
-  return {"num_groups": bands, "group_seed": int(seed.numpy())}
+  return {"min_separation": bands, "group_seed": int(seed.numpy())}
 
 
 def finish(model, feed, data):

@@ -72,10 +72,6 @@ def _num_replicas() -> int:
   return tf.distribute.get_strategy().num_replicas_in_sync
 
 
-# The model attribute holding an audit's clipped-sum hook (gradient
-# canaries, `tf_pxg.audit.gradient_canaries.attach`), or None.
-CLIPPED_SUM_HOOK = "_dp_clipped_sum_hook"
-
 # The step-limit variable's "no limit".
 NO_STEP_LIMIT = tf.int64.max
 
@@ -211,6 +207,9 @@ class StepParts(NamedTuple):
     releases: the step's own `tf_pxg.dp.releases.SideRelease`s.
     release_states: their state variables (held by the `DPOptimizer`), one
       per release, None for a stateless one (`NoisyLoss`).
+    step_state: the run's `tf_pxg.dp.step_state.StepState` (the
+      `DPOptimizer`'s): the logical step's accumulators and an audit's
+      clipped-sum hook.
   """
   clipping: Any
   clip: Any
@@ -221,6 +220,7 @@ class StepParts(NamedTuple):
   optimizer: Any
   releases: tuple = ()
   release_states: tuple = ()
+  step_state: Any = None
 
   def clip_value(self):
     """The clip as a tensor or float (the variable's value if adaptive)."""
@@ -381,7 +381,7 @@ def clip(model: keras.Model, forward: Forward, parts: StepParts,
   # (sparse embedding rows: the ids each example gathers,
   # tf_pxg.dp.sparse_selection); a no-op for the others.
   parts.noise.prepare(
-      forward.tape, variables, model=model,
+      forward.tape, variables, state=parts.step_state,
       batch_size=tf.shape(forward.losses)[0],
       mask=None if info.is_plain else info.mask, step_end=info.step_end,
       xla=xla)
@@ -394,10 +394,11 @@ def clip(model: keras.Model, forward: Forward, parts: StepParts,
   sums = [tf.zeros_like(v) if s is None else s
           for s, v in zip(sums, variables)]
   # Audits only: gradient canaries join the clipped sum through the hook
-  # `tf_pxg.audit.gradient_canaries.attach` sets on the model (none
-  # attached: `sums` unchanged at trace time). Read from the model, so
-  # keras does not import audit (which imports keras).
-  canary_hook = model.__dict__.get(CLIPPED_SUM_HOOK)
+  # `tf_pxg.audit.gradient_canaries.attach` sets in the step state (none
+  # attached: `sums` unchanged at trace time), so keras does not import
+  # audit (which imports keras).
+  canary_hook = (None if parts.step_state is None else
+                 parts.step_state.clipped_sum_hook)
   if canary_hook is not None:
     sums = canary_hook(model, sums, variables,
                        None if info.is_plain else info, clip_value,

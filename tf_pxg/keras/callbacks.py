@@ -8,6 +8,7 @@ from typing import Optional
 
 import keras
 
+from tf_pxg import _renamed
 from tf_pxg import accounting
 
 
@@ -72,8 +73,12 @@ class PrivacyCallback(keras.callbacks.Callback):
       `batch_size / U`. The ε is then user-level (it bounds what training
       reveals about all of one user's examples together) and is logged
       under the key `epsilon_user_level` instead of `epsilon`.
-    noise_multiplier: defaults to the model's effective `noise_multiplier`
-      (its own or its DPOptimizer's).
+    noise_multiplier: deprecated for a tf_pxg DP model: the callback reads
+      the model's DP plan (`model.dp_plan`, its DPOptimizer's), the one
+      place σ lives, and its privacy ledger. Give it only for a model
+      without a plan (a custom loop over a plain Keras model); given for a
+      DP model it warns (`DeprecationWarning`), and a value other than the
+      plan's accounts only the single run it describes.
     delta: the δ of (ε, δ)-DP.
     target_epsilon: optional budget; training stops before exceeding it.
     accountant: "rdp" or "pld"; default (None): the model's plan's
@@ -83,12 +88,14 @@ class PrivacyCallback(keras.callbacks.Callback):
       give an upper bound on the ε of that same event, so choosing either
       here claims nothing the run does not satisfy (`accountant` shows
       the one in use).
-    num_bands: b of BandMF correlated noise (`tf_pxg.mf.BandedToeplitz`);
-      default: the model's (1 for DP-SGD). With b > 1, `fit` samples
-      cyclically (b groups, step i from group i mod b, rate `B b / N`) and
-      ε is that of `ceil(T / b)` compositions of the Poisson-subsampled
-      Gaussian at that rate (`tf_pxg.accounting.compute_epsilon(...,
-      num_bands=b)`).
+    min_separation: b of the participation the noise mechanism's ε needs
+      (BandMF's bands, `tf_pxg.mf.BandedToeplitz`); default and, for a DP
+      model, deprecated like `noise_multiplier`: the plan's (1 for
+      DP-SGD). With b > 1, `fit` samples cyclically (b groups, step i from
+      group i mod b, rate `B b / N`) and ε is that of `ceil(T / b)`
+      compositions of the Poisson-subsampled Gaussian at that rate
+      (`tf_pxg.accounting.compute_epsilon(..., min_separation=b)`).
+      `num_bands` is its deprecated name.
 
     allow_shuffled: the ε above assumes Poisson sampling, the default data
       path of a DP model's `fit`. If `fit` is called with
@@ -113,8 +120,13 @@ class PrivacyCallback(keras.callbacks.Callback):
                accountant: Optional[str] = None,
                allow_shuffled: bool = False, *,
                num_users: Optional[int] = None,
-               num_bands: Optional[int] = None):
+               min_separation: Optional[int] = None,
+               num_bands=_renamed.NOT_GIVEN):
     super().__init__()
+    # The name the caller gave b by, for the messages.
+    min_separation, self._separation_arg = _renamed.argument(
+        min_separation, num_bands, new="min_separation", old="num_bands",
+        where="PrivacyCallback", default=None)
     if target_epsilon is not None and not target_epsilon > 0:
       raise ValueError(
           f"target_epsilon must be > 0; got {target_epsilon!r}.")
@@ -138,28 +150,49 @@ class PrivacyCallback(keras.callbacks.Callback):
     self._accountant = accountant
     self.allow_shuffled = allow_shuffled
     self._log_key = self._base_key()
+    # Deprecated overrides of the plan's values (the Args above), read only
+    # for a model without a plan or when they differ from it.
     self._noise_multiplier = noise_multiplier
-    self._num_bands = num_bands
+    self._min_separation = min_separation
+    self._warned_override = False
     self._max_steps_cache = {}
     # Validate the accounting arguments now rather than after an epoch.
     accounting.compute_epsilon(num_examples, batch_size,
                                noise_multiplier if noise_multiplier is not None
                                else 1.0, steps=0, delta=delta,
                                accountant=accountant or "rdp",
-                               num_bands=num_bands or 1)
+                               min_separation=min_separation or 1)
 
   @property
-  def num_bands(self) -> int:
-    """b of the noise mechanism (given, else the model's; 1: DP-SGD)."""
-    if self._num_bands is not None:
-      return int(self._num_bands)
-    return int(getattr(self.model, "num_bands", 1) or 1)
+  def min_separation(self) -> int:
+    """b of the noise mechanism: the plan's (the deprecated override if
+    given; 1: DP-SGD)."""
+    if self._min_separation is not None:
+      return int(self._min_separation)
+    plan = self._plan()
+    return 1 if plan is None else int(plan.min_separation)
+
+  num_bands = _renamed.alias("num_bands", "min_separation")
+
+  def _warn_overrides(self) -> None:
+    """Warns once if σ or b were given for a model with a DP plan."""
+    if self._warned_override or self._plan() is None or (
+        self._noise_multiplier is None and self._min_separation is None):
+      return
+    self._warned_override = True
+    warnings.warn(
+        "PrivacyCallback: noise_multiplier= and min_separation= (num_bands=) "
+        "are deprecated for a tf_pxg DP model: the callback reads its DP "
+        "plan (model.dp_plan) and privacy ledger, the one place σ and b "
+        "live. Drop them; a value other than the plan's accounts only the "
+        "single run it describes.", DeprecationWarning, stacklevel=3)
 
   @property
   def noise_multiplier(self) -> float:
     if self._noise_multiplier is not None:
       return float(self._noise_multiplier)
-    value = getattr(self.model, "noise_multiplier", None)
+    plan = self._plan()
+    value = None if plan is None else plan.noise_multiplier
     if value is None:
       raise ValueError(
           "PrivacyCallback: the model has no `noise_multiplier` (it is not a "
@@ -173,21 +206,21 @@ class PrivacyCallback(keras.callbacks.Callback):
 
   def _mechanism(self):
     """The model's noise mechanism (`dp_plan.mechanism`), else DP-SGD's or
-    BandMF's for the given `num_bands`."""
+    BandMF's for the given `min_separation`."""
     from tf_pxg.dp import mechanisms  # noqa: PLC0415
-    model = getattr(self, "model", None)
-    plan = None if model is None else getattr(model, "dp_plan", None)
-    if plan is not None and (self._num_bands is None or
-                             plan.num_bands == self.num_bands):
+    plan = self._plan()
+    if plan is not None and plan.min_separation == self.min_separation:
       return plan.mechanism
-    if self.num_bands == 1:
+    if self.min_separation == 1:
       return mechanisms.IndependentGaussian()
     from tf_pxg import mf  # noqa: PLC0415
-    return mechanisms.BandMF(mf.BandedToeplitz(self.num_bands))
+    return mechanisms.BandMF(mf.BandedToeplitz(self.min_separation))
 
   def _plan(self):
     """The model's `DPPlan` (None: not a tf_pxg DP model, or no model)."""
-    return getattr(getattr(self, "model", None), "dp_plan", None)
+    from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
+    plan = getattr(getattr(self, "model", None), "dp_plan", None)
+    return plan if isinstance(plan, dp_plan.DPPlan) else None
 
   def _ledger(self):
     """The model's privacy ledger (None: not a compiled tf_pxg DP model),
@@ -203,7 +236,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     if self._noise_multiplier is not None and (
         float(self._noise_multiplier) != plan.noise_multiplier):
       return None
-    if self._num_bands is not None and int(self._num_bands) != plan.num_bands:
+    if self.min_separation != plan.min_separation:
       return None
     return ledger
 
@@ -257,7 +290,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     if self.target_epsilon is None:
       return None
     ledger = self._ledger()
-    key = (self.noise_multiplier, self.num_bands, id(self._sampler()),
+    key = (self.noise_multiplier, self.min_separation, id(self._sampler()),
            self.accountant, None if ledger is None else ledger.to_json())
     if self._max_steps_cache.get("key") != key:
       within = lambda s: self.epsilon(s) <= self.target_epsilon  # noqa: E731
@@ -310,19 +343,22 @@ class PrivacyCallback(keras.callbacks.Callback):
           f"{self.batch_size}/{self.num_examples}, not a guarantee for "
           "these batches.", stacklevel=2)
     elif sampler is not None:
-      groups = sampler.num_groups
-      if groups != self.num_bands:
+      groups = sampler.min_separation
+      if groups != self.min_separation:
+        plan = self._plan()
         raise ValueError(
-            f"PrivacyCallback: accounts for num_bands={self.num_bands}, but "
-            f"fit sampled with {groups} cyclic group(s) (the model's "
-            f"num_bands is {getattr(self.model, 'num_bands', 1)}). BandMF's "
-            "ε needs b groups for b bands: give the callback the model's "
-            "num_bands (or leave it unset).")
-      rate = self.batch_size * self.num_bands / self.num_examples
+            f"PrivacyCallback: accounts for {self._separation_arg}="
+            f"{self.min_separation}, but fit sampled with {groups} cyclic "
+            f"group(s) (the model's plan has min_separation="
+            f"{1 if plan is None else plan.min_separation}). BandMF's ε "
+            "needs b groups for b bands: leave min_separation unset (the "
+            "plan's).")
+      rate = self.batch_size * self.min_separation / self.num_examples
       if not math.isclose(rate, sampler.sampling_rate, rel_tol=1e-9):
         raise ValueError(
             f"PrivacyCallback: accounts for sampling rate {rate:.6g} "
-            f"(batch_size={self.batch_size} * num_bands={self.num_bands} / "
+            f"(batch_size={self.batch_size} * {self._separation_arg}="
+            f"{self.min_separation} / "
             f"num_examples={self.num_examples}) but fit samples with rate "
             f"{sampler.sampling_rate:.6g} (batch_size="
             f"{sampler.expected_batch_size:g}, {sampler.num_examples} "
@@ -330,6 +366,7 @@ class PrivacyCallback(keras.callbacks.Callback):
             + _held_out_hint(self.num_examples, sampler.num_examples))
 
   def on_train_begin(self, logs=None):
+    self._warn_overrides()
     self.noise_multiplier  # noqa: B018  (raises now, not after an epoch)
     self._check_sampling()
     if self._next_step_over_budget():

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from tf_pxg import _compat
+from tf_pxg import _renamed
 from tf_pxg.keras import _ledger
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
@@ -270,10 +271,12 @@ class _DPTrainingMixin:
     return self.dp_plan.noise_mechanism
 
   @property
-  def num_bands(self) -> int:
-    """b of the cyclic participation the noise mechanism's ε needs
-    (BandMF's bands; 1: DP-SGD)."""
-    return self.dp_plan.num_bands
+  def min_separation(self) -> int:
+    """b of the b-min-separation participation the noise mechanism's ε
+    needs (BandMF's bands; 1: DP-SGD)."""
+    return self.dp_plan.min_separation
+
+  num_bands = _renamed.alias("num_bands", "min_separation")
 
   @property
   def unprotected_training_metrics(self) -> bool:
@@ -389,7 +392,8 @@ class _DPTrainingMixin:
           "keep state in a tf_pxg.keras.DPOptimizer; compile with one.")
     return _train_step.StepParts(
         plan.clipping, clip, plan.noise_multiplier or 0.0, step_noise.gradient,
-        noise, noise_state, optimizer, step_noise.releases, states)
+        noise, noise_state, optimizer, step_noise.releases, states,
+        optimizer.step_state if isinstance(optimizer, DPOptimizer) else None)
 
   def _check_trainable_for_dp(self, optimizer):
     optimizer = _unscaled(optimizer)  # mixed_float16: see dp_gradients
@@ -573,26 +577,26 @@ class _DPTrainingMixin:
   # Poisson sampling and logical steps -----------------------------------------
 
   def _dp_accumulator_for(self, variables, num_scalars=None):
-    """The model's `LogicalStepAccumulator` for `variables` and the step's
-    `num_scalars` side releases (default: the plan's count), made if
-    needed.
+    """The run's `LogicalStepAccumulator` for `variables` and the step's
+    `num_scalars` side releases (default: the plan's count), kept in the
+    DPOptimizer's `step_state` (made if needed: in the strategy scope by
+    `fit`, else lifted out of the traced function, which works without a
+    strategy; not model state, never saved).
 
-    `fit` makes it in the strategy scope before training; made here (e.g.
-    `train_on_batch` with a Poisson batch) it is lifted out of the traced
-    function, which works without a strategy.
+    Raises:
+      ValueError: the model is not compiled with a DPOptimizer.
     """
-    from tf_pxg.dp import accumulation  # noqa: PLC0415
-    acc = self.__dict__.get("_dp_accumulator")
+    optimizer = _ledger.dp_optimizer(getattr(self, "optimizer", None))
+    if optimizer is None:
+      raise ValueError(
+          f"Model {self.name!r}: a logical step over Poisson batches keeps "
+          "its running sums in the DPOptimizer's step state; compile the "
+          "model first (a DP model's compile wraps the optimizer).")
     # The side releases' sums (adaptive clipping's unclipped count, the
     # noisy loss's, ...) are accumulated with the gradient's.
     scalars = (self.dp_plan.num_step_releases if num_scalars is None
                else num_scalars)
-    if acc is None or not acc.matches(variables, scalars):
-      with tf.init_scope():
-        acc = accumulation.LogicalStepAccumulator(variables, scalars)
-      # Not a Keras-tracked weight: it is not part of the model's state.
-      object.__setattr__(self, "_dp_accumulator", acc)
-    return acc
+    return optimizer.step_state.accumulator("gradient", variables, scalars)
 
   def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
           callbacks=None, validation_split=0.0, validation_data=None,

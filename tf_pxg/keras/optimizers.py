@@ -26,6 +26,7 @@ from tf_pxg import _compat
 from tf_pxg.data import samplers
 from tf_pxg.dp import clipping as clipping_policies
 from tf_pxg.dp import plan as dp_plan
+from tf_pxg.dp import step_state as step_state_lib
 from tf_pxg.keras import _dp_state as dp_state
 from tf_pxg.keras import _validation
 
@@ -136,6 +137,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self.dp_state = dp_state.DPState()
     self.dp_state.steps = self.step_count
     self.dp_state.init_group_seed(noise_mechanism)
+    # What the DP step keeps between physical batches and never saves
+    # (tf_pxg.dp.step_state): set past Keras' attribute tracking.
+    object.__setattr__(self, "step_state", step_state_lib.StepState())
 
   # The plan (one frozen object; the attributes below read it) -------------
 
@@ -314,6 +318,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
           "'balls_in_bins'), or register the class, "
           f"tf_pxg.data.samplers.register({name!r}, cls), then load.")
     return cls(inner, **config)
+
+
+def dp_optimizer_of(optimizer):
+  """The `DPOptimizer` a model is compiled with: `optimizer` itself, or
+  the one inside a `keras.optimizers.LossScaleOptimizer` (mixed
+  precision); None for anything else (not compiled, a plain optimizer)."""
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    optimizer = optimizer.inner_optimizer
+  return optimizer if isinstance(optimizer, DPOptimizer) else None
 
 
 #: The `DPOptimizer` arguments `DPSGD` and `DPAdam` take besides the clip
