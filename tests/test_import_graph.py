@@ -46,10 +46,11 @@ ENGINE_LAYERS = (
 # What the engine may import from above it: the tape API's
 # `clipped_gradient_sum` clips with `tf_pxg.dp.clipping.clip_factors`,
 # which imports nothing of tf_pxg but the side-release protocol (its
-# adaptive policy's count), which imports nothing of tf_pxg (checked
-# below).
+# adaptive policy's count) and the parts' registry idiom
+# (`tf_pxg.parts.add`), which import nothing of tf_pxg (checked below).
 ENGINE_UPWARD = {"tf_pxg.gradient_tape": ("tf_pxg.dp.clipping",
-                                          "tf_pxg.dp.releases")}
+                                          "tf_pxg.dp.releases",
+                                          "tf_pxg.parts")}
 
 
 def module_names() -> Dict[str, pathlib.Path]:

@@ -108,7 +108,7 @@ def _blt_case():
 def _policy_case(name):
   def case():
     policy = clipping.get(name)
-    assert type(policy) is clipping.POLICIES[name]
+    assert type(policy) is clipping.POLICIES[name] and policy.name == name
     norms = np.array([0.5, 2.0, 40.0, np.inf], np.float32)
     factors = np.asarray(policy.factors(norms, 1.0))
     assert np.all(factors[:3] * norms[:3] <= 1.0 + 1e-6) and factors[3] == 0
@@ -128,6 +128,7 @@ PARTS = {
     ("clipping policy", "automatic"): _policy_case("automatic"),
     ("clipping policy", "quantile_adaptive"): _policy_case(
         "quantile_adaptive"),
+    ("clipping policy", "norm_tracking"): _policy_case("norm_tracking"),
 }
 
 _LIST_REGISTERED = """
@@ -136,7 +137,7 @@ from tf_pxg.dp import clipping, mechanisms
 print(repr(sorted(
     [("sampler", n) for n in samplers.known_names()] +
     [("noise mechanism", n) for n in mechanisms.known_names()] +
-    [("clipping policy", n) for n in clipping.POLICIES])))
+    [("clipping policy", n) for n in clipping.known_names()])))
 """
 
 

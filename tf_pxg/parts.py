@@ -42,8 +42,7 @@ __all__ = ["BUILTIN_MODULES", "add", "load_builtins", "name_of"]
 BUILTIN_MODULES: Dict[str, tuple] = {
     "sampler": ("tf_pxg.data.samplers", "tf_pxg.data.balls_in_bins"),
     "noise mechanism": ("tf_pxg.dp.mechanisms", "tf_pxg.dp.blt"),
-    # (`tf_pxg.dp.clipping` writes `add` out: it imports nothing of tf_pxg.)
-    "clipping policy": ("tf_pxg.dp.clipping",),
+    "clipping policy": ("tf_pxg.dp.clipping", "tf_pxg.dp.norm_tracking"),
 }
 
 _loaded = set()

@@ -19,12 +19,12 @@ unbounded size that no noise covers.
 Policies by name. `POLICIES` maps names to policy classes ("flat",
 "automatic", "quantile_adaptive"); `register(name, cls)` (or
 `@register(name)`) adds one, with the idiom and the errors of every part
-(`tf_pxg.parts.add`), and `get(name)` builds it with its defaults. This
-module imports nothing of tf_pxg but `tf_pxg.dp.releases` (which imports
-nothing of tf_pxg: the tape API clips with `clip_factors`, below the DP
-layer, tests/test_import_graph.py), so `register` is written out here
-rather than calling `tf_pxg.parts.add`; tests/test_parts.py checks that
-the two refuse alike.
+(`tf_pxg.parts.add`), and `get(name)` builds it with its defaults (the
+built-in policies' modules, `tf_pxg.parts.BUILTIN_MODULES`, are imported
+first if the name is not yet known). This module imports nothing of
+tf_pxg but `tf_pxg.dp.releases` and `tf_pxg.parts`, which import nothing
+of tf_pxg (the tape API clips with `clip_factors`, below the DP layer,
+tests/test_import_graph.py).
 """
 
 import math
@@ -32,6 +32,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_pxg import parts
 from tf_pxg.dp import releases
 
 # Norms below this are treated as this, so zero gradients get factor 1.
@@ -119,6 +120,7 @@ class ClippingPolicy:
 
 #: Names -> policy classes (`register` adds one; module docstring).
 POLICIES = {}
+_KIND = "clipping policy"
 
 
 def _not_a_policy(cls) -> Optional[str]:
@@ -138,20 +140,8 @@ def register(name: str, policy_class: Optional[type] = None, *,
       or the class is not a `ClippingPolicy` subclass.
   """
   def add(cls):
-    if not isinstance(name, str) or not name:
-      raise ValueError("register: a clipping policy name must be a "
-                       f"non-empty string; got {name!r}.")
-    why = _not_a_policy(cls)
-    if why is not None:
-      raise ValueError(f"register({name!r}): {cls!r} is not a clipping "
-                       f"policy: {why}")
-    taken = POLICIES.get(name)
-    if taken is not None and taken is not cls and not override:
-      raise ValueError(
-          f"register: the clipping policy name {name!r} already names "
-          f"{taken!r}; choose another name, or pass override=True to "
-          "replace it.")
-    POLICIES[name] = cls
+    parts.add(POLICIES, _KIND, name, cls, override=override,
+              check=_not_a_policy)
     cls.name = name
     return cls
   return add if policy_class is None else add(policy_class)
@@ -360,11 +350,18 @@ class QuantileCount(releases.SideRelease):
     return {"policy": self.policy, "count_stddev": self.count_stddev}
 
 
+def known_names() -> tuple:
+  """The registered names (`POLICIES`' keys, the built-ins loaded)."""
+  parts.load_builtins(_KIND)
+  return tuple(POLICIES)
+
+
 def get(identifier) -> ClippingPolicy:
   """A `ClippingPolicy` from None (flat), a registered name ("flat",
-  "automatic", "quantile_adaptive", or one added with `register`), a
-  `{"class_name": ..., "config": ...}` dict (from `serialize`) or an
-  instance.
+  "automatic", "quantile_adaptive", "norm_tracking", or one added with
+  `register`; the built-ins' modules are imported first if the name is
+  not yet known), a `{"class_name": ..., "config": ...}` dict (from
+  `serialize`) or an instance.
 
   Raises:
     ValueError: anything else (the message lists the names).
@@ -373,11 +370,13 @@ def get(identifier) -> ClippingPolicy:
     return Flat()
   if isinstance(identifier, ClippingPolicy):
     return identifier
-  if isinstance(identifier, str) and identifier in POLICIES:
-    return POLICIES[identifier]()
-  if isinstance(identifier, dict) and identifier.get("class_name") in POLICIES:
-    return POLICIES[identifier["class_name"]](**identifier.get("config", {}))
-  names = ", ".join(repr(n) for n in POLICIES)
+  name = (identifier.get("class_name") if isinstance(identifier, dict) else
+          identifier if isinstance(identifier, str) else None)
+  if name is not None and name in known_names():
+    config = identifier.get("config", {}) if isinstance(identifier,
+                                                        dict) else {}
+    return POLICIES[name](**config)
+  names = ", ".join(repr(n) for n in known_names())
   raise ValueError(
       f"Unknown clipping policy {identifier!r}: use None or one of {names} "
       "(registered with tf_pxg.clipping.register), or an instance of a "
