@@ -43,6 +43,8 @@ jax-privacy's `DPExecutionPlan` and Opacus' `DPOptimizer` are the anchors.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, NamedTuple, Optional, Tuple
 
 from tf_pxg import _renamed
@@ -56,6 +58,74 @@ __all__ = ["ACCOUNTANTS", "DPPlan", "StepNoise"]
 
 #: The accountants `tf_pxg.accounting` offers.
 ACCOUNTANTS = ("rdp", "pld")
+
+
+def _validate_l2_norm_clip(value, owner: str = "l2_norm_clip") -> float:
+  """`l2_norm_clip` as a float: positive, not NaN; `inf` means no clipping."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"`{owner}` must be a positive number (float('inf') for "
+                    f"no clipping); got {value!r} of type "
+                    f"{type(value).__name__}.")
+  value = float(value)
+  if math.isnan(value) or value <= 0:
+    raise ValueError(
+        f"`{owner}` must be > 0 (the largest L2 norm an example's gradient "
+        f"may have; float('inf') disables clipping); got {value}.")
+  return value
+
+
+def _validate_noise_multiplier(value, owner: str = "noise_multiplier") -> float:
+  """`noise_multiplier` as a float: finite and >= 0."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"`{owner}` must be a finite number >= 0; got {value!r} "
+                    f"of type {type(value).__name__}.")
+  value = float(value)
+  if not math.isfinite(value) or value < 0:
+    raise ValueError(
+        f"`{owner}` must be finite and >= 0 (noise std = noise_multiplier * "
+        f"l2_norm_clip; 0 means no noise and no privacy); got {value}.")
+  return value
+
+
+def _validate_dp_params(l2_norm_clip, noise_multiplier,
+                       where: str) -> Tuple[Optional[float], Optional[float]]:
+  """Both None (settings come from a DPOptimizer) or both valid."""
+  if l2_norm_clip is None and noise_multiplier is None:
+    return None, None
+  if l2_norm_clip is None or noise_multiplier is None:
+    missing = "l2_norm_clip" if l2_norm_clip is None else "noise_multiplier"
+    raise ValueError(
+        f"{where}: `{missing}` is missing. Pass both `l2_norm_clip` and "
+        "`noise_multiplier`, or neither and compile with a "
+        "`tf_pxg.keras.DPOptimizer` that carries them.")
+  return (_validate_l2_norm_clip(l2_norm_clip),
+          _validate_noise_multiplier(noise_multiplier))
+
+
+def _validate_mechanism(l2_norm_clip, noise_multiplier, clipping,
+                       noise_mechanism, where: str):
+  """`(clipping policy, noise mechanism)`, checked against the settings.
+
+  Raises:
+    ValueError: an unknown policy; `Automatic`/`QuantileAdaptive` with an
+      infinite `l2_norm_clip` (automatic clipping's sensitivity, the
+      adaptive clip's start).
+    TypeError: a mechanism that is neither a `tf_pxg.mf` strategy nor a
+      `tf_pxg.dp.mechanisms.NoiseMechanism`.
+  """
+  policy = clipping_policies.get(clipping)
+  if (not isinstance(policy, clipping_policies.Flat) and l2_norm_clip is not None and
+      not math.isfinite(l2_norm_clip)):
+    raise ValueError(
+        f"{where}: clipping={policy!r} needs a finite l2_norm_clip (the "
+        "sensitivity R of automatic clipping, the initial clip of adaptive "
+        f"clipping); got {l2_norm_clip}.")
+  try:
+    mechanisms.from_setting(noise_mechanism)
+  except TypeError as e:
+    raise TypeError(f"{where}: {e}") from None
+  del noise_multiplier
+  return policy, noise_mechanism
 
 
 class StepNoise(NamedTuple):
@@ -234,6 +304,46 @@ class DPPlan:
     """The names of the settings in which `other` differs."""
     return [f.name for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(other, f.name)]
+
+  @classmethod
+  def validated(cls, where: str, l2_norm_clip, noise_multiplier, *,
+                required: bool, clipping=None, noise_mechanism=None,
+                secure_mode=False, sampling=None, accountant: str = "rdp",
+                noisy_loss=None, side_releases=()) -> "DPPlan":
+    """The one validation of DP settings as users give them, naming
+    `where` (a `DPOptimizer`, a DP model's request, `make_private`).
+
+    `required`: the plan's owner (a `DPOptimizer`) needs `l2_norm_clip`
+    and `noise_multiplier`; a model's request takes both or neither
+    (neither: its DPOptimizer's).
+
+    Raises:
+      TypeError/ValueError: a clip that is not > 0, a σ not finite and
+        >= 0, one of the pair missing, a policy that needs a finite clip,
+        an unknown mechanism, policy, sampling or accountant, a non-bool
+        `secure_mode`, side releases that are not releases.
+    """
+    if required:
+      clip = _validate_l2_norm_clip(l2_norm_clip)
+      noise = _validate_noise_multiplier(noise_multiplier)
+    else:
+      clip, noise = _validate_dp_params(l2_norm_clip, noise_multiplier, where)
+    if not isinstance(secure_mode, bool):
+      raise TypeError(f"{where}: secure_mode must be True or False; got "
+                      f"{secure_mode!r}.")
+    clipping, noise_mechanism = _validate_mechanism(
+        clip, noise, clipping, noise_mechanism, where)
+    sampling = samplers.choice(sampling, where)
+    if accountant not in ACCOUNTANTS:
+      raise ValueError(f"{where}: accountant must be one of {ACCOUNTANTS}; "
+                       f"got {accountant!r}.")
+    try:
+      return cls(clip, noise, clipping, noise_mechanism, secure_mode,
+                 sampling=sampling, accountant=accountant,
+                 noisy_loss=noisy_loss,
+                 side_releases=tuple(side_releases or ()))
+    except TypeError as e:
+      raise TypeError(f"{where}: {e}") from None
 
   def replace(self, **changes) -> "DPPlan":
     return dataclasses.replace(self, **changes)

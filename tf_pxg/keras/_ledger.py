@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import keras
 
 from tf_pxg.data import samplers
 from tf_pxg.dp import ledger as ledger_lib

@@ -1,86 +1,13 @@
-"""Checks of DP settings and models, with errors that say what to do."""
+"""Checks of DP models, with errors that say what to do (the DP settings
+themselves are validated in one place, `tf_pxg.dp.plan.DPPlan.validated`)."""
 
 from __future__ import annotations
-
-import math
-import numbers
-from typing import Optional, Tuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_pxg import _compat
-
-
-def validate_l2_norm_clip(value, owner: str = "l2_norm_clip") -> float:
-  """`l2_norm_clip` as a float: positive, not NaN; `inf` means no clipping."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"`{owner}` must be a positive number (float('inf') for "
-                    f"no clipping); got {value!r} of type "
-                    f"{type(value).__name__}.")
-  value = float(value)
-  if math.isnan(value) or value <= 0:
-    raise ValueError(
-        f"`{owner}` must be > 0 (the largest L2 norm an example's gradient "
-        f"may have; float('inf') disables clipping); got {value}.")
-  return value
-
-
-def validate_noise_multiplier(value, owner: str = "noise_multiplier") -> float:
-  """`noise_multiplier` as a float: finite and >= 0."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"`{owner}` must be a finite number >= 0; got {value!r} "
-                    f"of type {type(value).__name__}.")
-  value = float(value)
-  if not math.isfinite(value) or value < 0:
-    raise ValueError(
-        f"`{owner}` must be finite and >= 0 (noise std = noise_multiplier * "
-        f"l2_norm_clip; 0 means no noise and no privacy); got {value}.")
-  return value
-
-
-def validate_dp_params(l2_norm_clip, noise_multiplier,
-                       where: str) -> Tuple[Optional[float], Optional[float]]:
-  """Both None (settings come from a DPOptimizer) or both valid."""
-  if l2_norm_clip is None and noise_multiplier is None:
-    return None, None
-  if l2_norm_clip is None or noise_multiplier is None:
-    missing = "l2_norm_clip" if l2_norm_clip is None else "noise_multiplier"
-    raise ValueError(
-        f"{where}: `{missing}` is missing. Pass both `l2_norm_clip` and "
-        "`noise_multiplier`, or neither and compile with a "
-        "`tf_pxg.keras.DPOptimizer` that carries them.")
-  return (validate_l2_norm_clip(l2_norm_clip),
-          validate_noise_multiplier(noise_multiplier))
-
-
-def validate_mechanism(l2_norm_clip, noise_multiplier, clipping,
-                       noise_mechanism, where: str):
-  """`(clipping policy, noise mechanism)`, checked against the settings.
-
-  Raises:
-    ValueError: an unknown policy; `Automatic`/`QuantileAdaptive` with an
-      infinite `l2_norm_clip` (automatic clipping's sensitivity, the
-      adaptive clip's start).
-    TypeError: a mechanism that is neither a `tf_pxg.mf` strategy nor a
-      `tf_pxg.dp.mechanisms.NoiseMechanism`.
-  """
-  from tf_pxg.dp import clipping as policies  # noqa: PLC0415
-  policy = policies.get(clipping)
-  if (not isinstance(policy, policies.Flat) and l2_norm_clip is not None and
-      not math.isfinite(l2_norm_clip)):
-    raise ValueError(
-        f"{where}: clipping={policy!r} needs a finite l2_norm_clip (the "
-        "sensitivity R of automatic clipping, the initial clip of adaptive "
-        f"clipping); got {l2_norm_clip}.")
-  from tf_pxg.dp import mechanisms  # noqa: PLC0415
-  try:
-    mechanisms.from_setting(noise_mechanism)
-  except TypeError as e:
-    raise TypeError(f"{where}: {e}") from None
-  del noise_multiplier
-  return policy, noise_mechanism
 
 
 def _mixing_augmentations() -> tuple:

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tf_pxg import _compat
 from tf_pxg import _renamed
+from tf_pxg.dp import plan as dp_plan
 from tf_pxg.keras import _ledger
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
@@ -38,17 +39,14 @@ def _check_bool(value, name: str, where: str) -> bool:
   return value
 
 
-def _check_secure_mode(secure_mode, seed, where: str) -> bool:
-  """`secure_mode` as a bool; raises if it is not one or comes with a
-  seed."""
-  _check_bool(secure_mode, "secure_mode", where)
+def _check_seed(secure_mode: bool, seed, where: str) -> None:
+  """Raises if secure mode comes with a seed."""
   if secure_mode and seed is not None:
     raise ValueError(
         f"{where}: secure_mode=True draws every noise key (and the "
         f"sampler's randomness) from the OS CSPRNG, so it cannot be "
         f"reproducible; got seed={seed!r}. Drop the seed, or use "
         "secure_mode=False for reproducible tests.")
-  return secure_mode
 
 
 def _loss_scale_optimizer(optimizer):
@@ -179,25 +177,18 @@ class _DPTrainingMixin:
                clipping=None, noise_mechanism=None, sampling=None,
                unprotected_training_metrics: bool = False,
                noisy_loss=None, side_releases=(), **kwargs):
-    clip, noise = _validation.validate_dp_params(
-        l2_norm_clip, noise_multiplier, type(self).__name__)
-    clipping, noise_mechanism = _validation.validate_mechanism(
-        clip, noise, clipping, noise_mechanism, type(self).__name__)
-    secure_mode = _check_secure_mode(secure_mode, seed, type(self).__name__)
-    from tf_pxg.data import samplers  # noqa: PLC0415
-    sampling = samplers.choice(sampling, type(self).__name__)
-    super().__init__(*args, **kwargs)
-    from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
-    from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
+    where = type(self).__name__
     # The constructor's request: handed to the optimizer at `compile` (see
     # `_dp_plan`), saved in the config; the step reads the optimizer's.
-    try:
-      self._dp_request = dp_plan.DPPlan(
-          clip, noise, clipping, noise_mechanism, secure_mode,
-          sampling=sampling, noisy_loss=noisy_loss,
-          side_releases=side_releases)
-    except TypeError as e:
-      raise TypeError(f"{type(self).__name__}: {e}") from None
+    request = dp_plan.DPPlan.validated(
+        where, l2_norm_clip, noise_multiplier, required=False,
+        clipping=clipping, noise_mechanism=noise_mechanism,
+        secure_mode=secure_mode, sampling=sampling, noisy_loss=noisy_loss,
+        side_releases=side_releases)
+    _check_seed(request.secure_mode, seed, where)
+    super().__init__(*args, **kwargs)
+    from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
+    self._dp_request = request
     self._dp_seed_given = seed is not None
     self._dp_unprotected_metrics = _check_bool(
         unprotected_training_metrics, "unprotected_training_metrics",
@@ -826,19 +817,17 @@ class _DPTrainingMixin:
     side_releases = tuple(
         keras.saving.deserialize_keras_object(r, custom_objects=custom_objects)
         for r in config.pop("side_releases", ()))
-    from tf_pxg.dp import clipping as policies  # noqa: PLC0415
     from tf_pxg.keras import _dp_state  # noqa: PLC0415
-    clipping = policies.get(config.pop("clipping", None))
-    mechanism = _dp_state.deserialize_mechanism(
-        config.pop("noise_mechanism", None))
+    request = dp_plan.DPPlan.validated(
+        cls.__name__, dp["l2_norm_clip"], dp["noise_multiplier"],
+        required=False, clipping=config.pop("clipping", None),
+        noise_mechanism=_dp_state.deserialize_mechanism(
+            config.pop("noise_mechanism", None)),
+        secure_mode=secure_mode, sampling=sampling, noisy_loss=noisy_loss,
+        side_releases=side_releases)
     model = super().from_config(config, custom_objects=custom_objects)
     model._dp_unprotected_metrics = unprotected
-    clip, noise = _validation.validate_dp_params(
-        dp["l2_norm_clip"], dp["noise_multiplier"], cls.__name__)
-    from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
-    model._dp_request = dp_plan.DPPlan(
-        clip, noise, clipping, mechanism, secure_mode, sampling=sampling,
-        noisy_loss=noisy_loss, side_releases=side_releases)
+    model._dp_request = request
     return model
 
 
@@ -918,10 +907,11 @@ def make_private(model: keras.Model, l2_norm_clip: Optional[float] = None,
   """
   if isinstance(model, _DPTrainingMixin):
     raise TypeError(f"Model {model.name!r} already trains with DP.")
-  clip, noise = _validation.validate_dp_params(l2_norm_clip, noise_multiplier,
-                                               "make_private")
+  dp_plan.DPPlan.validated("make_private", l2_norm_clip, noise_multiplier,
+                           required=False)
   _validation.check_no_batch_mixing_layers(model)
-  kwargs = dict(l2_norm_clip=clip, noise_multiplier=noise, seed=seed,
+  kwargs = dict(l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                seed=seed,
                 secure_mode=secure_mode, clipping=clipping,
                 noise_mechanism=noise_mechanism, sampling=sampling,
                 unprotected_training_metrics=unprotected_training_metrics,

@@ -28,7 +28,6 @@ from tf_pxg.dp import clipping as clipping_policies
 from tf_pxg.dp import plan as dp_plan
 from tf_pxg.dp import step_state as step_state_lib
 from tf_pxg.keras import _dp_state as dp_state
-from tf_pxg.keras import _validation
 
 
 @keras.saving.register_keras_serializable(package="tf_pxg")
@@ -111,22 +110,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
       raise TypeError(
           "`inner_optimizer` must be a keras.optimizers.Optimizer instance; "
           f"got {inner_optimizer!r}.")
-    clip = _validation.validate_l2_norm_clip(l2_norm_clip)
-    noise = _validation.validate_noise_multiplier(noise_multiplier)
-    if not isinstance(secure_mode, bool):
-      raise TypeError("DPOptimizer: secure_mode must be True or False; got "
-                      f"{secure_mode!r}.")
-    clipping, noise_mechanism = _validation.validate_mechanism(
-        clip, noise, clipping, noise_mechanism, "DPOptimizer")
-    sampling = samplers.choice(sampling, "DPOptimizer")
-    if accountant not in dp_plan.ACCOUNTANTS:
-      raise ValueError(
-          f"DPOptimizer: accountant must be one of {dp_plan.ACCOUNTANTS}; "
-          f"got {accountant!r}.")
-    plan = dp_plan.DPPlan(clip, noise, clipping, noise_mechanism,
-                          secure_mode, sampling=sampling,
-                          accountant=accountant, noisy_loss=noisy_loss,
-                          side_releases=tuple(side_releases or ()))
+    plan = dp_plan.DPPlan.validated(
+        "DPOptimizer", l2_norm_clip, noise_multiplier, required=True,
+        clipping=clipping, noise_mechanism=noise_mechanism,
+        secure_mode=secure_mode, sampling=sampling, accountant=accountant,
+        noisy_loss=noisy_loss, side_releases=side_releases)
     plan.check_budget()
     super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
     self.inner_optimizer = inner_optimizer
