@@ -35,8 +35,9 @@ adds the KL term outside the clip. Why that keeps the guarantee:
   mask that does not depend on the data). Example b's loss is a function
   of its own rows and of `eps`, so its gradient is its own and is clipped
   like any other; the generator's state update is a data-independent write
-  that tf_pxg's DP step allows, and `tf_pxg.testing.check_example_
-  independence` reseeds it identically in both of its runs.
+  that tf_pxg's DP step allows, and
+  `tf_pxg.testing.check_example_independence` reseeds it identically in
+  both of its runs.
 
 Shapes: input `[B, ..., d_in]` -> output `[B, ..., units]`, the batch on
 axis 0 (the kernel is shared by the examples, as in `keras.layers.Dense`).

@@ -52,7 +52,12 @@ clipped contribution). Let T be a tensor classified CONST by this rule.
    specific library literals (e.g. six labels equal, in order and in every
    bit, to Stirling-series coefficients), never on the Keras path (1.).
 3. Nothing but registered values matches, and registration only accepts
-   traces on placeholders, so the rule cannot be widened by data.
+   traces on placeholders, so the rule cannot be widened by the batch. A
+   value the traced function captures (a closure's array) is registered
+   too: it is the same on every call, a constant of the program and never
+   the examples of a step (whether it was computed from private data is
+   a question about preprocessing, outside this check: threat model,
+   "Data outside the model").
 
 The attack tests (`tests/test_probability_engine.py`) check that a data
 tensor of the constant's shape and dtype is still caught when its values
