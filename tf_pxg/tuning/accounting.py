@@ -65,11 +65,24 @@ _MAX_SIGMA = 1e4
 
 def rdp_curve(event: dp_accounting.DpEvent,
               orders: Sequence[float] = _ORDERS) -> np.ndarray:
-  """The RDP ε(λ) of `event` at `orders` (dp-accounting's RDP accountant).
+  """The RDP ε(λ) of `event` at `orders` (dp-accounting's RDP accountant;
+  cached: a search checks every run against the same few events).
 
   Raises:
     ValueError: the RDP accountant does not support the event.
   """
+  key = (repr(event), tuple(orders))  # events holding lists are unhashable
+  if key not in _CURVES:
+    if len(_CURVES) >= 512:
+      _CURVES.clear()
+    _CURVES[key] = _curve(event, orders)
+  return _CURVES[key].copy()
+
+
+_CURVES = {}
+
+
+def _curve(event: dp_accounting.DpEvent, orders) -> np.ndarray:
   rdp = dp_accounting.rdp.RdpAccountant(list(orders))
   if not rdp.supports(event):
     raise ValueError(f"dp-accounting's RDP accountant does not support "
@@ -85,7 +98,7 @@ def dominates(upper: dp_accounting.DpEvent,
   """Whether `lower`'s RDP is at most `upper`'s at every accountant order
   (an event always dominates itself; `lower`'s curve is first made
   monotone, `_monotone`)."""
-  if upper == lower:
+  if upper == lower or isinstance(lower, dp_accounting.NoOpDpEvent):
     return True
   return _below(rdp_curve(upper), lower)
 
