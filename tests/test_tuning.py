@@ -230,6 +230,14 @@ def test_private_validation_noise_is_its_closed_form():
       1 / n)
 
 
+def test_private_validation_keeps_no_state_that_counts_runs():
+  score = scores.PrivateValidation(np.zeros((10, 1)), np.zeros(10),
+                                   noise_multiplier=1.0)
+  draws = [score.noised_mean(np.ones(10)) for _ in range(3)]
+  state = score._rng  # pylint: disable=protected-access
+  assert state is None and len(set(draws)) == 3
+
+
 def test_scores_direction_and_nan():
   loss = tuning.NoisyTrainingLoss()
   assert loss.better(0.1, 0.2) and not loss.better(math.nan, 0.2)

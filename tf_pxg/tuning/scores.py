@@ -31,8 +31,10 @@ example, clamped to `[0, bound]`, score = minus the mean: higher is
 better), or a callable `(y_true, y_pred) -> [n]` values in `[0, bound]`
 (higher is better).
 
-The validation noise comes from a numpy `Generator` seeded from OS
-entropy (`secrets`), or from `seed` for tests. (Floating-point attacks on
+The validation noise comes from a numpy `Generator` seeded afresh from OS
+entropy (`secrets`) for every release, so no generator state is left that
+counts the releases (that is, the runs); a `seed` (tests) uses one
+generator. (Floating-point attacks on
 textbook Gaussian sampling, Mironov 2012, are not defended here; the
 training noise has `secure_mode`.)
 """
@@ -184,8 +186,9 @@ class PrivateValidation(Score):
                    f"clamped to [0, {self.bound:g}], Gaussian noise "
                    f"(multiplier {self.noise_multiplier:g}) inside each "
                    "run's ε")
-    self._rng = np.random.default_rng(
-        secrets.randbits(128) if seed is None else seed)
+    # Seeded (tests): one generator. Else a fresh OS-entropy seed per
+    # release, so no generator state counts the releases (the runs).
+    self._rng = None if seed is None else np.random.default_rng(seed)
 
   def __repr__(self):
     return (f"PrivateValidation(<{self.num_examples} rows>, noise_multiplier"
@@ -201,7 +204,8 @@ class PrivateValidation(Score):
     divided by the public count)."""
     sign = -1.0 if self.metric == "loss" else 1.0
     clamped = np.clip(sign * values, 0.0, self.bound)
-    noise = self._rng.normal(0.0, self.noise_multiplier * self.bound)
+    rng = self._rng or np.random.default_rng(secrets.randbits(128))
+    noise = rng.normal(0.0, self.noise_multiplier * self.bound)
     return sign * float((clamped.sum() + noise) / self.num_examples)
 
   def release(self, model) -> float:
