@@ -209,6 +209,38 @@ def test_weight_regularizer_added_unclipped():
                              atol=1e-8)
 
 
+@pytest.mark.parametrize("sampling", ["plain", "poisson"])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_weight_regularizer_with_noise_is_added_once_outside_the_clip(
+    sampling, jit_compile):
+  """With noise on (it once failed in Keras' all-reduce: "All
+  custom_gradient outputs should be from the same graph"), the regularised
+  model's step is the plain one's plus -lr * dR/dw exactly: the same
+  seed draws the same noise, the regulariser is outside the clip."""
+  rng = np.random.RandomState(1)
+  n = 8
+  x, y = rng.randn(n, 3).astype("float32"), rng.randn(n, 1).astype("float32")
+  kernels = []
+  for reg in (None, keras.regularizers.L2(0.5)):
+    inp = keras.Input((3,))
+    out = keras.layers.Dense(
+        1, kernel_initializer=keras.initializers.Constant(0.4),
+        kernel_regularizer=reg)(inp)
+    model = dpk.DPModel(inp, out, l2_norm_clip=0.3, noise_multiplier=1.5,
+                        seed=7)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse",
+                  jit_compile=jit_compile)
+    if sampling == "plain":
+      model.train_on_batch(x, y)
+    else:  # one logical step: q = 1
+      model.fit(x, y, batch_size=n, epochs=1, verbose=0, sampling_seed=2)
+    assert int(model.optimizer.iterations) == 1
+    kernels.append(model.trainable_variables[0].numpy())
+  np.testing.assert_allclose(kernels[1] - kernels[0],
+                             -LR * 2 * 0.5 * np.full((3, 1), 0.4),
+                             rtol=1e-4, atol=1e-6)
+
+
 def _zero_grad_model(dp_cls, **dp):
   """Zero inputs and zero-initialised weights with MSE to 0: every
   per-example gradient is exactly 0, so the update is -lr * noise / B."""

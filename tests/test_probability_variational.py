@@ -169,14 +169,6 @@ def test_reparameterisation_noise_passes_the_independence_check():
   assert result.changed_loss_change > 0  # The change was exercised.
 
 
-@pytest.mark.xfail(
-    raises=ValueError, strict=True,
-    reason="a noised DP step of a model with weight regularizers fails in "
-    "Keras' all_reduce ('All custom_gradient outputs should be from the same "
-    "graph'): tf_pxg/keras/_train_step.py dp_apply's normalise returns the "
-    "gradients of unregularized variables from the outer graph and the "
-    "regularized ones from the tf.cond branch; tf.identity(g) for the "
-    "former fixes it (reported with issue 43; remove this mark then)")
 def test_dp_vi_fit_reports_epsilon_saves_and_loads(tmp_path):
   rng = np.random.default_rng(0)
   n = 512

@@ -611,10 +611,14 @@ def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
     normalizer = ctx.all_reduce(tf.distribute.ReduceOp.SUM, normalizer)
 
   def normalise(sums):
+    # Every gradient is made here (tf.identity where nothing else is): in
+    # the apply's conditional, Keras' gradient all-reduce needs them all
+    # from the branch's graph, not some captured from outside (a weight
+    # regulariser's sum is made inside, the others would not be).
     grads = [tf.cast(g if normalizer is None else
                      g / tf.cast(normalizer, g.dtype), v.dtype)
              for g, v in zip(sums, variables)]
-    return [g if r is None else g + tf.cast(r, g.dtype)
+    return [tf.identity(g) if r is None else g + tf.cast(r, g.dtype)
             for g, r in zip(grads, result.reg_grads)]
 
   published = {}
