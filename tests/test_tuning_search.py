@@ -299,10 +299,32 @@ _MIRRORED = textwrap.dedent("""
         batch_size=16, epochs=1, noise_multiplier=1.5, seed=1).run()
     print("RESULT", result.model.distribute_strategy is strategy,
           result.model.epsilon(1e-5) == result.epsilon, result.epsilon)
+    try:
+      import keras_tuner  # the [tuner] extra
+    except ImportError:
+      raise SystemExit(0)
+
+    def build_model(hp):  # a plain model, made private in the scope
+      model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+      model.compile(optimizer=keras.optimizers.SGD(
+          hp.Choice("lr", [0.1, 0.5])),
+          loss="sparse_categorical_crossentropy")
+      return model
+
+    tuner = tuning.DPTuner(
+        build_model, num_runs=tuning.TruncatedNegativeBinomial(1.0, mean=2.0),
+        score=tuning.NoisyTrainingLoss(), noise_multiplier=1.5, seed=1,
+        distribution_strategy=strategy)
+    tuner.search(x, y, batch_size=16, epochs=1)
+    model = tuner.get_best_models()[0]
+    print("TUNER", model.distribute_strategy is strategy,
+          model.epsilon(1e-5) == tuner.epsilon)
 """)
 
 
 def test_search_under_mirrored_strategy():
+  """PrivateSearch, and DPTuner with `distribution_strategy=` (when the
+  [tuner] extra is installed), on two logical CPUs."""
   out = subprocess.run([sys.executable, "-c", _MIRRORED],
                        capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -310,6 +332,13 @@ def test_search_under_mirrored_strategy():
   line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
   assert line, out.stderr[-3000:]
   assert line[0].split()[1:3] == ["True", "True"], line
+  tuner = [l for l in out.stdout.splitlines() if l.startswith("TUNER")]
+  try:
+    import keras_tuner  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return
+  assert tuner and tuner[0].split()[1:] == ["True", "True"], (
+      out.stdout[-2000:], out.stderr[-3000:])
 
 
 def test_winner_score_noise_is_the_max_of_k_gaussians_closed_form():
