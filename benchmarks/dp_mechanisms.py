@@ -198,7 +198,7 @@ def _synthetic():
     rows = {}
     for bands in sorted({1, choice.num_bands, 16}):
       sigma = accounting.noise_multiplier_for_epsilon(
-          eps, n, batch, epochs=epochs, delta=delta, num_bands=bands)
+          eps, n, batch, epochs=epochs, delta=delta, min_separation=bands)
       mses = []
       for seed in range(3):
         keras.utils.set_random_seed(seed)
@@ -246,7 +246,7 @@ def _prefix_error():
                  for c in choice.candidates}
     for bands in sorted({1, choice.num_bands}):
       sigma = accounting.noise_multiplier_for_epsilon(
-          eps, n, batch, epochs=epochs, delta=delta, num_bands=bands)
+          eps, n, batch, epochs=epochs, delta=delta, min_separation=bands)
       inp = keras.Input((1,))
       model = dpk.DPModel(
           inp, keras.layers.Dense(d, use_bias=False,

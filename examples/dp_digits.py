@@ -149,7 +149,7 @@ def main(argv):
     if noise is None:
       noise = accounting.noise_multiplier_for_epsilon(
           _TARGET_EPSILON.value, n, batch, epochs=_EPOCHS.value,
-          delta=_DELTA.value, num_bands=bands)
+          delta=_DELTA.value, min_separation=bands)
     policy = {"flat": None, "automatic": tf_pxg.clipping.Automatic(),
               "quantile": tf_pxg.clipping.QuantileAdaptive(
                   _TARGET_QUANTILE.value,

@@ -338,9 +338,6 @@ def test_a_sampler_whose_selection_ignores_its_groups_is_refused():
                       "fit")
 
 
-@pytest.mark.xfail(reason="needs fit to call participation.check where it "
-                   "builds the sampler (tf_pxg/keras/_poisson_fit.py, the "
-                   "lead's part of issue 42)", strict=False)
 def test_fit_refuses_the_attack_before_any_step():
   import keras  # pylint: disable=import-outside-toplevel
   import tf_pxg.keras as dpk  # pylint: disable=import-outside-toplevel

@@ -67,10 +67,10 @@ def run_for(plan, sampler) -> ledger_lib.Run:
 
   settings = {
       "sampler": type(sampler).__name__,
-      "sampling_rate": getattr(sampler, "sampling_rate", None),
-      "expected_batch_size": getattr(sampler, "expected_batch_size", None),
-      "num_examples": getattr(sampler, "num_examples", None),
-      "privacy_unit": getattr(sampler, "privacy_unit", "example"),
+      "sampling_rate": sampler.sampling_rate,
+      "expected_batch_size": sampler.expected_batch_size,
+      "num_examples": sampler.num_examples,
+      "privacy_unit": sampler.privacy_unit,
       "noise_multiplier": sigma,
       "mechanism": repr(mechanism),
       "l2_norm_clip": plan.l2_norm_clip,

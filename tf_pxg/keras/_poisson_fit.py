@@ -49,6 +49,7 @@ import tensorflow as tf
 
 from tf_pxg import _compat
 from tf_pxg import data as dp_data
+from tf_pxg.data import participation
 from tf_pxg.data import samplers
 from tf_pxg.data import sampling_ops
 
@@ -111,8 +112,14 @@ def fit_input(model, sampling, data: FitData) -> FitInput:
   given = None if isinstance(sampling, (str, type)) else sampling
   sampler_class = samplers.resolve(sampling if given is None else
                                    type(given))
+  # The one participation check (tf_pxg.data.participation): the class
+  # before the data is read, the built instance after.
+  mechanism, where = model.dp_plan.mechanism, f"Model {model.name!r}.fit"
+  participation.check(sampler_class, mechanism, where)
   build = next(_BUILDERS[c] for c in sampler_class.__mro__ if c in _BUILDERS)
-  return build(model, sampler_class, data, given)
+  run = build(model, sampler_class, data, given)
+  participation.check(run.sampler, mechanism, where)
+  return run
 
 
 def _keras_batches(model, sampler_class, data: FitData,
@@ -120,14 +127,6 @@ def _keras_batches(model, sampler_class, data: FitData,
   """Keras' own data path (`ShuffledSampler`): the data as given."""
   if data.augmult != 1 or data.user_ids is not None:
     raise ValueError("augmult and user_ids need sampling='poisson'.")
-  if model.min_separation > 1:
-    raise ValueError(
-        f"Model {model.name!r} uses BandMF correlated noise "
-        f"(min_separation={model.min_separation}), whose ε needs cyclic "
-        "Poisson "
-        "sampling (participations at least b steps apart); "
-        "sampling='shuffled' gives no such guarantee. Use the default "
-        "sampling='poisson'.")
   sampler = given or sampler_class(batch_size=data.batch_size)
   return FitInput(sampler, dict(
       x=data.x, y=data.y, batch_size=data.batch_size,
@@ -258,14 +257,6 @@ def _prepare_shards(model, shards, y, sample_weight, class_weight,
         f"accumulation_steps={accumulation_steps}, but the shards were laid "
         f"out with k={shards.accumulation_steps}; pass "
         f"accumulation_steps={shards.accumulation_steps}.")
-  groups = shards.min_separation
-  if model.min_separation != groups:
-    raise ValueError(
-        f"The model's BandMF noise has min_separation="
-        f"{model.min_separation}, but the shards were sampled with "
-        f"min_separation={groups}: its ε needs cyclic Poisson sampling with "
-        "b groups. Rerun the pipeline with "
-        f"min_separation={model.min_separation}, or pass arrays to fit.")
   strategy = model.distribute_strategy
   if strategy.num_replicas_in_sync != shards.num_replicas:
     raise ValueError(
@@ -375,13 +366,14 @@ def prepare(model, x, y, sample_weight, class_weight, batch_size,
                     physical_batch_size, accumulation_steps,
                     steps_per_epoch, seed)
   else:
-    sampler = sampler_class(
+    # Every masked sampler is built from the one frozen config.
+    sampler = sampler_class.from_config(samplers.SamplerConfig(
         n, min(32, n) if batch_size is None else batch_size,
         physical_batch_size=physical_batch_size,
         accumulation_steps=accumulation_steps,
         num_replicas=strategy.num_replicas_in_sync,
         steps_per_epoch=steps_per_epoch, seed=seed, secure_mode=secure,
-        start_step=start, **_cyclic_groups(model))
+        start_step=start, **_cyclic_groups(model)))
   feed = _Feed(sampler, start)
   feed.units = units
   dataset = dp_data.poisson_dataset(sampler, x, y, sample_weight,

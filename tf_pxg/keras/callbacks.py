@@ -243,14 +243,16 @@ class PrivacyCallback(keras.callbacks.Callback):
   def _sampler(self):
     """The plan's `tf_pxg.data.samplers.Sampler` (the model's last `fit`'s
     unless the plan names one), or None (no `fit` yet, a custom loop)."""
-    return getattr(self._plan(), "sampler", None)
+    plan = self._plan()
+    return None if plan is None else plan.sampler
 
   @property
   def accountant(self) -> str:
     """The accountant, "rdp" or "pld": the one given, else the plan's."""
     if self._accountant is not None:
       return self._accountant
-    return getattr(self._plan(), "accountant", "rdp")
+    plan = self._plan()
+    return "rdp" if plan is None else plan.accountant
 
   def epsilon(self, steps: Optional[int] = None) -> float:
     """ε after `steps` steps (default: the steps taken so far): the
@@ -317,7 +319,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     """Matches the accounting to how the model's `fit` samples batches."""
     sampler = self._sampler()
     self._log_key = self._base_key()
-    unit = getattr(sampler, "privacy_unit", None)
+    unit = None if sampler is None else sampler.privacy_unit
     if self.user_level and unit == "example":
       raise ValueError(
           "PrivacyCallback(num_users=...) reports user-level ε, but fit "
