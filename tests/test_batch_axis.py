@@ -3,7 +3,7 @@
 "Carries examples" is a property of the data: it flows through casts to
 integer, one-hot and gathers (Keras casts token ids to a float input spec
 and back). The batch axis is tracked through transposes, reshapes and the
-operand order of contractions (`tf_pxg.batch_axis`): time-major data and a
+operand order of contractions (`tf_pxg.interface.batch_axis`): time-major data and a
 parameter as the first matmul operand are exact against the
 `tf.GradientTape` loop over single examples, in eager mode, `tf.function`
 and XLA; ops that really mix examples along the batch axis still raise.
@@ -240,7 +240,7 @@ COPIES = {
 def test_copies_along_the_batch_match_reference(name, static):
   """In a tf.function traced for any batch size (`[None, T, d]`), a copy's
   count is `tf.shape(x)[0]`: read from the size vector, it is followed as
-  exactly as a static one (`tf_pxg.batch_copies.copy_layout`)."""
+  exactly as a static one (`tf_pxg.interface.batch_copies.copy_layout`)."""
   batch = 4 if static else None
   fn, w = COPIES[name]
   x = _x((4, 3, 5), 13)

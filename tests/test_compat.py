@@ -251,7 +251,7 @@ def test_patches_install_and_uninstall():
   recording."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_pxg  # pylint: disable=g-import-not-at-top
-  from tf_pxg import control_flow  # pylint: disable=g-import-not-at-top
+  from tf_pxg.tape import control_flow  # pylint: disable=g-import-not-at-top
   cls = _compat.tf_function_class()
   with tf_pxg.GradientTape():
     pass

@@ -1,5 +1,5 @@
 """A table gathered by constant ids made inside the model
-(`tf_pxg.batch_copies`): BERT's segment ids as `zeros_like(token_ids)`,
+(`tf_pxg.interface.batch_copies`): BERT's segment ids as `zeros_like(token_ids)`,
 which TF folds into a constant `[B, T]` when B is static. Equal rows are a
 copy of the gathered rows along the batch axis, exact against the
 batch-of-one `tf.GradientTape` loop; unequal rows are each example's own

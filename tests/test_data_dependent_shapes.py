@@ -225,7 +225,7 @@ def test_shape_of_an_allowlisted_ragged_op_is_refused(mode):
 def test_value_shaped_table_is_one_place():
   """The op kinds whose output shape is set by values: one table, with the
   selectors refused by a rule that says why."""
-  from tf_pxg import batch_axis
+  from tf_pxg.interface import batch_axis
   for op in ("Where", "Unique", "UniqueWithCounts", "DynamicPartition",
              "ListDiff", "NonMaxSuppressionV3", "SparseSegmentSum",
              "SegmentSum", "RaggedRange", "StringSplitV2", "Fill", "Range",

@@ -1,7 +1,7 @@
 """Examples never mix unnoticed: the allowlist of row-wise ops.
 
 Every op on the data path, from the model's inputs to the per-example losses
-and before or after the first parameter, must be on `tf_pxg.batch_axis`'s
+and before or after the first parameter, must be on `tf_pxg.interface.batch_axis`'s
 allowlist with a rule that can follow the batch axis. Here:
 
 * ops that move rows across the batch axis (roll, reverse, sort, top_k,
@@ -28,7 +28,7 @@ import tensorflow as tf
 
 import tf_pxg
 import tf_pxg.keras as dpk
-from tf_pxg import batch_axis
+from tf_pxg.interface import batch_axis
 
 MODES = ("eager", "function", "jit")
 B, D, U = 6, 4, 3

@@ -9,8 +9,9 @@ TensorFlow early, and a late import closes a cycle all the same.
   package's node).
 * Units: no cycle among tf_pxg's units, a unit being a subpackage (all its
   modules as one node: `tf_pxg.rules`, `tf_pxg.tape`, `tf_pxg.keras`...) or
-  a top-level module (`tf_pxg.interface`).
-* The engine's layers (`ENGINE_LAYERS`, bottom first): a module imports
+  a top-level module (`tf_pxg.gradient_tape`).
+* The engine's layers (`ENGINE_LAYERS`, bottom first; a layer is a
+  folder, the tape API one module): a module imports
   engine modules of its own layer or below, never above, and nothing from
   outside the engine but the foundation (`FOUNDATION`).
 """
@@ -34,12 +35,11 @@ FOUNDATION = ("tf_pxg._compat", "tf_pxg._versions", "tf_pxg.xla",
 # are, and where each rule takes them), backprop, the per-example rules,
 # the per-example backward pass over them, and the tape API on top.
 ENGINE_LAYERS = (
-    ("recording", ("tf_pxg.control_flow", "tf_pxg.tape")),
-    ("interface", ("tf_pxg.batch_axis", "tf_pxg.batch_copies",
-                   "tf_pxg.interface", "tf_pxg.normalise")),
+    ("recording", ("tf_pxg.tape",)),
+    ("interface", ("tf_pxg.interface",)),
     ("backprop", ("tf_pxg.backprop",)),
     ("rules", ("tf_pxg.rules",)),
-    ("per-example backprop", ("tf_pxg.merge_uses", "tf_pxg.per_example")),
+    ("per-example backprop", ("tf_pxg.per_example",)),
     ("tape API", ("tf_pxg.gradient_tape",)),
 )
 

@@ -654,7 +654,7 @@ def _fit_error(model: keras.Model, x, y) -> str:
 def test_bert_segment_ids_made_inside_the_model_is_exact():
   """`ops.zeros_like(token_ids)` as BERT's segment ids inside the model:
   TF folds it into a constant `[B, T]`, whose equal rows make the segment
-  embedding's rows a copy along the batch axis (`tf_pxg.batch_copies`)."""
+  embedding's rows a copy along the batch axis (`tf_pxg.interface.batch_copies`)."""
   keras.utils.set_random_seed(0)
   backbone = models.BertBackbone(**ENCODER)
   ids = keras.Input((T,), dtype="int32", name="token_ids")

@@ -1,7 +1,7 @@
 """A `tf.function` called inside the model.
 
 While a tf_pxg tape records, a nested `tf.function` call runs its Python
-function in the caller's context (`tf_pxg.control_flow`), so its ops are
+function in the caller's context (`tf_pxg.tape.control_flow`), so its ops are
 recorded: per-example quantities equal the `tf.GradientTape` loop over
 single examples in eager mode, `tf.function` and XLA. A call the tape cannot
 see into (a `ConcreteFunction`) raises, naming the function and the

@@ -261,7 +261,7 @@ def _check_dynamic_batch(case, dtype, jit, batches=(5, 1)):
 
   # The labels' rank is known (a None batch): with a label tensor of
   # unknown rank the engine cannot follow the batch axis through the loss
-  # and refuses (tf_pxg.batch_axis).
+  # and refuses (tf_pxg.interface.batch_axis).
   out_rank = model(tf.zeros([1, *case.input_shape], dtype)).shape.rank
   compute = tf.function(
       compute, jit_compile=jit, autograph=False,

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tf_pxg
-from tf_pxg import batch_axis
+from tf_pxg.interface import batch_axis
 from tf_pxg import registry
 from tf_pxg import testing as pxg_testing
 from tf_pxg.rules import contraction

@@ -736,7 +736,7 @@ def _declared_form(case: Case, op: str, form: str, mode: str,
 
 
 # Rule calls that compute a parameter's squared norms (the second for the
-# chunks of merged uses, `tf_pxg.merge_uses`).
+# chunks of merged uses, `tf_pxg.per_example.merge_uses`).
 _NORM_FORMS = ("sq_norm", "chunked_sq_norm")
 
 

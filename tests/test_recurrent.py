@@ -4,7 +4,7 @@ Every Keras recurrent layer, with its default `unroll=False`, is compared
 with the plain `tf.GradientTape` loop over single examples
 (`tf_pxg.testing`) in eager mode, `tf.function` and XLA: per-example
 gradients, global norms and clipped sums. While the tape records,
-`tf_pxg.control_flow` unrolls loops with a static number of steps; a loop it
+`tf_pxg.tape.control_flow` unrolls loops with a static number of steps; a loop it
 cannot see into raises. A DP `fit` step with an LSTM equals
 `w - mean_b clip(g_b)`, also under MirroredStrategy (replica threads record
 and unroll on their own).

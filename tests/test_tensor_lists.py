@@ -4,7 +4,7 @@ In a traced function a `tf.TensorArray` is a TensorList variant:
 `TensorListReserve`, then `TensorListSetItem` / `GetItem` / `Stack` /
 `Gather` / `FromTensor` (`unstack`) / `ScatterIntoExistingList`
 (`scatter`); `EmptyTensorList`, `PushBack` and `PopBack` are the raw list
-ops. `tf_pxg.batch_axis` gives a list the layout of its elements, so a list
+ops. `tf_pxg.interface.batch_axis` gives a list the layout of its elements, so a list
 of `[B, ...]` steps (KerasHub's RWKV-7 writes its time steps this way) is
 followed exactly, against the `tf.GradientTape` loop over single examples;
 a list whose index would be the batch (a batch-major tensor unstacked into

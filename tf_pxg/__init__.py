@@ -2,7 +2,7 @@
 
 Public API: `GradientTape`, `register`, `registered_op_types`,
 `register_row_wise` and `row_wise_op_types` (the allowlist of ops that keep
-examples apart, `tf_pxg.batch_axis`), and the
+examples apart, `tf_pxg.interface.batch_axis`), and the
 submodules `tf_pxg.keras`, `tf_pxg.data` (Poisson sampling), `tf_pxg.dp`,
 `tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`, `tf_pxg.audit`,
 `tf_pxg.clipping` (flat, automatic and quantile-adaptive clipping),
@@ -27,8 +27,8 @@ _LAZY = {"GradientTape": ("tf_pxg.gradient_tape", "GradientTape"),
          # Through tf_pxg.rules, so the built-in rules are registered first.
          "register": ("tf_pxg.rules", "register"),
          "registered_op_types": ("tf_pxg.rules", "registered_op_types"),
-         "register_row_wise": ("tf_pxg.batch_axis", "register_row_wise"),
-         "row_wise_op_types": ("tf_pxg.batch_axis", "row_wise_op_types")}
+         "register_row_wise": ("tf_pxg.interface.batch_axis", "register_row_wise"),
+         "row_wise_op_types": ("tf_pxg.interface.batch_axis", "row_wise_op_types")}
 
 
 def __getattr__(name):

@@ -201,7 +201,7 @@ def inline_call(function, args, kwargs):
 
 # Process-wide patches ---------------------------------------------------------
 #
-# The only monkeypatches tf_pxg makes, installed by `tf_pxg.control_flow`
+# The only monkeypatches tf_pxg makes, installed by `tf_pxg.tape.control_flow`
 # when a recorder first starts (`install_*`) and undone by `uninstall_*`.
 # Each wrapper checks a predicate (`recording()`: a tf_pxg recorder is active
 # on this thread) and otherwise calls the original, so code that runs while
@@ -277,7 +277,7 @@ def install_rnn_unrolling(wrap_rnn: Callable, wrap_kernel: Callable) -> bool:
 
   Returns:
     Whether the patches are installed: False before Keras is imported, or
-    with another backend (then `tf_pxg.control_flow` tries again on the
+    with another backend (then `tf_pxg.tape.control_flow` tries again on the
     next recording).
   """
   backend = keras_backend_module()

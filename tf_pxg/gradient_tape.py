@@ -26,7 +26,7 @@ from tf_pxg import _compat
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.dp.clipping import clip_factors
-from tf_pxg.per_example import PerExampleBackprop
+from tf_pxg.per_example.backward import PerExampleBackprop
 from tf_pxg.tape import side_effects
 from tf_pxg.tape.recording import Recorder, tensor_id
 

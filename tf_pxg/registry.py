@@ -17,7 +17,7 @@ def add(op_type: str, rule, override: bool = False) -> None:
   Users register through `tf_pxg.register` (`tf_pxg.rules.base.register`),
   which converts classes and functions to rules first. The registry itself
   imports no rule: the built-in rules register when `tf_pxg.rules` is
-  imported, which the engine (`tf_pxg.per_example`, `tf_pxg.batch_axis`)
+  imported, which the engine (`tf_pxg.per_example.backward`, `tf_pxg.interface.batch_axis`)
   and the public names `tf_pxg.register` / `tf_pxg.registered_op_types` do.
 
   Raises:

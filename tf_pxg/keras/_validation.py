@@ -24,7 +24,7 @@ def check_no_batch_mixing_layers(model: keras.Model) -> None:
   BatchNormalization layer with `trainable=False` runs in inference mode
   (moving statistics), so each example's output depends on that example
   only; it is allowed. Other mixing ops are refused by the engine's
-  allowlist (`tf_pxg.batch_axis`) at the first training step, before any
+  allowlist (`tf_pxg.interface.batch_axis`) at the first training step, before any
   update.
   """
   mixers = _mixing_augmentations()

@@ -517,16 +517,16 @@ class Rule:
   What the engine must know about the op, beside the three forms, is here
   too, with defaults, so that adding an op touches its rule's file alone:
 
-  * `layouts`: how the op moves the batch axis (`tf_pxg.batch_axis`'s rule
+  * `layouts`: how the op moves the batch axis (`tf_pxg.interface.batch_axis`'s rule
     signature `layouts(entry, layouts) -> (output layouts, Mixing)`), used
     when the op type is not on the row-wise allowlist; None (default): the
-    op is elementwise (`tf_pxg.batch_axis.elementwise`). Only for ops whose
+    op is elementwise (`tf_pxg.interface.batch_axis.elementwise`). Only for ops whose
     output rows of example b depend on example b's input rows alone.
   * `batch_axes(itf)`: where the rule takes the examples, `(axis of the data
     operands, axis of the outputs or None)`; default `(0, 0)`.
   * `permutable(itf, axis)`: whether moving the batch axis `axis` of the
     data operands and outputs to 0 gives the same op on permuted tensors
-    (the engine then does so, `tf_pxg.normalise`); default False (the op
+    (the engine then does so, `tf_pxg.interface.normalise`); default False (the op
     must see the examples where `batch_axes` says).
   * `broadcasts_param`: the parameter is broadcast against the data
     (elementwise ops), so a size-1 parameter axis moves with the batch axis
@@ -536,7 +536,7 @@ class Rule:
   * `mergeable`: the rule acts row by row on its data, with no input that
     encodes the batch size, so the uses of one parameter by this op (the T
     steps of a loop) may be merged into one interface of `[B*K]` rows
-    (`tf_pxg.merge_uses`); default False.
+    (`tf_pxg.per_example.merge_uses`); default False.
   * `chunked`: merged uses may be split into chunks of steps, because the
     rule adds up per-chunk results without concatenating the chunks' rows
     (a `chunked_sq_norm`, or per-example gradients the size of the
@@ -553,7 +553,7 @@ class Rule:
 
   def batch_axes(self, itf) -> tuple:
     """`(data axis, output axis or None)` where this rule expects the
-    examples of interface `itf` (a `tf_pxg.interface.Interface`); None for
+    examples of interface `itf` (a `tf_pxg.interface.classify.Interface`); None for
     the output: the rule finds it itself."""
     del itf
     return 0, 0

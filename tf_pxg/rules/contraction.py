@@ -11,7 +11,7 @@ with a batch letter X (examples) on the data operand. Then
   static sizes (for a 2-D MatMul, R=1 gives ||x_b||^2 ||dz_b||^2);
 * weighted sum: TF's own weight gradient with dz scaled per example;
 * squared norm of a sum over chunks of one parameter's merged uses
-  (`tf_pxg.merge_uses`): the ghost terms of every pair of chunks, or the
+  (`tf_pxg.per_example.merge_uses`): the ghost terms of every pair of chunks, or the
   materialised chunks added (`chunked_sq_norm`), the form chosen for all
   rows together;
 * outer factors of a matrix parameter (`tf_pxg.rules.factors`): the data
@@ -297,7 +297,7 @@ def sq_norm_and_per_example(s: Spec, data, dz, batch_size, minor=False,
 def chunked_sq_norm(parts: Sequence[_Operands]):
   """`[B]` float32 squared norms of the sum of several interfaces' per-example
   gradients, for one parameter used the same way in each (the chunks of an
-  unrolled loop's steps, `tf_pxg.merge_uses`).
+  unrolled loop's steps, `tf_pxg.per_example.merge_uses`).
 
   The form is chosen for all rows together: the ghost norm is the sum of
   every pair's ghost terms (`sum_{u,v} <G_u, G_v>`, the cross pairs

@@ -4,7 +4,7 @@
 `tf.repeat(w, B, axis=0)`, which TF writes as ExpandDims, Tile, Reshape)
 give every example its own copy of a parameter: KerasHub's
 `PositionEmbedding`, ViT's class token, DeBERTa's relative table.
-`tf_pxg.batch_copies.copy_layout` recognises them; the copy op is then the
+`tf_pxg.interface.batch_copies.copy_layout` recognises them; the copy op is then the
 interface, with no data operand, and its output is data whose example b
 holds copy b (`Context.copy_axis` says on which axis, `[B, k]` merged when
 each copy has k rows there).

@@ -30,7 +30,7 @@ so the norm of the sum, `||G^u||^2 + ||G^v||^2 + 2 <G^u, G^v>`, never
 builds the `[B, V, d]` per-example gradient (1.2 GB for GPT-2 small at
 B = 8).
 
-`tf_pxg.per_example` uses this for a parameter that reaches several
+`tf_pxg.per_example.backward` uses this for a parameter that reaches several
 interfaces through `ReadVariableOp`/`Identity`/`Cast` and 2-D transposes
 (`OuterFactors.transposed`).
 """

@@ -1,6 +1,6 @@
 """Library constants: tensors a library makes from literals in its own code.
 
-The classifier (`tf_pxg.interface`) must treat a tensor made outside the
+The classifier (`tf_pxg.interface.classify`) must treat a tensor made outside the
 tape whose leading dimension is a multiple of the batch size B as possible
 data: a batch of labels or inputs looks exactly like that, and misreading
 data as a constant would let one example's rows reach another example's

@@ -7,7 +7,7 @@ callback fires for every op executed eagerly and for every op *built* while a
 * eager: the recorder's graph is `None` and only eagerly executed ops count;
 * inside `tf.function`: only ops built in the graph that was the default graph
   when recording started count. Ops of nested function bodies are made
-  visible by `tf_pxg.control_flow` while the recorder is active (Keras RNN
+  visible by `tf_pxg.tape.control_flow` while the recorder is active (Keras RNN
   loops unrolled, nested `tf.function` calls inlined); other branch/body
   graphs are reached through their outer functional op.
 
@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 import tensorflow as tf
 
 from tf_pxg import _compat
-from tf_pxg import control_flow
+from tf_pxg.tape import control_flow
 from tf_pxg.tape import side_effects
 from tf_pxg.tape import tf_defects
 
@@ -283,7 +283,7 @@ def op_view(entry: Entry,
         list(entry.outputs if outputs is None else outputs),
         entry.op_type, skip)
   # A recorded graph entry's inputs/outputs are its op's; a merged entry
-  # (`tf_pxg.merge_uses`) carries other tensors for the same op.
+  # (`tf_pxg.per_example.merge_uses`) carries other tensors for the same op.
   return _GraphOpView(entry.op, skip,
                       entry.inputs if inputs is None else inputs,
                       entry.outputs if outputs is None else outputs,

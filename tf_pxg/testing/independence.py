@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg import _compat
-from tf_pxg import batch_axis
+from tf_pxg.interface import batch_axis
 from tf_pxg.testing.checks import _run_in_mode
 from tf_pxg.testing.dilated_conv import _dilation_free_conv_gradients
 from tf_pxg.testing.reference import _batch_size, _dense, _per_example_loss

@@ -3,16 +3,16 @@
 `PerExampleBackprop` answers the tape's three per-example questions:
 
 1. phase 1 backpropagates the target down to the interface entries
-   (`tf_pxg.interface`), computing data gradients with TF's gradient
+   (`tf_pxg.interface.classify`), computing data gradients with TF's gradient
    functions and skipping the parameter inputs. Before it, every op on the
    data path, from the inputs to the target, is checked against the
-   allowlist of ops that keep examples apart (`tf_pxg.batch_axis`), so a
+   allowlist of ops that keep examples apart (`tf_pxg.interface.batch_axis`), so a
    per-example result is never computed for examples that mix. Each
    interface is then put in the form its rule expects: examples first
-   (`tf_pxg.normalise.normalise_batch_axis`, for data whose batch axis
+   (`tf_pxg.interface.normalise.normalise_batch_axis`, for data whose batch axis
    was tracked elsewhere), and the uses of one parameter
    value by one kind of op (the T steps of an unrolled loop, a layer called
-   twice) merged into one interface (`tf_pxg.merge_uses`);
+   twice) merged into one interface (`tf_pxg.per_example.merge_uses`);
 2. each interface's rule (`tf_pxg.registry`) gives per-example gradients,
    squared norms or clip-weighted sums for its PARAM input;
 3. phase 2 carries those through the PARAM-only region (casts, reshapes,
@@ -37,15 +37,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from tf_pxg import batch_copies
-from tf_pxg import control_flow
-from tf_pxg import merge_uses
-from tf_pxg import normalise
+from tf_pxg.interface import batch_copies
+from tf_pxg.tape import control_flow
+from tf_pxg.per_example import merge_uses
+from tf_pxg.interface import normalise
 from tf_pxg import registry
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop import rule_trace
 from tf_pxg.backprop.imperative_grad import imperative_grad
-from tf_pxg.interface import (PARAM, Classifier, Interface,
+from tf_pxg.interface.classify import (PARAM, Classifier, Interface,
                               check_examples_independent, data_path)
 from tf_pxg.rules import base
 from tf_pxg.rules import factors
@@ -405,7 +405,7 @@ def _one_chunk_set(itfs: List[Interface]) -> bool:
 
 def _reshape_back(itf: Interface, form: str, result):
   """A rule's result for a reshaped parameter operand, in the original shape
-  (`tf_pxg.normalise.normalise_batch_axis` moves size-1 axes)."""
+  (`tf_pxg.interface.normalise.normalise_batch_axis` moves size-1 axes)."""
   shape = itf.original_param_shape
   if shape is None or form == "sq_norm":
     return result

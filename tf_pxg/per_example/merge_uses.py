@@ -31,7 +31,7 @@ from typing import Callable, Dict, List
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.interface import Classifier, Interface
+from tf_pxg.interface.classify import Classifier, Interface
 from tf_pxg.rules import base
 from tf_pxg.tape.recording import Entry
 

@@ -2,7 +2,7 @@
 
 A per-example rule takes the examples where its `batch_axes` says (axis 0
 of the data operand and the output, by default). The batch axis tracked on
-the data (`tf_pxg.batch_axis`) may be elsewhere — time-major data, a
+the data (`tf_pxg.interface.batch_axis`) may be elsewhere — time-major data, a
 transposed operand — and `normalise_batch_axis` moves it, by the rule's own
 rewrite (`Rule.batch_first`: an Einsum's equation) or, for ops the rule
 declares `permutable`, by transposing the data operands, the outputs and
@@ -16,8 +16,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tf_pxg.batch_axis import Layout
-from tf_pxg.batch_copies import is_batch_copy_op
+from tf_pxg.interface.batch_axis import Layout
+from tf_pxg.interface.batch_copies import is_batch_copy_op
 from tf_pxg.tape.recording import Entry
 
 
@@ -27,7 +27,7 @@ def _move_to_front(t, axis: int):
 
 
 def normalise_batch_axis(itf, layout_of: Callable[[int], Layout]):
-  """`itf` (a `tf_pxg.interface.Interface`) with the examples where its
+  """`itf` (a `tf_pxg.interface.classify.Interface`) with the examples where its
   rule expects them.
 
   Rules take the examples where their `batch_axes` says (default axis 0 of

@@ -5,7 +5,7 @@ Every tensor the tape saw is classified as
 * PARAM: derived from the sources alone (a variable read, its cast to
   float16, `W + A @ B`, a reshaped kernel);
 * DATA: carries examples (the inputs, and anything computed from them),
-  on the batch axis tracked by `tf_pxg.batch_axis` (axis 0 for inputs);
+  on the batch axis tracked by `tf_pxg.interface.batch_axis` (axis 0 for inputs);
 * CONST: neither (scalars, graph constants, reads of non-source variables,
   shape arithmetic).
 
@@ -21,7 +21,7 @@ differentiability: it flows through casts to integer, gathers, one-hot and
 table lookups. Shape ops (`Shape`, `Size`...) give constants, so shape
 arithmetic never does — unless the shape they read depends on the values of
 examples (`tf.where(cond)`, `tf.boolean_mask`, `tf.unique`, `tf.zeros([n])`
-of a data `n`: `tf_pxg.batch_axis.VALUE_SHAPED`): such a shape is a count
+of a data `n`: `tf_pxg.interface.batch_axis.VALUE_SHAPED`): such a shape is a count
 over the whole batch, so its read is data that mixes examples, checked on
 the data path like any other value. A non-floating input made outside the tape (a
 placeholder of token ids, say) counts as data only at the positions listed in
@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg import batch_axis
-from tf_pxg import batch_copies
+from tf_pxg.interface import batch_axis
+from tf_pxg.interface import batch_copies
 from tf_pxg.tape import library_constants
 from tf_pxg.tape import recording
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
@@ -165,12 +165,12 @@ class Interface:
   original_param_id: Optional[int] = None
   original_param_shape: Any = None
 
-  # Set on the chunks of one parameter's merged uses (`tf_pxg.merge_uses`):
+  # Set on the chunks of one parameter's merged uses (`tf_pxg.per_example.merge_uses`):
   # a key shared by the chunks, whose per-example gradients add up.
   chunk_set: Any = None
 
   # Set for a parameter copied along the batch axis (`tf.broadcast_to`,
-  # `tf.tile` of a weight; `tf_pxg.batch_copies.copy_layout`), an interface
+  # `tf.tile` of a weight; `tf_pxg.interface.batch_copies.copy_layout`), an interface
   # without data operands: the output axis that holds the examples.
   copy_axis: Optional[int] = None
 
@@ -212,7 +212,7 @@ class Classifier:
     # sums over examples) and what is computed from them alone.
     self._batch_stats: set = set()
     # Tensors whose shape depends on the values of examples -> the entry
-    # that made it so (`tf_pxg.batch_axis.VALUE_SHAPED`).
+    # that made it so (`tf_pxg.interface.batch_axis.VALUE_SHAPED`).
     self.value_shaped: Dict[int, Entry] = {}
     for entry in recorder.entries:
       st = CONST
@@ -489,7 +489,7 @@ def _hint(entry: Entry, mixing) -> str:
   if "allowlist" in why:
     return (" If this op acts on each example's rows alone, add it with "
             f"tf_pxg.register_row_wise('{entry.op_type}') (a rule says how "
-            "it moves the batch axis; see tf_pxg.batch_axis).")
+            "it moves the batch axis; see tf_pxg.interface.batch_axis).")
   if "gathers along the batch axis" in why or "rows" in why:
     return (" Augmentations that combine examples (keras.layers.MixUp, "
             "keras.layers.CutMix) and ops that permute, sort, roll, reverse "
@@ -512,7 +512,7 @@ def check_examples_independent(entries: Sequence[Entry],
   """Raises at the first of `entries` that mixes examples.
 
   `entries` should be `data_path(...)`: the allowlist contract of
-  `tf_pxg.batch_axis` is checked on every op from the inputs to the target.
+  `tf_pxg.interface.batch_axis` is checked on every op from the inputs to the target.
   A reduction over the batch axis is allowed only for a scalar target
   (which is a sum over examples); everything else that mixes, or may (an
   op off the allowlist), raises whatever the target.

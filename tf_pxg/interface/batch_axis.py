@@ -21,7 +21,7 @@ the operand order of contractions...) and when it mixes examples (reduces,
 contracts, sorts, reverses, rolls, gathers or slices along the batch axis,
 pairs the examples of two operands, normalises with batch statistics).
 An op type that is not on the list mixes by definition: `propagate` reports
-it, and the engine (`tf_pxg.interface.check_examples_independent`) refuses
+it, and the engine (`tf_pxg.interface.classify.check_examples_independent`) refuses
 it with an error naming the op and its Keras layer. A rule that cannot
 prove where the examples go (a permutation that is not static, say) reports
 that too, rather than guessing. Users add their own row-wise ops with
@@ -30,8 +30,8 @@ and no entry here is row-wise by that rule's contract, and moves the batch
 axis as its `Rule.layouts` says (default `elementwise`), so a rule author
 states both in the rule's file.
 
-Two neighbours use these layouts: `tf_pxg.batch_copies` finds parameters
-copied along the batch axis, and `tf_pxg.normalise` moves the examples where
+Two neighbours use these layouts: `tf_pxg.interface.batch_copies` finds parameters
+copied along the batch axis, and `tf_pxg.interface.normalise` moves the examples where
 an interface's per-example rule takes them.
 """
 
@@ -934,7 +934,7 @@ def _einsum(entry, layouts):
 # one time step, written at index t). The list's index is never a batch
 # axis. A list reserved or made empty from shapes alone holds no examples
 # (a CONST, so it has no layout); the list's length and element shape are
-# shapes (`tf_pxg.interface`'s shape ops), not data.
+# shapes (`tf_pxg.interface.classify`'s shape ops), not data.
 
 
 def _list_write(entry, layouts, list_index: int, item_index: int,
@@ -1034,7 +1034,7 @@ def _list_from_tensor(entry, layouts):
 # `tf.shape` / `tf.size` it is a count over the whole batch, and used to
 # scale or reshape the others' rows it lets one example move every other
 # example's loss (`n = tf.shape(tf.where(x > 50))[0]`; `x * (1 + min(n,
-# 1))`). `tf_pxg.interface.Classifier` propagates the property from the ops
+# 1))`). `tf_pxg.interface.classify.Classifier` propagates the property from the ops
 # listed here, through every op with such an input whose output shape is
 # not static, and makes the shape ops that read it data on the batch-axis
 # check (a MIXES of the whole batch). Shapes that depend only on the

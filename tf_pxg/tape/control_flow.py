@@ -24,7 +24,7 @@ recorder first starts, inert while none records),
    generic `rnn`). The unrolled loop is the same computation (Keras keeps
    both paths equal, masks, `go_backwards` and `return_sequences`
    included). The engine then sees one interface per time step for each
-   weight; `tf_pxg.per_example` merges the uses of one weight by one kind of
+   weight; `tf_pxg.per_example.backward` merges the uses of one weight by one kind of
    op into a single interface whose rows are all steps of all examples, so
    a weight shared across T steps costs one contraction (ghost norm over
    `T` rows, or a materialised `[B, *weight]`, whichever is cheaper) and its

@@ -8,7 +8,7 @@ segment ids made as `zeros_like` of the token ids). Such an op's output is data 
 (`copy_layout`), so the op itself is the interface: example b's gradient
 of the parameter is its output gradient's rows for example b, summed over
 the copy's other axes (`tf_pxg.rules.copies`). Everything after it is
-data, tracked like any other (`tf_pxg.batch_axis`).
+data, tracked like any other (`tf_pxg.interface.batch_axis`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_pxg.batch_axis import Layout
+from tf_pxg.interface.batch_axis import Layout
 from tf_pxg.tape import recording
 
 # Op type -> index of the input that gives the output's size per axis
