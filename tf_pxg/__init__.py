@@ -36,8 +36,10 @@ def __getattr__(name):
     module, attr = _LAZY[name]
     return getattr(importlib.import_module(module), attr)
   if name in ("keras", "accounting", "testing", "rules", "dp", "data",
-              "audit", "batch_axis", "mf", "parts"):
+              "audit", "mf", "parts", "tuning", "probability"):
     return importlib.import_module(f"tf_pxg.{name}")
+  if name == "batch_axis":  # the row-wise allowlist (the engine's layer)
+    return importlib.import_module("tf_pxg.interface.batch_axis")
   if name == "clipping":  # the clipping policies
     return importlib.import_module("tf_pxg.dp.clipping")
   raise AttributeError(f"module 'tf_pxg' has no attribute '{name}'")

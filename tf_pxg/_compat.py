@@ -521,6 +521,14 @@ def onednn_enabled() -> bool:
               .IsMklEnabled())
 
 
+def rdp_curve(accountant) -> list:
+  # The RDP values at each order of a dp_accounting RdpAccountant after its
+  # compositions: dp-accounting exposes epsilon and delta but not the curve,
+  # which tf_pxg.tuning needs to check that one run's event dominates
+  # another's at every order (Papernot & Steinke's per-run condition).
+  return list(accountant._rdp)  # pylint: disable=protected-access
+
+
 # The accesses, by name: a zero-argument probe per access that fails when
 # an upgrade moves it (tests/test_compat.py runs each).
 
@@ -608,6 +616,9 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
     "global_seed_generator": reset_global_seed_generator,
     "_symbolic_build": _probe_keras_model,
     "IsMklEnabled": lambda: isinstance(onednn_enabled(), bool) or _fail(),
+    "RdpAccountant._rdp": lambda: len(rdp_curve(
+        __import__("dp_accounting").rdp.RdpAccountant([2.0, 4.0]))) == 2
+        or _fail(),
 }
 
 

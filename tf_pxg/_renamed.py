@@ -20,8 +20,8 @@ use it).
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 import warnings
 from typing import Any, Optional, Tuple
 
@@ -44,9 +44,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def _caller_is_user(depth: int) -> bool:
   """Whether the frame `depth` levels above the caller of this function is
   outside the tf_pxg package."""
-  try:
-    frame = sys._getframe(depth + 1)  # pylint: disable=protected-access
-  except ValueError:
+  frame = inspect.currentframe()
+  for _ in range(depth + 1):
+    frame = None if frame is None else frame.f_back
+  if frame is None:
     return True
   # By file, not module name: `python -m tf_pxg.cli` runs as __main__.
   path = os.path.abspath(frame.f_code.co_filename)

@@ -50,6 +50,7 @@ import dp_accounting
 from dp_accounting import dp_event as dp_event_lib
 import numpy as np
 
+from tf_pxg import _compat
 from tf_pxg import accounting
 from tf_pxg.tuning import distributions
 
@@ -89,8 +90,7 @@ def _curve(event: dp_accounting.DpEvent, orders) -> np.ndarray:
                      f"{event!r}; a DP search is accounted in RDP only.")
   with accounting._quiet_dp_accounting():  # pylint: disable=protected-access
     rdp.compose(event)
-  curve = rdp._rdp  # pylint: disable=protected-access
-  return np.asarray(curve, dtype=np.float64)
+  return np.asarray(_compat.rdp_curve(rdp), dtype=np.float64)
 
 
 def dominates(upper: dp_accounting.DpEvent,
