@@ -148,6 +148,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg.dp import mechanisms
+from tf_pxg.dp import releases
 from tf_pxg.dp import noise as dp_noise
 
 __all__ = [
@@ -676,18 +677,15 @@ class _SparseRows(mechanisms.NoiseMechanism):
 
   def gradient_noise_multiplier(self, noise_multiplier: float,
                                 *other_multipliers: float) -> float:
-    """sigma_g for the accounted sigma, given the other releases'
-    sensitivity-1 multipliers (module docstring)."""
-    share = sum(math.inf if m == 0 else m**-2 for m in other_multipliers)
-    remainder = noise_multiplier**-2 - share
-    if remainder <= 0:
-      raise ValueError(
-          f"{self!r} with noise_multiplier={noise_multiplier!r}: the "
-          "selection (and any other private release) would use the whole "
-          "privacy budget. Raise selection_noise_multiplier above "
-          f"noise_multiplier (a few times it leaves most of the budget to "
-          "the gradient).")
-    return float(remainder**-0.5)
+    """sigma_g for the accounted sigma, given the releases' sensitivity-1
+    multipliers (the selection's first; the split is
+    `tf_pxg.dp.releases.gradient_noise_multiplier`, the plan's)."""
+    return releases.gradient_noise_multiplier(noise_multiplier, [
+        releases.MechanismRelease(
+            f"{self!r}'s selection", m,
+            "Raise selection_noise_multiplier above noise_multiplier (a few "
+            "times it leaves most of the budget to the gradient).")
+        for m in other_multipliers], repr(self))
 
 
 class DPAdaFEST(_SparseRows):
