@@ -85,7 +85,13 @@ def check(tf_version=None, keras_version=None) -> None:
              f"<{_fmt(TENSORFLOW[1])}' 'keras>={_fmt(KERAS[0])},"
              f"<{_fmt(KERAS[1])}' (or set TF_PXG_ALLOW_UNSUPPORTED=1 to try "
              "anyway).")
+  refuse(message)
+
+
+def refuse(message: str) -> None:
+  """Raises `ImportError(message)`, or, with `TF_PXG_ALLOW_UNSUPPORTED=1`,
+  warns (`RuntimeWarning`, at the caller's caller) and returns."""
   if os.environ.get("TF_PXG_ALLOW_UNSUPPORTED") == "1":
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
     return
   raise ImportError(message)

@@ -19,8 +19,6 @@ Set `TF_PXG_ALLOW_UNSUPPORTED=1` to turn the error into a warning (as for
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import List, Optional
 
 from tf_pxg import _versions
@@ -116,10 +114,7 @@ def check(tf_version: Optional[str] = None, tfp_version: Optional[str] = None,
              f"TensorFlow {tf_version}: " + "; ".join(found) + ". Install "
              f"the matching pair with: {fix_command(tf_version)} (see "
              "docs/probability.md).")
-  if os.environ.get("TF_PXG_ALLOW_UNSUPPORTED") == "1":
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return
-  raise ImportError(message)
+  _versions.refuse(message)
 
 
 def import_tfp():
