@@ -270,6 +270,86 @@ def test_patches_install_and_uninstall():
   assert cls.__call__.__wrapped__ is original
 
 
+def test_custom_gradient_patch_installs_and_uninstalls():
+  """TF's `record.record_operation` (the internal
+  `tensorflow.python.eager.record.record_operation`, which eager
+  `tf.custom_gradient` calls) is TF's own until a recorder starts; the
+  patch is undone by `control_flow.uninstall`, and then an eager custom
+  gradient is missed again, which is what the patch is for."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_pxg  # pylint: disable=g-import-not-at-top
+  from tf_pxg.tape import control_flow  # pylint: disable=g-import-not-at-top
+  record = _compat._tf_module("tensorflow.python.eager.record")  # pylint: disable=protected-access
+
+  @tf.custom_gradient
+  def f(x):
+    return tf.square(x), lambda dy: dy * 7.0
+
+  def grad():
+    x = tf.constant([1.0, 2.0])
+    with tf_pxg.GradientTape() as tape:
+      tape.watch(x)
+      y = tf.reduce_sum(f(x))
+    return tape.gradient(y, x).numpy()
+
+  np.testing.assert_allclose(grad(), [7.0, 7.0])
+  assert _compat.patched("record.record_operation")
+  wrapper = record.record_operation
+  control_flow.uninstall()
+  try:
+    assert not _compat.patched("record.record_operation")
+    assert record.record_operation is wrapper.__wrapped__
+    with tf.GradientTape() as plain:  # TF's tape is served as before.
+      x = tf.constant([1.0, 2.0])
+      plain.watch(x)
+      y = tf.reduce_sum(f(x))
+    np.testing.assert_allclose(plain.gradient(y, x).numpy(), [7.0, 7.0])
+    x = tf.constant([1.0, 2.0])
+    with tf_pxg.GradientTape() as tape:  # The recorder re-installs it ...
+      control_flow.uninstall()  # ... so take it away while recording.
+      tape.watch(x)
+      y = tf.reduce_sum(f(x))
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), [2.0, 4.0])
+  finally:
+    with tf_pxg.GradientTape():
+      pass
+  assert record.record_operation.__wrapped__ is wrapper.__wrapped__
+  np.testing.assert_allclose(grad(), [7.0, 7.0])
+
+
+def test_custom_gradient_patch_installed_while_autograph_converts(tmp_path):
+  """The first recorder may start in code AutoGraph converts (as
+  `tf_pxg.probability` does on import), which converts the installed
+  wrapper too (another caller frame); it must still tell custom
+  gradients' calls apart (a fresh process, where
+  the patch is first installed there; a script file, since AutoGraph
+  needs the source, which `python -c` does not keep)."""
+  script = tmp_path / "first_recorder_in_autograph.py"
+  script.write_text(
+      "import tensorflow as tf, tf_pxg\n"
+      "from tf_pxg.tape import recording\n"
+      "recorder = recording.Recorder()\n"
+      "@tf.function\n"
+      "def traced(x):\n"
+      "  recorder.start()\n"  # A call AutoGraph converts (a `with` is not).
+      "  y = x * x\n"
+      "  recorder.stop()\n"
+      "  return y\n"
+      "traced(tf.constant([1.0]))\n"
+      "@tf.custom_gradient\n"
+      "def f(x):\n"
+      "  return tf.square(x), lambda dy: dy * 7.0\n"
+      "x = tf.constant([1.0, 2.0])\n"
+      "with tf_pxg.GradientTape() as tape:\n"
+      "  tape.watch(x)\n"
+      "  y = tf.reduce_sum(f(x))\n"
+      "print(tape.gradient(y, x).numpy().tolist())\n", encoding="utf-8")
+  out = subprocess.run([sys.executable, str(script)], check=True,
+                       capture_output=True, text=True).stdout.strip()
+  assert out.splitlines()[-1] == "[7.0, 7.0]"
+
+
 def test_version_range_accepts_supported_pairs():
   _versions.check("2.16.2", "3.7.0")
   _versions.check("2.21.0", "3.15.1")

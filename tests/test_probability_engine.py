@@ -159,18 +159,13 @@ def test_register_traced_takes_placeholders_only():
   assert not library_constants.is_library_constant(tf.constant(made * 2))
 
 
-@pytest.mark.parametrize("mode", [
-    pytest.param("eager", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="eagerly, tf.custom_gradient's gradient (recorded by TF's "
-        "tape with record_operation, which runs no op callback) is not "
-        "seen by tf_pxg's recorder, which backprops through the forward "
-        "ops instead: TFP's betainc then loses its a, b gradients "
-        "(reported with issue 43; the DP step is always traced)")),
-    "function", "jit"])
+@pytest.mark.parametrize("mode", MODES)
 def test_beta_cdf_through_betainc_custom_gradient(mode):
   """TFP's betainc has a tf.custom_gradient (TF's Betainc op has no
-  gradient for a and b): a censored Beta likelihood through it."""
+  gradient for a and b): a censored Beta likelihood through it. Eagerly
+  the custom gradient is recorded through `tf_pxg._compat`'s hook on TF's
+  `record_operation` (issue 43; without it tf_pxg differentiated the
+  forward ops and lost the a, b gradients)."""
   model = _model()
   rng = np.random.default_rng(0)
   x = rng.normal(size=(6, 3)).astype(np.float32)

@@ -2,7 +2,7 @@
 
 Every use of `tensorflow.python.*`, `keras.src.*`, `tf.__internal__` or a
 private attribute of a TensorFlow or Keras object, and every monkeypatch of
-a TensorFlow or Keras module or class (the two process-wide patches,
+a TensorFlow or Keras module or class (the three process-wide patches,
 "Process-wide patches" below), goes through this module; nothing else in
 `tf_pxg` does (`tests/test_compat.py` reads the code of every other module
 to check). Each access says why no public API serves. `ACCESSES` names
@@ -230,7 +230,8 @@ def _unpatch(name: str) -> None:
 
 def patched(name: str) -> bool:
   """Whether patch `name` ("tf.function.__call__", "keras.backend.rnn",
-  "keras.backend.lstm", "keras.backend.gru") is installed."""
+  "keras.backend.lstm", "keras.backend.gru", "record.record_operation") is
+  installed."""
   return name in _PATCHES
 
 
@@ -295,6 +296,55 @@ def uninstall_rnn_unrolling() -> None:
   """Restores Keras' own `rnn`, `lstm` and `gru`."""
   for name in ("rnn", "lstm", "gru"):
     _unpatch(f"keras.backend.{name}")
+
+
+def install_custom_gradient_recording(active: Callable[[], bool],
+                                      record: Callable) -> None:
+  """Reports each eager `tf.custom_gradient` call to `record(name, outputs,
+  inputs, backward_function)` while `active()` is true.
+
+  Why: eagerly, `tf.custom_gradient` registers its gradient on TF's tape
+  with `record_operation` (a C++ call that runs no op callback), so a
+  recorder built on op callbacks sees the forward ops and never the custom
+  gradient; no public API reports it (a `tf.GradientTape` cannot be
+  asked). Patched: `record_operation` of TF's module
+  `tensorflow.python.eager.record` (TensorFlow 2.16-2.21), which
+  `custom_gradient._eager_mode_decorator` calls through the module
+  attribute. TF's tape still gets every call; `record` is told only of the
+  calls made by that decorator (its backward function's code), not of the other
+  callers of `record_operation` (eager function calls, copies, variable
+  reads), so nothing else changes. Idempotent;
+  `uninstall_custom_gradient_recording` undoes it.
+  """
+  # The decorator's backward function (`actual_grad_fn`) is a closure
+  # defined in it: its code object is a constant of the decorator's code,
+  # which tells its calls from the others whatever calls the wrapper (a
+  # wrapper installed while AutoGraph converts tf_pxg's code is converted
+  # too, so the caller's frame is not the decorator's).
+  gradient_codes = frozenset(
+      c for c in _tf_module("tensorflow.python.ops.custom_gradient")
+      ._eager_mode_decorator.__code__.co_consts  # pylint: disable=protected-access
+      if isinstance(c, type(_missing.__code__)))
+
+  def wrap(original):
+    @functools.wraps(original)
+    def record_operation(op_type, output_tensors, input_tensors,
+                         backward_function, forward_function=None):
+      original(op_type, output_tensors, input_tensors, backward_function,
+               forward_function)
+      if (getattr(backward_function, "__code__", None) in gradient_codes and
+          active()):
+        record(op_type, output_tensors, input_tensors, backward_function)
+    return record_operation
+
+  _patch("record.record_operation",
+         _tf_module("tensorflow.python.eager.record"), "record_operation",
+         wrap)
+
+
+def uninstall_custom_gradient_recording() -> None:
+  """Restores TF's own `record_operation`."""
+  _unpatch("record.record_operation")
 
 
 # Keras -----------------------------------------------------------------------
@@ -580,6 +630,10 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
         _tf_module("tensorflow.python.eager.polymorphic_function."
                    "autograph_util").py_func_from_autograph,
         _tf_module("tensorflow.python.autograph.core.ag_ctx").ControlStatusCtx),
+    "record.record_operation/_eager_mode_decorator": lambda: (
+        _tf_module("tensorflow.python.eager.record").record_operation,
+        _tf_module("tensorflow.python.ops.custom_gradient")
+        ._eager_mode_decorator.__code__),  # pylint: disable=protected-access
     "keras.src.backend.rnn/lstm/gru": lambda: (
         __import__("keras").layers,
         keras_backend_module().rnn, keras_backend_module().lstm,

@@ -69,12 +69,16 @@ def call_gradient_function(entry: Entry,
                            outputs: Optional[Sequence[Any]] = None) -> list:
   """Runs TF's gradient function; returns one gradient (or None) per input."""
   n = len(entry.inputs)
-  grad_fn = lookup(entry)
-  if grad_fn is None:
-    return [None] * n
-  view = op_view(entry, skip_input_indices, inputs, outputs)
-  with tf.name_scope("gradient_tape"):
-    in_grads = grad_fn(view, *out_grads)
+  if entry.backward is not None:  # An eager tf.custom_gradient call.
+    with tf.name_scope("gradient_tape"):
+      in_grads = entry.backward(*out_grads)
+  else:
+    grad_fn = lookup(entry)
+    if grad_fn is None:
+      return [None] * n
+    view = op_view(entry, skip_input_indices, inputs, outputs)
+    with tf.name_scope("gradient_tape"):
+      in_grads = grad_fn(view, *out_grads)
   if not isinstance(in_grads, (list, tuple)):
     in_grads = [in_grads]
   in_grads = list(in_grads)

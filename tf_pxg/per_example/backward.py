@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tf_pxg.interface import batch_copies
 from tf_pxg.tape import control_flow
+from tf_pxg.tape import recording
 from tf_pxg.per_example import merge_uses
 from tf_pxg.interface import normalise
 from tf_pxg import registry
@@ -161,9 +162,13 @@ class PerExampleBackprop:
     return found
 
   def _check_visible(self, entry: Entry) -> None:
-    """Raises for a loop or call whose body the tape did not record and
-    that uses a parameter, naming the function and the variables."""
+    """Raises for a loop or call whose body the tape did not record, or a
+    `tf.custom_gradient` function, that uses a parameter, naming the
+    function and the variables."""
     params = self._classifier.param_inputs(entry)
+    if params and recording.custom_gradient_name(entry) is not None:
+      raise control_flow.custom_gradient_error(entry, self._names(
+          entry.input_ids[i] for i in params))
     if (params and control_flow.is_opaque(entry) and
         registry.lookup(entry.op_type) is None):
       raise control_flow.opaque_op_error(entry, self._names(
@@ -389,11 +394,43 @@ class PerExampleBackprop:
     return swap
 
   def weighted_sums(self, c) -> list:
-    """`sum_b c[b] g_b` per source, the shape of the source."""
+    """`sum_b c[b] g_b` per source, the shape of the source.
+
+    The parameter-only region takes the weighted sum through ordinary
+    gradient functions, which are linear in the output gradient. A
+    `tf.custom_gradient` there need not be (a gradient clipped inside it):
+    the sources behind one get `sum_b c[b] g_b` of their materialised
+    per-example gradients instead, each example through the custom
+    gradient on its own."""
     initial = collections.defaultdict(list)
     for itf in self.interfaces:
       initial[itf.param_id].append(self._apply(itf, "weighted_sum", c))
-    return self._gather(self._param_backprop(initial, batched=False))
+    sums = self._gather(self._param_backprop(initial, batched=False))
+    behind = self._behind_custom_gradients()
+    if behind:
+      for k, g in enumerate(self.per_example_gradients(behind)):
+        if self._source_ids[k] in behind and g is not None:
+          sums[k] = base.weighted_sum_of(g, c, g.dtype)
+    return sums
+
+  def _behind_custom_gradients(self) -> set:
+    """The sources that some interface reaches through a
+    `tf.custom_gradient` in the parameter-only region."""
+    behind, seen = set(), set()
+    stack = list(self._uses)
+    while stack:
+      t = stack.pop()
+      entry = self._producer.get(t)
+      if t in seen or entry is None:
+        continue
+      seen.add(t)
+      params = [entry.input_ids[i]
+                for i in self._classifier.param_inputs(entry)]
+      if recording.custom_gradient_name(entry) is not None:
+        for pid in params:
+          behind |= self._origins(pid)[0]
+      stack.extend(params)
+    return behind
 
 
 def _one_chunk_set(itfs: List[Interface]) -> bool:

@@ -15,8 +15,9 @@ engine's sight:
 Mechanism: while a tf_pxg recorder is active on a thread (and is not paused
 for the tape's own backward pass), this module, through the patches that
 `tf_pxg._compat` installs (`install_function_inlining`,
-`install_rnn_unrolling`; the only monkeypatches in tf_pxg, installed when a
-recorder first starts, inert while none records),
+`install_rnn_unrolling`, `install_custom_gradient_recording`; the only
+monkeypatches in tf_pxg, installed when a recorder first starts, inert
+while none records),
 
 1. runs Keras' TF-backend `rnn` with `unroll=True` when the number of time
    steps is static, and declines the cuDNN kernels (`backend.lstm`,
@@ -33,6 +34,9 @@ recorder first starts, inert while none records),
    caller's context (converted by AutoGraph in graphs, as the function's own
    tracing would), so its ops are built, and recorded, in the tape's graph
    or eagerly. The result is the same function inlined.
+3. hands each eager `tf.custom_gradient` call to the eager recorders
+   (`Recorder.record_custom_gradient`): TF registers its gradient with
+   `record_operation`, which runs no op callback.
 
 What stays opaque raises instead of giving a `None` or zero per-example
 gradient: an op whose body the engine cannot see (`While` with a dynamic
@@ -57,7 +61,7 @@ from tf_pxg import _compat
 
 _local = threading.local()
 _install_lock = threading.Lock()
-_installed = {"function": False, "keras": False}
+_installed = {"function": False, "keras": False, "custom_gradient": False}
 
 # Op types whose computation lives in a function body the tape did not record.
 LOOP_OPS = ("While", "StatelessWhile")
@@ -145,12 +149,16 @@ def install() -> None:
   """Installs the hooks through `tf_pxg._compat` (idempotent): nested
   `tf.function` inlining, and Keras' loop unrolling once Keras is imported
   with the TensorFlow backend. They act only while a recorder records."""
-  if _installed["function"] and _installed["keras"]:
+  if all(_installed.values()):
     return
   with _install_lock:
     if not _installed["function"]:
       _compat.install_function_inlining(recording)
       _installed["function"] = True
+    if not _installed["custom_gradient"]:
+      _compat.install_custom_gradient_recording(recording,
+                                                _record_custom_gradient)
+      _installed["custom_gradient"] = True
     if not _installed["keras"]:
       _installed["keras"] = _compat.install_rnn_unrolling(_unrolling_rnn,
                                                           _no_cudnn)
@@ -161,7 +169,22 @@ def uninstall() -> None:
   with _install_lock:
     _compat.uninstall_function_inlining()
     _compat.uninstall_rnn_unrolling()
-    _installed["function"] = _installed["keras"] = False
+    _compat.uninstall_custom_gradient_recording()
+    for name in _installed:
+      _installed[name] = False
+
+
+# tf.custom_gradient, eagerly -------------------------------------------------
+
+
+def _record_custom_gradient(name, outputs, inputs, backward_function) -> None:
+  """Hands an eager `tf.custom_gradient` call (reported by
+  `_compat.install_custom_gradient_recording`) to every eager recorder
+  recording on this thread, as TF's tape records it on every tape."""
+  for recorder in _recorders():
+    if not recorder.paused and recorder.graph is None:
+      recorder.record_custom_gradient(name, outputs, inputs,
+                                      backward_function)
 
 
 # Opaque ops ------------------------------------------------------------------
@@ -213,3 +236,19 @@ def opaque_op_error(entry, variable_names: Sequence[str]) -> ValueError:
       f"{entry.describe()} uses {names} inside {what}, whose ops tf_pxg "
       "cannot see, so it cannot give that variable a per-example gradient "
       f"(and will not return None or zeros for it). {how}")
+
+
+def custom_gradient_error(entry, variable_names: Sequence[str]) -> ValueError:
+  """The error for a parameter consumed by a `tf.custom_gradient` function
+  (`recording.custom_gradient_name`), eagerly or in a graph."""
+  names = ", ".join(f"'{n}'" for n in variable_names) or "a parameter"
+  return ValueError(
+      f"{entry.describe()} uses {names}: its gradient is a Python function "
+      "of the whole batch (it closes over the forward pass's tensors), which "
+      "tf_pxg can neither split by example nor check, so it cannot give "
+      "that variable a per-example gradient (and will not guess: eagerly or "
+      "in tf.function alike). Use the parameter outside the custom-gradient "
+      "function (apply the custom gradient to values computed from the data, "
+      "e.g. f(x) * w rather than reading w inside f), or register a "
+      "per-example rule for the computation.")
+

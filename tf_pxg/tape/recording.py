@@ -25,7 +25,7 @@ holds its value.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -66,6 +66,10 @@ class Entry:
   output_ids: tuple = ()
   # Attribute values that replace the op's (an entry the engine rewrote).
   attr_overrides: Optional[dict] = None
+  # An eager `tf.custom_gradient` call (`Recorder.record_custom_gradient`):
+  # the function's name, and its gradient, one per input.
+  custom_gradient: Optional[str] = None
+  backward: Optional[Callable[..., list]] = None
 
   def __post_init__(self):
     self.input_ids = tuple(tensor_id(t) for t in self.inputs)
@@ -73,7 +77,26 @@ class Entry:
 
   def describe(self) -> str:
     where = f" in '{self.scope}'" if self.scope else ""
+    name = custom_gradient_name(self)
+    if name is not None:
+      return (f"tf.custom_gradient function '{name}' (op '{self.op_type}'"
+              f"{where})")
     return f"op '{self.op_type}'{where}"
+
+
+def custom_gradient_name(entry: Entry) -> Optional[str]:
+  """The `tf.custom_gradient` an entry stands for, or None: eagerly the
+  function's name, in graphs the gradient TF registered for the IdentityN
+  that carries it (`_gradient_op_type`)."""
+  if entry.custom_gradient is not None:
+    return entry.custom_gradient
+  if entry.op is None or entry.op_type != "IdentityN":
+    return None
+  try:
+    name = entry.op.get_attr("_gradient_op_type")
+  except (ValueError, AttributeError):
+    return None
+  return name.decode() if isinstance(name, bytes) else str(name)
 
 
 class Recorder:
@@ -194,6 +217,31 @@ class Recorder:
       tf_defects.check(op_type, entry.inputs, entry.describe)
     self._append(entry)
     return outputs
+
+  def record_custom_gradient(self, name, outputs, inputs, backward_function):
+    """Records an eager `tf.custom_gradient` call as one entry, as TF's tape
+    does (`record_operation`), in the form it takes inside `tf.function`:
+    an IdentityN whose inputs are the forward's results (the tensors the
+    Identity ops just recorded copy), then the function's inputs and the
+    variables it read, and whose outputs are those Identity copies. Its
+    gradient is the function's (None for the results), and being recorded
+    last it is the producer of the outputs, so backprop takes it instead of
+    the forward ops; these stay recorded, and on the data path through the
+    results, where the examples-never-mix check sees them."""
+    outputs, inputs = tuple(outputs), tuple(inputs)
+    copied = [self.producer.get(tensor_id(o)) for o in outputs]
+    if all(e is not None and e.op_type == "Identity" and e.inputs
+           for e in copied):
+      results = tuple(e.inputs[0] for e in copied)
+    else:  # Not as TF 2.16-2.21 builds it: the inputs alone.
+      results = ()
+
+    def backward(*out_grads):
+      return [None] * len(results) + list(backward_function(*out_grads))
+
+    self._append(Entry("IdentityN", results + inputs, outputs, (), None,
+                       _compat.eager_scope_name(), custom_gradient=name,
+                       backward=backward))
 
   def _record_write(self, op_type, inputs, op_name, graph):
     """Keeps an output-less op that writes state (a variable assignment, a
