@@ -18,7 +18,7 @@ direction does not add up in its score.
 **Where they enter.** `attach` sets `add_gradient_canaries` as the DP step's
 clipped-sum hook (in the DPOptimizer's `tf_pxg.dp.step_state.StepState`;
 keras does not import audit), and the train step's clip stage
-(`tf_pxg.keras._train_step.clip`) calls it right after the real examples'
+(`tf_pxg.dp.step.clip`) calls it right after the real examples'
 clipped sum:
 each sampled canary's gradient is scaled by the model's own clipping policy
 (`factor(norm, clip)`, so `norm ≥ C` gives a contribution of norm exactly C
@@ -60,6 +60,7 @@ run can approach the claimed ε.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -171,7 +172,7 @@ def attach(model, canaries: GradientCanaries):
   state = _step_state(model)
   state.audit = canaries
   # The train step calls this hook (it does not import audit).
-  state.clipped_sum_hook = add_gradient_canaries
+  state.clipped_sum_hook = functools.partial(add_gradient_canaries, model)
   _retrace(model)
 
 

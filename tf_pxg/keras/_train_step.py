@@ -62,7 +62,7 @@ import keras
 import tensorflow as tf
 
 from tf_pxg import _compat
-from tf_pxg.dp import noise as dp_noise
+from tf_pxg.dp import step as dp_step
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
 from tf_pxg.gradient_tape import GradientTape
@@ -95,13 +95,12 @@ def step_limit_variable(model) -> tf.Variable:
   return var
 
 
-def _within_limit(optimizer, limit, step_end=None) -> tf.Tensor:
+def _within_limit(iterations, limit, step_end=None) -> tf.Tensor:
   """Whether this physical batch's update is applied: another optimizer
   step is allowed (`iterations < limit`) and, unless `step_end` is None (a
   plain batch), the batch ends a logical step. Data-independent; read it
   before the apply moves `iterations`."""
-  go = tf.less(tf.cast(optimizer.iterations, tf.int64),
-               tf.cast(limit, tf.int64))
+  go = tf.less(tf.cast(iterations, tf.int64), tf.cast(limit, tf.int64))
   return go if step_end is None else tf.logical_and(step_end, go)
 
 
@@ -153,9 +152,9 @@ def _apply_gated(optimizer, grads, variables, limit, xla=False,
   if _compat.strategy_supports_no_merge_call():
     if xla:
       _apply_then_undo(optimizer, transform(grads), variables,
-                       _within_limit(optimizer, limit, step_end))
+                       _within_limit(optimizer.iterations, limit, step_end))
     else:
-      when(_within_limit(optimizer, limit, step_end),
+      when(_within_limit(optimizer.iterations, limit, step_end),
            lambda: optimizer.apply(transform(grads), variables))
     return
   grads = transform(grads)
@@ -168,7 +167,7 @@ def _apply_gated(optimizer, grads, variables, limit, xla=False,
       distribution.extended.call_for_each_replica(
           lambda g: optimizer.apply(g, variables), args=(grads,))
 
-    when(_within_limit(optimizer, limit, step_end), apply)
+    when(_within_limit(optimizer.iterations, limit, step_end), apply)
 
   tf.distribute.get_replica_context().merge_call(
       cross_replica, args=(grads, step_end))
@@ -183,49 +182,6 @@ def _regularization(model, variables):
   if not reg_losses:
     return reg_loss, [None] * len(variables)
   return reg_loss, reg_tape.gradient(reg_loss, variables)
-
-
-class StepParts(NamedTuple):
-  """The DP plan's parts one step composes; always all present (the
-  default clipping is `Flat`, the default mechanism `IndependentGaussian`).
-
-  Built by the model from its plan (`tf_pxg.dp.plan.DPPlan.step_noise`
-  derives the multipliers); the stages below read nothing else.
-
-  Attributes:
-    clipping: the `tf_pxg.clipping` policy.
-    clip: the clip in use: the plan's `l2_norm_clip` (a float), or the
-      adaptive clip's state variable.
-    noise_multiplier: σ, the accounted multiplier (0: no noise, the side
-      releases are then not noised either).
-    gradient_noise_multiplier: σ_g, the gradient's share of σ after the
-      side releases' (`tf_pxg.dp.releases`).
-    noise: the `tf_pxg.dp.mechanisms.NoiseMechanism`; the step calls its
-      `prepare` and `add` and nothing else about it.
-    noise_state: its state (held by the `DPOptimizer`), or None.
-    optimizer: the optimizer whose `iterations` index the steps.
-    releases: the step's own `tf_pxg.dp.releases.SideRelease`s.
-    release_states: their state variables (held by the `DPOptimizer`), one
-      per release, None for a stateless one (`NoisyLoss`).
-    step_state: the run's `tf_pxg.dp.step_state.StepState` (the
-      `DPOptimizer`'s): the logical step's accumulators and an audit's
-      clipped-sum hook.
-  """
-  clipping: Any
-  clip: Any
-  noise_multiplier: float
-  gradient_noise_multiplier: float
-  noise: Any
-  noise_state: Any
-  optimizer: Any
-  releases: tuple = ()
-  release_states: tuple = ()
-  step_state: Any = None
-
-  def clip_value(self):
-    """The clip as a tensor or float (the variable's value if adaptive)."""
-    return (self.clip.read_value() if isinstance(self.clip, tf.Variable)
-            else self.clip)
 
 
 class ReplicaGradients(NamedTuple):
@@ -271,7 +227,7 @@ class ReplicaGradients(NamedTuple):
   reg_loss: tf.Tensor
   released: tuple = ()
   release_normalizer: Optional[tf.Tensor] = None
-  parts: Optional[StepParts] = None
+  parts: Optional[dp_step.StepParts] = None
   finite: Optional[tf.Tensor] = None
 
 
@@ -299,14 +255,6 @@ class Forward(NamedTuple):
   scale: Any
   tape: Any
   variables: list
-
-
-class Clipped(NamedTuple):
-  """The clip stage's result: this physical batch's clipped sums (one per
-  variable, then one per side release) and the per-example norms."""
-  sums: list
-  norms: tf.Tensor
-  finite: tf.Tensor
 
 
 def forward_losses(model: keras.Model, data, loss_scale=None) -> Forward:
@@ -369,103 +317,14 @@ def forward_losses(model: keras.Model, data, loss_scale=None) -> Forward:
                  tape, variables)
 
 
-def clip(model: keras.Model, forward: Forward, parts: StepParts,
-         xla: bool) -> Clipped:
-  """Stage 2: per-example clipping in one backward pass
-  (`tf_pxg.GradientTape.clipped_gradient_sum` with the plan's policy),
-  then the side releases' statistics on the same batch (un-noised sums,
-  appended after the variables' sums)."""
-  info, variables = forward.info, forward.variables
-  clip_value = parts.clip_value()
-  # A mechanism may read the recorded batch before the gradient drops it
-  # (sparse embedding rows: the ids each example gathers,
-  # tf_pxg.dp.sparse_selection); a no-op for the others.
-  parts.noise.prepare(
-      forward.tape, variables, state=parts.step_state,
-      batch_size=tf.shape(forward.losses)[0],
-      mask=None if info.is_plain else info.mask, step_end=info.step_end,
-      xla=xla)
-  # A non-finite example's clip factor is 0 there: nothing to check here.
-  sums, norms = forward.tape.clipped_gradient_sum(
-      forward.target, variables, clip_value, clipping=parts.clipping,
-      gradient_scale=forward.scale)
-  # An embedding's sum stays `IndexedSlices` up to the noise, which adds
-  # its rows inside the fused noise loop (tf_pxg.dp.threefry).
-  sums = [tf.zeros_like(v) if s is None else s
-          for s, v in zip(sums, variables)]
-  # Audits only: gradient canaries join the clipped sum through the hook
-  # `tf_pxg.audit.gradient_canaries.attach` sets in the step state (none
-  # attached: `sums` unchanged at trace time), so keras does not import
-  # audit (which imports keras).
-  canary_hook = (None if parts.step_state is None else
-                 parts.step_state.clipped_sum_hook)
-  if canary_hook is not None:
-    sums = canary_hook(model, sums, variables,
-                       None if info.is_plain else info, clip_value,
-                       parts.clipping)
-  finite = tf.logical_and(tf.math.is_finite(forward.losses),
-                          tf.math.is_finite(norms))
-  from tf_pxg.dp import releases  # noqa: PLC0415
-  batch = releases.ReleaseBatch(forward.losses, norms, clip_value,
-                                tf.cast(info.mask, tf.float32), finite)
-  statistics = [r.statistic(batch) for r in parts.releases]
-  return Clipped(sums + statistics, norms, finite)
-
-
-def accumulate(model: keras.Model, clipped: Clipped, info, variables,
-               num_scalars: int, xla: bool) -> list:
-  """Stage 3: a Poisson logical step's running totals over its physical
-  batches (`tf_pxg.dp.accumulation.LogicalStepAccumulator`, the model's);
-  a plain batch is a whole step, passed through."""
-  if info.is_plain:
-    return clipped.sums
-  return model._dp_accumulator_for(variables, num_scalars).step(  # pylint: disable=protected-access
-      [dp_noise.densify(s) for s in clipped.sums], info.step_end,
-      branchless=xla)
-
-
-def privatize(model: keras.Model, parts: StepParts, totals: list, info,
-              generator, xla: bool):
-  """Stage 4: the noise, drawn once per logical step (at its end, or at
-  every physical batch under XLA, used only at the end): `noise.add` on
-  the gradient sums with σ_g, and each side release's Gaussian on its
-  sum. Returns `(noisy sums, normalizer left to dp_apply or None, noisy
-  releases)`.
-
-  The divisor is known here for a Poisson step (qN) or the only replica's
-  plain batch: the mechanism divides in its noise pass (one pass over the
-  weights fewer); otherwise `dp_apply` divides by the all-reduced batch
-  size. With no noise the sums are divided in `dp_apply` (dividing them
-  here, outside the apply's conditional, fails in Keras' graph apply for
-  weight-regularized models,
-  tests/test_keras_dp.py::test_weight_regularizer_added_unclipped).
-  """
-  replicas = _num_replicas()
-  draw = None if xla else info.step_end
-  source = parts.noise.noise_source(generator)
-  count = len(parts.releases)
-  sums, tail = totals[:len(totals) - count], totals[len(totals) - count:]
-  clip_value = parts.clip_value()
-  released = tuple(
-      _noisy_scalar(value, r.stddev(clip_value) if parts.noise_multiplier
-                    else None, source, replicas, draw)
-      for r, value in zip(parts.releases, tail))
-  divide = bool(parts.noise_multiplier) and (not info.is_plain or
-                                             replicas == 1)
-  normalizer = info.normalizer
-  noisy = _add_noise(model, parts, sums, clip_value,
-                     normalizer if divide else None, source, replicas,
-                     info.step_end, draw)
-  return noisy, None if divide else normalizer, released
-
-
-def dp_gradients(model: keras.Model, data, parts: StepParts,
+def dp_gradients(model: keras.Model, data, parts: dp_step.StepParts,
                  generator: tf.random.Generator,
                  loss_scale=None) -> ReplicaGradients:
   """The replica-local part of a DP step: no cross-replica communication.
 
-  The stages, each a function of this module: `forward_losses` ->
-  `clip` -> `accumulate` -> `privatize`; `dp_apply` then normalises,
+  The stages: `forward_losses` (this module, Keras') -> `clip` ->
+  `accumulate` -> `privatize` (`tf_pxg.dp.step`, framework-free, which a
+  custom loop runs too); `dp_apply` then normalises,
   publishes the side releases and applies. It holds no synchronisation
   point, so it compiles as one XLA program per replica under any strategy
   (`tf.function(..., jit_compile=True)`), including MirroredStrategy on
@@ -505,11 +364,17 @@ def dp_gradients(model: keras.Model, data, parts: StepParts,
   xla = bool(getattr(model, "jit_compile", False))
   forward = forward_losses(model, data, loss_scale)
   info, variables = forward.info, forward.variables
-  clipped = clip(model, forward, parts, xla)
-  totals = accumulate(model, clipped, info, variables, len(parts.releases),
-                      xla)
-  noisy, normalizer, released = privatize(model, parts, totals, info,
-                                          generator, xla)
+  clipped = dp_step.clip(forward.tape, forward.target, forward.losses,
+                         variables, info, parts,
+                         gradient_scale=forward.scale, xla=xla)
+  totals = dp_step.accumulate(clipped, info, variables, parts, xla=xla)
+  # A stateful mechanism writes its state only at an applied step: a
+  # logical step's end within the step limit (both data-independent).
+  write = _within_limit(parts.step_index, step_limit_variable(model),
+                        info.step_end)
+  noisy, normalizer, released = dp_step.privatize(
+      parts, totals, info, generator, write=write,
+      num_replicas=_num_replicas(), xla=xla)
   # Data-independent weight regularizers: unclipped, un-noised, once per
   # logical step (divided by R: the all-reduce sums the replicas' copies).
   reg_loss, reg_grads = _regularization(model, variables)
@@ -541,44 +406,6 @@ def _restored_on_error(state):
     for v, value in state or ():
       v.assign(value)
     raise
-
-
-def _noisy_scalar(value, stddev, generator, replicas, draw):
-  """`value + N(0, stddev^2 / R)`: this replica's share of a noisy released
-  scalar, e.g. the count (drawn only when `draw` is true or None). A
-  `stddev` of None or a Python 0 adds nothing (no noise: σ = 0); a tensor
-  (a release in units of an adaptive clip) always adds."""
-  if stddev is None or (not tf.is_tensor(stddev) and not stddev):
-    return value
-  share = dp_noise.replica_noise_stddev(stddev, replicas)
-  add = lambda: dp_noise.add_gaussian_noise(  # noqa: E731
-      [tf.reshape(value, [1])], share, generator=generator)[0][0]
-  if draw is None:
-    return add()
-  return tf.cond(draw, add, lambda: tf.identity(value))
-
-
-def _add_noise(model, parts: StepParts, sums, clip_value, normalizer, source,
-               replicas, step_end, draw):
-  """`noise.add(...)` with σ_g: this replica's noisy sums (divided by
-  `normalizer` unless None), drawn only when `draw` is true or None (a
-  physical batch that does not end its logical step discards them). The
-  mechanism's state is written only if this step is applied: at a logical
-  step's end and within the step limit (both data-independent)."""
-  noise = parts.noise
-  write = _within_limit(parts.optimizer, step_limit_variable(model), step_end)
-
-  def noisy():
-    return noise.add(sums, parts.noise_state, parts.optimizer.iterations,
-                     noise_multiplier=parts.gradient_noise_multiplier,
-                     l2_norm_clip=clip_value, num_replicas=replicas,
-                     source=source, normalizer=normalizer, write=write)[0]
-
-  if draw is None:
-    return noisy()
-  return tf.cond(draw, noisy, lambda: [
-      tf.cast(dp_noise.densify(g), noise.noise_dtype(g.dtype))
-      for g in sums])
 
 
 def dp_apply(model: keras.Model, result: ReplicaGradients, optimizer,
@@ -653,7 +480,7 @@ def _publish(model, result, optimizer, limit, ctx, replicas) -> dict:
       n = ctx.all_reduce(tf.distribute.ReduceOp.SUM, n)
   else:
     released = list(result.released)
-  go = _within_limit(optimizer, limit, result.step_end)
+  go = _within_limit(optimizer.iterations, limit, result.step_end)
   parts = result.parts
   logs = {}
   for release, state, value in zip(parts.releases, parts.release_states,
@@ -835,7 +662,7 @@ def traced_step(model, key: str, fn):
   return function
 
 
-def dp_train_step(model: keras.Model, data, parts: StepParts,
+def dp_train_step(model: keras.Model, data, parts: dp_step.StepParts,
                   generator: tf.random.Generator, optimizer, loss_scale=None):
   """One DP-SGD (physical) step: `dp_gradients` then `dp_apply`."""
   result = dp_gradients(model, data, parts, generator, loss_scale)

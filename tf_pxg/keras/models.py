@@ -18,6 +18,7 @@ import tensorflow as tf
 from tf_pxg import _compat
 from tf_pxg import _renamed
 from tf_pxg.dp import plan as dp_plan
+from tf_pxg.dp import step as dp_step
 from tf_pxg.keras import _ledger
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
@@ -348,8 +349,8 @@ class _DPTrainingMixin:
       optimizer._require_sampling(own.sampling)
     # pylint: enable=protected-access
 
-  def _dp_step_parts(self) -> _train_step.StepParts:
-    """The train step's `_train_step.StepParts`, from the one plan: the
+  def _dp_step_parts(self) -> dp_step.StepParts:
+    """The train step's `tf_pxg.dp.step.StepParts`, from the one plan: the
     clipping policy and its clip, the multipliers
     (`tf_pxg.dp.plan.DPPlan.step_noise`, at the expected batch size of the
     run's sampler; None: a plain batch), the `NoiseMechanism` and the
@@ -381,9 +382,9 @@ class _DPTrainingMixin:
           f"Model {self.name!r}: clipping={plan.clipping!r}, "
           f"noise_mechanism={plan.noise_mechanism!r} and the side releases "
           "keep state in a tf_pxg.keras.DPOptimizer; compile with one.")
-    return _train_step.StepParts(
+    return dp_step.StepParts(
         plan.clipping, clip, plan.noise_multiplier or 0.0, step_noise.gradient,
-        noise, noise_state, optimizer, step_noise.releases, states,
+        noise, noise_state, optimizer.iterations, step_noise.releases, states,
         optimizer.step_state if isinstance(optimizer, DPOptimizer) else None)
 
   def _check_trainable_for_dp(self, optimizer):
