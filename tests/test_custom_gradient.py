@@ -284,3 +284,50 @@ def test_parameter_read_inside_is_refused(question, mode):
       rf"tf.custom_gradient function {name}.*uses 'Variable.*"
       r"a Python function of the whole batch.*Use the parameter outside")):
     run() if mode == "eager" else tf.function(run)()
+
+
+@tf.custom_gradient
+def batch_mean_gradient(x):
+  """tanh(x) forward, row by row; its gradient scales each row by the
+  batch's mean of x: example b's gradient depends on the others."""
+  def grad(dy):
+    return dy * (1.0 + tf.reduce_mean(x, axis=0))
+  return tf.tanh(x), grad
+
+
+@tf.custom_gradient
+def centred_gradient(x):
+  """x forward; gradient dy minus its batch mean."""
+  def grad(dy):
+    return dy - tf.reduce_mean(dy, axis=0, keepdims=True)
+  return tf.identity(x), grad
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("fn", [batch_mean_gradient, centred_gradient])
+@pytest.mark.parametrize("question", ["per_example_gradient",
+                                      "clipped_gradient_sum"])
+def test_gradient_that_mixes_examples_is_refused(question, fn, mode):
+  """The forward keeps examples apart, the custom gradient does not: its
+  ops are checked as the forward's are, and refused by name (a wrong
+  per-example gradient otherwise, not an error)."""
+  w = tf.Variable(np.random.default_rng(6).normal(size=(3, 3)),
+                  dtype=tf.float32)
+  x = _data(4, tf.float32, seed=7)
+
+  def run(x):
+    with tf_pxg.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.square(fn(x @ w)), axis=-1)
+    args = (1.0,) if question == "clipped_gradient_sum" else ()
+    return getattr(tape, question)(loss, [w], *args)
+
+  with pytest.raises(ValueError, match=(
+      r"The gradient of tf.custom_gradient function .* does not keep "
+      r"examples apart: .*mixes examples.*compute it from each example's "
+      r"own rows")):
+    run(x) if mode == "eager" else tf.function(run)(x)
+  # One example cannot mix with another: exact, and checked against the
+  # reference.
+  check_per_example_gradients(
+      None, lambda x: tf.reduce_sum(tf.square(fn(x @ w)), axis=-1), [w],
+      x[:1], mode=mode)

@@ -46,7 +46,7 @@ from tf_pxg import registry
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop import rule_trace
 from tf_pxg.backprop.imperative_grad import imperative_grad
-from tf_pxg.interface.classify import (PARAM, Classifier, Interface,
+from tf_pxg.interface.classify import (DATA, PARAM, Classifier, Interface,
                               check_examples_independent, data_path)
 from tf_pxg.rules import base
 from tf_pxg.rules import factors
@@ -124,6 +124,8 @@ class PerExampleBackprop:
 
     def backward(entry, out_grads, skip):
       if not classifier.is_interface(entry):
+        if recording.custom_gradient_name(entry) is not None:
+          return self._checked_custom_gradient(entry, out_grads, skip)
         return gradient_functions.call_gradient_function(entry, out_grads, skip)
       params = classifier.param_inputs(entry)
       self._check_visible(entry)
@@ -160,6 +162,68 @@ class PerExampleBackprop:
       if itf.rule is _FALLBACK:  # It splits the data, not the parameter.
         base.check_param_shared(self._context(itf))
     return found
+
+  def _checked_custom_gradient(self, entry: Entry, out_grads, skip) -> list:
+    """Runs a `tf.custom_gradient` on the data path (no parameter input)
+    and checks that its gradient keeps examples apart, as the forward ops
+    are checked: its ops are recorded, each output gradient standing for
+    the rows of its output, and every op from them to the gradients of the
+    data inputs must be on the allowlist and leave each input's gradient on
+    the input's batch axis. A TF gradient function is row-wise wherever its
+    op is; a custom one is arbitrary Python (`dy * mean(x, axis=0)`)."""
+    sub = Recorder()
+    sub.start()
+    try:
+      grads = gradient_functions.call_gradient_function(entry, out_grads, skip)
+    finally:
+      sub.stop()
+    bridges = [Entry("Identity", (o,), (g,), (), None, entry.scope)
+               for o, g in zip(entry.outputs, out_grads) if g is not None]
+    combined = _Recording(list(self._recorder.entries) + bridges +
+                          _as_checked(sub.entries,
+                                                 self._rows_of_examples))
+    classifier = Classifier(
+        combined, [s for s in self._source_ids if s is not None],
+        self.batch_size if isinstance(self.batch_size, int) else None)
+    own = {id(e) for e in bridges + sub.entries}
+    for i in self._classifier.data_inputs(entry):
+      g = grads[i]
+      if g is None:
+        continue
+      gid = tensor_id(g)
+      path = [e for e in data_path(combined, gid, classifier) if id(e) in own]
+      try:
+        check_examples_independent(path, classifier, self.vector_target)
+      except ValueError as e:
+        raise ValueError(
+            f"The gradient of {entry.describe()} does not keep examples "
+            f"apart: {e} A custom gradient is run on the whole batch, so "
+            "tf_pxg checks its ops as it checks the forward's; compute it "
+            "from each example's own rows.") from e
+      want = self._classifier.layout(entry.input_ids[i])
+      got = (classifier.layout(gid) if classifier.status.get(gid) == DATA
+             else want)
+      if self.batch_size != 1 and got != want:
+        raise ValueError(
+            f"The gradient of {entry.describe()} for its input {i} holds "
+            f"the examples on axis {got and got[0]}, not on the input's "
+            f"axis {want and want[0]}, so tf_pxg cannot tell each example's "
+            "gradient (no per-example gradient, no DP guarantee). Return "
+            "each input's gradient in the input's layout.")
+    return grads
+
+  def _rows_of_examples(self, t) -> bool:
+    """Whether `t` is data holding examples on its batch axis (more than
+    one row there, unless the batch is one example)."""
+    tid = tensor_id(t)
+    layout = self._classifier.layout(tid)
+    if self._classifier.status.get(tid) != DATA or layout is None:
+      return False
+    rank = t.shape.rank
+    if rank is None or layout[0] >= rank:
+      return False
+    dim = t.shape[layout[0]]
+    return dim is None or dim > 1 or self.batch_size == 1
 
   def _check_visible(self, entry: Entry) -> None:
     """Raises for a loop or call whose body the tape did not record, or a
@@ -431,6 +495,79 @@ class PerExampleBackprop:
           behind |= self._origins(pid)[0]
       stack.extend(params)
     return behind
+
+
+def _as_checked(entries: List[Entry], rows_of_examples) -> list:
+  """`entries` as the custom-gradient check reads them: loops taken as
+  keeping each variable's rows (see below), and TF's idiom for the
+  gradient of a broadcast operand,
+  `Reshape(Sum(g, BroadcastGradientArgs(Shape(t), Shape(u))[k]),
+  Shape(t))` (axes known only at run time), folded into one elementwise
+  entry of `g` and `t`, when `t` holds examples on its batch axis and has
+  the rank of `g`: the sum then runs over the axes where `t` has size 1,
+  never the batch axis (a reduced batch axis could not be reshaped back to
+  `t`'s rows), and the folded entry checks that `g` and `t` hold the
+  examples on the same axis."""
+  producer = {t: e for e in entries for t in e.output_ids}
+  folded, replaced = {}, set()
+  for e in entries:
+    if e.op_type in control_flow.LOOP_OPS and len(e.inputs) == len(
+        e.outputs):
+      # A loop in a graph (series evaluations: TFP's betainc gradient):
+      # its body is not recorded, and is trusted to keep each loop
+      # variable's rows where they are (eagerly its ops are checked).
+      folded[id(e)] = Entry("IdentityN", e.inputs, e.outputs, (), None,
+                            e.scope)
+  for s in entries:  # Axes known when tracing: the reduction as it is.
+    args = producer.get(s.input_ids[1]) if s.op_type == "Sum" else None
+    if args is not None and args.op_type == "BroadcastGradientArgs":
+      axes = _broadcast_axes(args, args.output_ids.index(s.input_ids[1]))
+      if axes is not None:
+        with tf.init_scope():
+          axes = tf.constant(axes, tf.int32)
+        folded[id(s)] = Entry("Sum", (s.inputs[0], axes), s.outputs, s.attrs,
+                              s.op, s.scope)
+  for r in entries:
+    if r.op_type != "Reshape" or len(r.inputs) != 2:
+      continue
+    s = producer.get(r.input_ids[0])
+    shape = producer.get(r.input_ids[1])
+    if s is None or s.op_type != "Sum" or id(s) in folded or (
+        shape is None or shape.op_type != "Shape"):
+      continue
+    args = producer.get(s.input_ids[1])
+    if args is None or args.op_type != "BroadcastGradientArgs":
+      continue
+    k = args.output_ids.index(s.input_ids[1])
+    t, g = shape.inputs[0], s.inputs[0]
+    if (args.input_ids[k] != r.input_ids[1] or not rows_of_examples(t) or
+        t.shape.rank != g.shape.rank):
+      continue
+    folded[id(r)] = Entry("Identity", (g, t), r.outputs, (), None, r.scope)
+    replaced.add(id(s))
+  return [folded.get(id(e), e) for e in entries if id(e) not in replaced]
+
+
+def _broadcast_axes(args: Entry, k: int):
+  """The axes `BroadcastGradientArgs` gives operand `k` to reduce over, as
+  a list, where both shapes are known when tracing; else None."""
+  shapes = [tf.get_static_value(t) for t in args.inputs]
+  if any(v is None for v in shapes):
+    return None
+  rank = max(len(v) for v in shapes)
+  padded = [[1] * (rank - len(v)) + [int(d) for d in v] for v in shapes]
+  mine, other = padded[k], padded[1 - k]
+  return [j for j in range(rank)
+          if j < rank - len(shapes[k]) or (mine[j] == 1 and other[j] != 1)]
+
+
+class _Recording:
+  """Entries and their producers, as `Classifier` and `data_path` read a
+  `Recorder` (a recording extended with a custom gradient's ops)."""
+
+  def __init__(self, entries: List[Entry]):
+    self.entries = entries
+    self.producer = {t: e for e in entries for t in e.output_ids}
 
 
 def _one_chunk_set(itfs: List[Interface]) -> bool:
