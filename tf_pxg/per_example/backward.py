@@ -179,13 +179,12 @@ class PerExampleBackprop:
       sub.stop()
     bridges = [Entry("Identity", (o,), (g,), (), None, entry.scope)
                for o, g in zip(entry.outputs, out_grads) if g is not None]
-    combined = _Recording(list(self._recorder.entries) + bridges +
-                          _as_checked(sub.entries,
-                                                 self._rows_of_examples))
+    checked = bridges + _as_checked(sub.entries, self._rows_of_examples)
+    combined = _Recording(list(self._recorder.entries) + checked)
     classifier = Classifier(
         combined, [s for s in self._source_ids if s is not None],
         self.batch_size if isinstance(self.batch_size, int) else None)
-    own = {id(e) for e in bridges + sub.entries}
+    own = {id(e) for e in checked}
     for i in self._classifier.data_inputs(entry):
       g = grads[i]
       if g is None:
