@@ -5,7 +5,7 @@ batch it may release more: adaptive clipping's unclipped count
 (`tf_pxg.clipping.QuantileAdaptive`'s `QuantileCount`), the noisy training loss
 (`tf_pxg.keras.NoisyLoss`), DP-AdaFEST's row selection
 (`tf_pxg.dp.sparse_selection`), or a user's own (e.g.
-`tf_pxg.dp.norm_release.NoisyClippedNorm`). Each is a Gaussian mechanism:
+`tf_pxg.dp.norm_release.ClippedNormMean`). Each is a Gaussian mechanism:
 a sum over the batch's examples of contributions bounded by its
 sensitivity `Δ_i`, plus Gaussian noise of std `m_i Δ_i` (its noise
 multiplier `m_i`).
@@ -35,8 +35,10 @@ post-processing.
 
 The protocol (`SideRelease`): `name` (the log key and the accumulator
 slot), `noise_multiplier`, `sensitivity(clip)`, `statistic(batch)` (the
-sum over the batch's examples, each term within `[lo, lo + Δ]` for a
-data-independent `lo`, padding rows contributing 0), and, for a release
+sum over the batch's examples, each term of absolute value at most Δ,
+padding rows and non-finite examples contributing a term within that
+bound too: adding or removing one example moves the sum by its own term,
+at most Δ), and, for a release
 that keeps state in the `DPOptimizer` (`stateful`), `initial_state` and
 `next_state(state, estimate)` with `estimate = noisy_sum / n` (`n` the
 step's divisor). A release whose noise is drawn by the part that owns it
