@@ -303,8 +303,25 @@ def centred_gradient(x):
   return tf.identity(x), grad
 
 
+@tf.custom_gradient
+def looped_cumsum_gradient(x):
+  """x forward; its gradient a running sum over the batch, in a while
+  loop: example b's gradient adds the rows before it."""
+  def grad(dy):
+    def body(i, acc, out):
+      acc = acc + dy[i]
+      return i + 1, acc, out.write(i, acc)
+    _, _, out = tf.while_loop(
+        lambda i, acc, out: i < tf.shape(dy)[0], body,
+        (0, tf.zeros_like(dy[0]),
+         tf.TensorArray(dy.dtype, size=tf.shape(dy)[0])))
+    return out.stack()
+  return tf.identity(x), grad
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
-@pytest.mark.parametrize("fn", [batch_mean_gradient, centred_gradient])
+@pytest.mark.parametrize("fn", [batch_mean_gradient, centred_gradient,
+                                looped_cumsum_gradient])
 @pytest.mark.parametrize("question", ["per_example_gradient",
                                       "clipped_gradient_sum"])
 def test_gradient_that_mixes_examples_is_refused(question, fn, mode):

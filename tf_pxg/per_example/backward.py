@@ -194,11 +194,17 @@ class PerExampleBackprop:
       try:
         check_examples_independent(path, classifier, self.vector_target)
       except ValueError as e:
+        loop = any(p.op_type in control_flow.LOOP_OPS for p in path)
         raise ValueError(
             f"The gradient of {entry.describe()} does not keep examples "
             f"apart: {e} A custom gradient is run on the whole batch, so "
             "tf_pxg checks its ops as it checks the forward's; compute it "
-            "from each example's own rows.") from e
+            "from each example's own rows."
+            + (" Its graph loop (a while_loop inside a tf.function) is not "
+               "recorded op by op, so it cannot be shown to keep each "
+               "example's rows: ask this per-example question eagerly, "
+               "where each of the loop's ops is checked, or write the "
+               "gradient without a graph loop." if loop else "")) from e
       want = self._classifier.layout(entry.input_ids[i])
       got = (classifier.layout(gid) if classifier.status.get(gid) == DATA
              else want)
@@ -497,8 +503,7 @@ class PerExampleBackprop:
 
 
 def _as_checked(entries: List[Entry], rows_of_examples) -> list:
-  """`entries` as the custom-gradient check reads them: loops taken as
-  keeping each variable's rows (see below), and TF's idiom for the
+  """`entries` as the custom-gradient check reads them: TF's idiom for the
   gradient of a broadcast operand,
   `Reshape(Sum(g, BroadcastGradientArgs(Shape(t), Shape(u))[k]),
   Shape(t))` (axes known only at run time), folded into one elementwise
@@ -506,17 +511,12 @@ def _as_checked(entries: List[Entry], rows_of_examples) -> list:
   the rank of `g`: the sum then runs over the axes where `t` has size 1,
   never the batch axis (a reduced batch axis could not be reshaped back to
   `t`'s rows), and the folded entry checks that `g` and `t` hold the
-  examples on the same axis."""
+  examples on the same axis. A graph loop (`While`) stays as it is: its
+  body is not recorded op by op, so nothing shows that it keeps each
+  example's rows, and the check refuses it (eagerly its ops are recorded
+  and checked one by one)."""
   producer = {t: e for e in entries for t in e.output_ids}
   folded, replaced = {}, set()
-  for e in entries:
-    if e.op_type in control_flow.LOOP_OPS and len(e.inputs) == len(
-        e.outputs):
-      # A loop in a graph (series evaluations: TFP's betainc gradient):
-      # its body is not recorded, and is trusted to keep each loop
-      # variable's rows where they are (eagerly its ops are checked).
-      folded[id(e)] = Entry("IdentityN", e.inputs, e.outputs, (), None,
-                            e.scope)
   for s in entries:  # Axes known when tracing: the reduction as it is.
     args = producer.get(s.input_ids[1]) if s.op_type == "Sum" else None
     if args is not None and args.op_type == "BroadcastGradientArgs":
