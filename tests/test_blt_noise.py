@@ -177,7 +177,7 @@ def test_checkpoint_round_trip_continues_the_noise_sequence(tmp_path):
   _noises(a, 3)
   path = tf.train.Checkpoint(model=a, optimizer=a.optimizer).save(
       str(tmp_path / "ckpt"))
-  gen_state = a._dp_generator.state.numpy()
+  gen_state = a.optimizer.step_state.generator.state.numpy()
   want = _noises(a, 2)
 
   def resumed(restore_buffers):
@@ -188,7 +188,7 @@ def test_checkpoint_round_trip_continues_the_noise_sequence(tmp_path):
     if not restore_buffers:
       for buf in b.optimizer.dp_state.noise:
         buf.assign(tf.zeros_like(buf))
-    b._dp_generator.reset(gen_state)  # the same z from here on
+    b.optimizer.step_state.generator.reset(gen_state)  # the same z from here on
     return _noises(b, 2)
 
   np.testing.assert_allclose(resumed(True), want, rtol=0, atol=1e-6)

@@ -174,7 +174,7 @@ def test_checkpoint_and_resume_continue_the_noise_sequence():
   ckpt_dir = tempfile.mkdtemp()
   path = tf.train.Checkpoint(model=a, optimizer=a.optimizer).save(
       os.path.join(ckpt_dir, "ckpt"))
-  gen_state = a._dp_generator.state.numpy()
+  gen_state = a.optimizer.step_state.generator.state.numpy()
   for _ in range(3):
     a.train_on_batch(*data)
 
@@ -186,7 +186,7 @@ def test_checkpoint_and_resume_continue_the_noise_sequence():
     if not restore_buffers:
       for buf in b.optimizer.dp_state.noise.buffers:
         buf.assign(tf.zeros_like(buf))
-    b._dp_generator.reset(gen_state)  # the same z from here on
+    b.optimizer.step_state.generator.reset(gen_state)  # the same z from here on
     for _ in range(3):
       b.train_on_batch(*data)
     return b

@@ -1,15 +1,29 @@
-"""`StepState`: what a DP step keeps between physical batches, in one object.
+"""`StepState`: what a DP run keeps between steps and never saves, in one object.
 
-A DP train step keeps, from one physical batch to the next, state that is
-not model state and is never saved: the logical step's running sums
-(`tf_pxg.dp.accumulation.LogicalStepAccumulator`s: the gradients' with the
-side releases', and those a noise mechanism keeps, e.g. DP-AdaFEST's
-selection counts) and, in an audit only, the hook that adds gradient
-canaries to the clipped sum. They live in one typed object held by the
-`tf_pxg.keras.DPOptimizer` (as `step_state`, untracked: a checkpoint must
-not carry a half-accumulated logical step, and a resumed run starts a
-fresh one), not in attributes set on the Keras model by the parts that
-need them.
+A DP run keeps, from one physical batch to the next, state that is not
+model state and is never saved:
+
+- the noise generator (`tf_pxg.dp.noise.make_generator`): its state
+  advances every step; saving it would let a resumed run replay the same
+  noise on other data and anyone holding the checkpoint predict the noise
+  (docs/threat_model.md, "Checkpoints");
+- the step limit (an int64 variable, `NO_STEP_LIMIT` for none): the
+  budget of one `fit`, which `tf_pxg.keras.PrivacyCallback` sets and the
+  compiled step reads;
+- the sampler the last `fit` built (`tf_pxg.data.samplers.Sampler`), whose
+  event the callback composes;
+- the logical step's running sums
+  (`tf_pxg.dp.accumulation.LogicalStepAccumulator`s: the gradients' with
+  the side releases', and those a noise mechanism keeps, e.g.
+  DP-AdaFEST's selection counts);
+- in an audit only, the hook that adds gradient canaries to the clipped
+  sum.
+
+They live in one typed object held by the `tf_pxg.keras.DPOptimizer` (as
+`step_state`, untracked: a checkpoint must not carry a half-accumulated
+logical step or the generator's state, and a resumed run starts fresh),
+not in attributes set on the Keras model by the parts that need them. A
+recompile with another optimizer hands the run over (`take_over`).
 
 The saved DP state (the adaptive clip, noise buffers, side releases'
 state, the privacy ledger) is `tf_pxg.keras._dp_state.DPState`, tracked
@@ -22,13 +36,26 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import tensorflow as tf
 
-__all__ = ["StepState"]
+from tf_pxg.dp import noise as dp_noise
+
+__all__ = ["NO_STEP_LIMIT", "StepState"]
+
+#: The step limit's "no limit".
+NO_STEP_LIMIT = tf.int64.max
 
 
 class StepState:
   """The unsaved per-step state of a DP run (module docstring).
 
   Attributes:
+    generator: the run's noise `tf.random.Generator` (made by `start`), or
+      None before; the noise mechanism picks the source it draws from
+      (`NoiseMechanism.noise_source`: OS keys in secure mode).
+    step_limit: int64 variable (made by `start`): the step applies an
+      update only while the step count is below it (`NO_STEP_LIMIT`: no
+      limit); None before.
+    sampler: the `tf_pxg.data.samplers.Sampler` the last `fit` built, or
+      None (no `fit` yet, a custom loop).
     clipped_sum_hook: None, or `hook(model, sums, variables, info, clip,
       clipping) -> sums` that the clip stage calls right after the clipped
       sum (`tf_pxg.audit.gradient_canaries.attach` sets it; read when the
@@ -38,8 +65,38 @@ class StepState:
 
   def __init__(self):
     self._made: Dict[str, Tuple[Hashable, Any]] = {}
+    self.generator: Optional[tf.random.Generator] = None
+    self.step_limit: Optional[tf.Variable] = None
+    self.sampler: Any = None
     self.clipped_sum_hook: Optional[Callable] = None
     self.audit: Any = None
+
+  def start(self, strategy=None, seed: Optional[int] = None) -> None:
+    """Makes the generator (seeded with `seed`, tests only; else from OS
+    entropy) and the step limit if they are missing: in `strategy`'s
+    scope (so under a strategy they are distributed variables that work
+    under XLA and on TPU), lifted out of any traced function."""
+    if self.generator is not None and self.step_limit is not None:
+      return
+    scope = (strategy or tf.distribute.get_strategy()).scope()
+    with scope, tf.init_scope():
+      if self.generator is None:
+        self.generator = dp_noise.make_generator(seed)
+      if self.step_limit is None:
+        self.step_limit = tf.Variable(
+            NO_STEP_LIMIT, dtype=tf.int64, trainable=False,
+            name="dp_step_limit")
+
+  def take_over(self, previous: "StepState") -> None:
+    """Continues `previous`'s run (a recompile with another optimizer):
+    the same generator (a seeded stream goes on, never replays), step
+    limit and last sampler. Its accumulators are not taken: `fit` starts
+    every run with a fresh logical step."""
+    if previous is self:
+      return
+    self.generator = previous.generator
+    self.step_limit = previous.step_limit
+    self.sampler = previous.sampler
 
   def get(self, name: str, key: Hashable, make: Callable[[], Any]) -> Any:
     """The object stored under `name` if it was made for `key`, else

@@ -43,7 +43,8 @@ it would without DP.
 
 The step limit (privacy budget): the apply is gated, data-independently, by
 `optimizer.iterations < limit`, with `limit` the model's step-limit
-variable (`step_limit_variable`; `tf_pxg.keras.PrivacyCallback` sets it to
+variable (`step_limit_variable`, held in the `DPOptimizer`'s
+`StepState`; `tf_pxg.keras.PrivacyCallback` sets it to
 the most logical steps its target ε allows; int64 max means none). A
 physical batch past the limit changes no weight, optimizer slot or
 `iterations`, whatever `steps_per_execution`, `accumulation_steps` or the
@@ -72,27 +73,14 @@ def _num_replicas() -> int:
   return tf.distribute.get_strategy().num_replicas_in_sync
 
 
-# The step-limit variable's "no limit".
-NO_STEP_LIMIT = tf.int64.max
-
-
 def step_limit_variable(model) -> tf.Variable:
-  """The model's int64 step limit (made on first use, `NO_STEP_LIMIT`).
-
-  The train step applies an update only while `optimizer.iterations <
-  limit`. Made in an init scope (lifted out of a traced function), in the
-  strategy scope when there is one; not a Keras-tracked weight and not
-  saved: it is the budget of one `fit` (`PrivacyCallback` sets it at
-  `on_train_begin` and resets it at `on_train_end`), not model state. A
-  resumed run's callback sets it again from the restored `iterations`.
-  """
-  var = model.__dict__.get("_dp_step_limit")
-  if var is None:
-    with tf.init_scope():
-      var = tf.Variable(NO_STEP_LIMIT, dtype=tf.int64, trainable=False,
-                        name="dp_step_limit")
-    object.__setattr__(model, "_dp_step_limit", var)
-  return var
+  """The model's int64 step limit: its compiled `DPOptimizer`'s
+  (`tf_pxg.dp.step_state.StepState.step_limit`; not a Keras-tracked
+  weight and not saved: it is the budget of one `fit`, which
+  `PrivacyCallback` sets at `on_train_begin` and resets at
+  `on_train_end`; a resumed run's callback sets it again from the
+  restored `iterations`)."""
+  return model._dp_run_state().step_limit  # pylint: disable=protected-access
 
 
 def _within_limit(iterations, limit, step_end=None) -> tf.Tensor:

@@ -19,6 +19,7 @@ from tf_pxg import _compat
 from tf_pxg import _renamed
 from tf_pxg.dp import plan as dp_plan
 from tf_pxg.dp import step as dp_step
+from tf_pxg.dp import step_state
 from tf_pxg.keras import _ledger
 from tf_pxg.keras import _validation
 from tf_pxg.keras import losses as pe_losses
@@ -188,20 +189,14 @@ class _DPTrainingMixin:
         side_releases=side_releases)
     _check_seed(request.secure_mode, seed, where)
     super().__init__(*args, **kwargs)
-    from tf_pxg.dp import noise as dp_noise  # noqa: PLC0415
     self._dp_request = request
-    self._dp_seed_given = seed is not None
+    # A test-only seed of the run's noise generator, which the compiled
+    # DPOptimizer's `step_state` holds (made at `compile`, `_dp_run_state`):
+    # never saved, so a reloaded or resumed model draws fresh noise.
+    self._dp_seed = seed
     self._dp_unprotected_metrics = _check_bool(
         unprotected_training_metrics, "unprotected_training_metrics",
         type(self).__name__)
-    with tf.init_scope():
-      # Not tracked (set past Keras' and tf.train.Checkpoint's attribute
-      # tracking): a checkpoint holding the generator's state would let a
-      # resumed run replay the same noise on other data, and anyone holding
-      # it predict the noise (docs/threat_model.md, "Checkpoints").
-      object.__setattr__(self, "_dp_generator",
-                         dp_noise.make_generator(seed))
-    _train_step.step_limit_variable(self)
 
   # Settings -----------------------------------------------------------------
 
@@ -212,8 +207,10 @@ class _DPTrainingMixin:
     optimizer's choice (None: `fit`'s argument decides) and its `sampler`
     the `tf_pxg.data.samplers.Sampler` instance the last `fit` built
     (what `PrivacyCallback` composes)."""
-    plan = self._dp_plan(getattr(self, "optimizer", None))
-    sampler = self.__dict__.get("_dp_sampler")
+    optimizer = getattr(self, "optimizer", None)
+    plan = self._dp_plan(optimizer)
+    dp = _ledger.dp_optimizer(optimizer)
+    sampler = None if dp is None else dp.step_state.sampler
     if plan.sampler is None and sampler is not None:
       plan = plan.replace(sampler=sampler)
     return plan
@@ -287,10 +284,30 @@ class _DPTrainingMixin:
       self.train_function = None
       self._forget_traced_steps()
 
+  def _dp_run_state(self, optimizer=None):
+    """The run's `tf_pxg.dp.step_state.StepState`, held by the compiled
+    `DPOptimizer` (or `optimizer`'s): its noise generator (seeded with
+    the model's test-only `seed`) and step limit are made in this model's
+    strategy scope if missing.
+
+    Raises:
+      ValueError: the model is not compiled with a DPOptimizer.
+    """
+    if optimizer is None:
+      optimizer = getattr(self, "optimizer", None)
+    dp = _ledger.dp_optimizer(optimizer)
+    if dp is None:
+      raise ValueError(
+          f"Model {self.name!r}: the noise generator and the step limit are "
+          "kept in the DPOptimizer's step state; compile the model first "
+          "(a DP model's compile wraps the optimizer).")
+    dp.step_state.start(self.distribute_strategy, self._dp_seed)
+    return dp.step_state
+
   def _dp_noise_source(self):
-    """The model's generator; the noise mechanism picks the source it draws
+    """The run's generator; the noise mechanism picks the source it draws
     from (`NoiseMechanism.noise_source`: OS keys in secure mode)."""
-    return self._dp_generator
+    return self._dp_run_state().generator
 
   def _agree_with(self, optimizer):
     """Checks, at `compile`, that the model's request and a DPOptimizer's
@@ -319,7 +336,7 @@ class _DPTrainingMixin:
           f"noise_mechanism={own.noise_mechanism!r} but its DPOptimizer has "
           f"clipping={plan.clipping!r}, noise_mechanism="
           f"{plan.noise_mechanism!r}. Set them in one place.")
-    if plan.secure_mode and getattr(self, "_dp_seed_given", False):
+    if plan.secure_mode and self._dp_seed is not None:
       raise ValueError(
           f"Model {self.name!r} was created with a noise seed, but its "
           "DPOptimizer has secure_mode=True, which cannot be "
@@ -358,7 +375,7 @@ class _DPTrainingMixin:
     from tf_pxg.dp import clipping as policies  # noqa: PLC0415
     optimizer = _unscaled(self.optimizer)
     plan = self._dp_plan(optimizer, strict=True)
-    sampler = self.__dict__.get("_dp_sampler")
+    sampler = self._dp_run_state().sampler
     step_noise = plan.step_noise(
         None if sampler is None else sampler.expected_batch_size)
     noise = plan.mechanism
@@ -447,7 +464,14 @@ class _DPTrainingMixin:
     self._forget_traced_steps()
     # The privacy ledger belongs to the model's history: a new optimizer
     # takes it over, its old open run closed (tf_pxg.keras._ledger).
-    _ledger.hand_over(getattr(self, "optimizer", None), optimizer)
+    previous = _ledger.dp_optimizer(getattr(self, "optimizer", None))
+    _ledger.hand_over(previous, optimizer)
+    # So does the run's unsaved state (a seeded noise stream goes on, never
+    # replays; the step limit and the last sampler stay).
+    if previous is not None:
+      _ledger.dp_optimizer(optimizer).step_state.take_over(
+          previous.step_state)
+    self._dp_run_state(optimizer)
     super().compile(optimizer, *args, **kwargs)
 
   def compile_from_config(self, config):
@@ -537,8 +561,10 @@ class _DPTrainingMixin:
   @property
   def step_limit(self) -> Optional[int]:
     """The step limit (an absolute `optimizer.iterations` count), or None."""
+    if _ledger.dp_optimizer(getattr(self, "optimizer", None)) is None:
+      return None  # not compiled: no run, no limit
     value = int(_train_step.step_limit_variable(self).numpy())
-    return None if value == _train_step.NO_STEP_LIMIT else value
+    return None if value == step_state.NO_STEP_LIMIT else value
 
   def set_step_limit(self, limit: Optional[int]) -> None:
     """Applies updates only while `optimizer.iterations < limit` (None: no
@@ -555,7 +581,7 @@ class _DPTrainingMixin:
       raise ValueError(f"step limit must be a non-negative integer or None; "
                        f"got {limit!r}.")
     _train_step.step_limit_variable(self).assign(
-        _train_step.NO_STEP_LIMIT if limit is None else int(limit))
+        step_state.NO_STEP_LIMIT if limit is None else int(limit))
 
   def build_accumulator(self):
     """Creates the logical-step accumulator (custom loops).
@@ -709,9 +735,8 @@ class _DPTrainingMixin:
         sampling_seed=sampling_seed, augmult=augmult, user_ids=user_ids,
         examples_per_user=examples_per_user))
     # The run's sampler (typed): `dp_plan.sampler`, whose event
-    # PrivacyCallback composes.
-    # Not tracked by Keras or tf.train.Checkpoint (not model state).
-    object.__setattr__(self, "_dp_sampler", run.sampler)
+    # PrivacyCallback composes; in the DPOptimizer's unsaved step state.
+    self._dp_run_state().sampler = run.sampler
     _ledger.begin_fit(self, run.sampler)  # before any callback reads ε
     try:
       history = super().fit(
