@@ -382,6 +382,31 @@ def test_unprotected_setting_round_trips_through_saving(tmp_path):
     _model(keras.layers.Identity(), unprotected_training_metrics="yes")
 
 
+def test_unprotected_setting_is_the_plans_and_the_ledger_records_it():
+  # One owner: the DPOptimizer's plan holds the flag whichever way it is
+  # set (model constructor, DPOptimizer, fit), and the run that logged
+  # un-noised values is marked in the privacy ledger's summary.
+  x, y = _data(32)
+  model = _model(keras.layers.Identity())
+  model.compile(dpk.DPSGD(1.0, 0.5, unprotected_training_metrics=True),
+                _sce())
+  assert model.dp_plan.unprotected_training_metrics
+  model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+            unprotected_training_metrics=False)
+  assert not model.optimizer.plan.unprotected_training_metrics
+  hist = model.history.history
+  assert not any(k.startswith("unprotected_") for k in hist), hist
+  runs = model.privacy_ledger.runs(int(model.optimizer.iterations))
+  assert [r["settings"].get("unprotected_training_metrics") for r in runs] \
+      == ["logged, not covered by ε", None]
+  assert "not covered by ε" in model.privacy_summary()
+  own = _model(keras.layers.Identity(), unprotected_training_metrics=True)
+  own.compile(keras.optimizers.SGD(0.1), _sce())
+  assert own.optimizer.plan.unprotected_training_metrics
+  assert own.optimizer.get_config()["unprotected_training_metrics"]
+
+
 # The noisy, accounted training loss -------------------------------------------
 
 

@@ -479,6 +479,30 @@ def test_tf_pxg_uses_the_new_names_and_does_not_warn():
   assert not used, used
 
 
+def test_keras_saving_a_dp_model_does_not_warn(tmp_path):
+  """Keras' saving reads every attribute of a model and its optimizer,
+  deprecated aliases (`num_bands`) included: that walk is not the user's
+  use of an old name, so saving and loading warn nothing."""
+  import keras  # noqa: PLC0415
+  import tf_pxg.keras as dpk  # noqa: PLC0415
+  model = dpk.DPSequential([keras.Input((3,)), keras.layers.Dense(2)],
+                           l2_norm_clip=1.0, noise_multiplier=1.0,
+                           noise_mechanism=mf.BandedToeplitz(2))
+  model.compile("sgd", "mse")
+  path = str(tmp_path / "m.keras")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+  ours = [str(w.message) for w in caught
+          if issubclass(w.category, DeprecationWarning) and
+          "is deprecated; use" in str(w.message)]
+  assert not ours, ours
+  assert loaded.min_separation == 2
+  with pytest.warns(DeprecationWarning, match="num_bands"):
+    assert loaded.num_bands == 2  # the user's read still warns
+
+
 # Samplers are built from a frozen config ----------------------------------
 
 

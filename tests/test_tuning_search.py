@@ -52,7 +52,7 @@ def files_in(dirs):
   return sorted(str(p) for d in dirs for p in d.rglob("*"))
 
 
-def _trainer(log=None, **model_kwargs):
+def _trainer(log=None, fit_kwargs=None, **model_kwargs):
   """The user's training function: a DP model with NoisyLoss, string loss,
   numpy arrays. `log` collects weakrefs of every model it trains."""
 
@@ -65,7 +65,7 @@ def _trainer(log=None, **model_kwargs):
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
     model.fit(X, Y, batch_size=config["batch_size"], epochs=config["epochs"],
-              verbose=0)
+              verbose=0, **(fit_kwargs or {}))
     if log is not None:
       log.append(weakref.ref(model))
     return model
@@ -171,6 +171,21 @@ def test_a_run_releasing_more_than_planned_stops_the_search():
 
   with pytest.raises(tuning.SearchError, match="more than its planned"):
     _search(cheating, seed=2).run()
+  gc.collect()
+  assert [r for r in log if r() is not None] == []
+
+
+@pytest.mark.parametrize("where", ["model", "fit"])
+def test_a_run_logging_unprotected_metrics_stops_the_search(where):
+  # The winner's model carries its History: un-noised metrics of the
+  # private batches there would leave the search outside every ε.
+  log = []
+  if where == "model":
+    train = _trainer(log, unprotected_training_metrics=True)
+  else:
+    train = _trainer(log, fit_kwargs=dict(unprotected_training_metrics=True))
+  with pytest.raises(tuning.SearchError, match="unprotected_training_metrics"):
+    _search(train, seed=2).run()
   gc.collect()
   assert [r for r in log if r() is not None] == []
 

@@ -8,7 +8,8 @@ old keyword to the new one and `alias` makes an old attribute read the new
 one, both with a `DeprecationWarning` that names the new name.
 
 Who is warned: the caller of the old name, when it is not a `tf_pxg`
-module. tf_pxg's own modules use the new names (tests/test_parts_names.py
+module, nor Keras or TensorFlow walking every attribute (Keras' saving
+reads each attribute of a model or optimizer). tf_pxg's own modules use the new names (tests/test_parts_names.py
 checks the ones that moved); a module of the package that still forwards
 an old name while it moves (e.g. the CLI's deprecated `--num_bands` flag)
 must not make a user's `fit` or command print a warning that the user
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 __all__ = ["NOT_GIVEN", "alias", "argument", "warn"]
 
@@ -51,7 +53,21 @@ def _caller_is_user(depth: int) -> bool:
     return True
   # By file, not module name: `python -m tf_pxg.cli` runs as __main__.
   path = os.path.abspath(frame.f_code.co_filename)
-  return not path.startswith(_PACKAGE_DIR)
+  return not path.startswith(_PACKAGE_DIR) and not any(
+      path.startswith(d) for d in _framework_dirs())
+
+
+def _framework_dirs() -> Tuple[str, ...]:
+  """The directories of the frameworks whose attribute walks read every
+  attribute of an object (Keras' saving, TensorFlow's tracking): such a
+  read is not the user's use of an old name, so it does not warn."""
+  dirs = []
+  for name in ("keras", "tensorflow", "tf_keras"):
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if path:
+      dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+  return tuple(dirs)
 
 
 def warn(old: str, new: str, where: str, depth: int = 2) -> None:

@@ -175,11 +175,15 @@ class DPPlan:
       resolved to its class; module docstring).
     sampler: the run's `tf_pxg.data.samplers.Sampler` instance, or None
       (the owner's plan; `model.dp_plan` holds the one `fit` built).
-    accountant: "rdp" or "pld" (`PrivacyCallback`'s, unless it is given
-      one).
+    accountant: "rdp" or "pld" (the one `PrivacyCallback` reads).
     noisy_loss: a `tf_pxg.keras.NoisyLoss` (the logged training loss, a
       side release), or None.
     side_releases: more `tf_pxg.dp.releases.SideRelease`s (a tuple).
+    unprotected_training_metrics: the step also logs the compiled loss
+      and metrics of the private batch, un-noised and NOT covered by ε
+      (`unprotected_<name>` keys; an opt-in for debugging). It changes
+      what a run releases, so it is part of the plan and the privacy
+      ledger records it in the run's settings.
 
   Raises:
     ValueError: an unknown accountant or sampling (an instance included),
@@ -197,6 +201,7 @@ class DPPlan:
   accountant: str = "rdp"
   noisy_loss: Any = None
   side_releases: tuple = ()
+  unprotected_training_metrics: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "clipping",
@@ -309,7 +314,8 @@ class DPPlan:
   def validated(cls, where: str, l2_norm_clip, noise_multiplier, *,
                 required: bool, clipping=None, noise_mechanism=None,
                 secure_mode=False, sampling=None, accountant: str = "rdp",
-                noisy_loss=None, side_releases=()) -> "DPPlan":
+                noisy_loss=None, side_releases=(),
+                unprotected_training_metrics=False) -> "DPPlan":
     """The one validation of DP settings as users give them, naming
     `where` (a `DPOptimizer`, a DP model's request, `make_private`).
 
@@ -321,16 +327,20 @@ class DPPlan:
       TypeError/ValueError: a clip that is not > 0, a σ not finite and
         >= 0, one of the pair missing, a policy that needs a finite clip,
         an unknown mechanism, policy, sampling or accountant, a non-bool
-        `secure_mode`, side releases that are not releases.
+        `secure_mode` or `unprotected_training_metrics`, side releases
+        that are not releases.
     """
     if required:
       clip = _validate_l2_norm_clip(l2_norm_clip)
       noise = _validate_noise_multiplier(noise_multiplier)
     else:
       clip, noise = _validate_dp_params(l2_norm_clip, noise_multiplier, where)
-    if not isinstance(secure_mode, bool):
-      raise TypeError(f"{where}: secure_mode must be True or False; got "
-                      f"{secure_mode!r}.")
+    for name, flag in (("secure_mode", secure_mode),
+                       ("unprotected_training_metrics",
+                        unprotected_training_metrics)):
+      if not isinstance(flag, bool):
+        raise TypeError(f"{where}: {name} must be True or False; got "
+                        f"{flag!r}.")
     clipping, noise_mechanism = _validate_mechanism(
         clip, noise, clipping, noise_mechanism, where)
     sampling = samplers.choice(sampling, where)
@@ -341,7 +351,8 @@ class DPPlan:
       return cls(clip, noise, clipping, noise_mechanism, secure_mode,
                  sampling=sampling, accountant=accountant,
                  noisy_loss=noisy_loss,
-                 side_releases=tuple(side_releases or ()))
+                 side_releases=tuple(side_releases or ()),
+                 unprotected_training_metrics=unprotected_training_metrics)
     except TypeError as e:
       raise TypeError(f"{where}: {e}") from None
 

@@ -75,6 +75,10 @@ def run_for(plan, sampler) -> ledger_lib.Run:
       "mechanism": repr(mechanism),
       "l2_norm_clip": plan.l2_norm_clip,
   }
+  if plan.unprotected_training_metrics:
+    # Logged un-noised on every private batch: outside every ε (the key is
+    # only there when on, so older ledgers' runs keep their keys).
+    settings["unprotected_training_metrics"] = "logged, not covered by ε"
   return ledger_lib.Run(event_fn, settings, stateful=mechanism.stateful)
 
 

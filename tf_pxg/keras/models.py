@@ -186,7 +186,8 @@ class _DPTrainingMixin:
         where, l2_norm_clip, noise_multiplier, required=False,
         clipping=clipping, noise_mechanism=noise_mechanism,
         secure_mode=secure_mode, sampling=sampling, noisy_loss=noisy_loss,
-        side_releases=side_releases)
+        side_releases=side_releases,
+        unprotected_training_metrics=unprotected_training_metrics)
     _check_seed(request.secure_mode, seed, where)
     super().__init__(*args, **kwargs)
     self._dp_request = request
@@ -194,9 +195,6 @@ class _DPTrainingMixin:
     # DPOptimizer's `step_state` holds (made at `compile`, `_dp_run_state`):
     # never saved, so a reloaded or resumed model draws fresh noise.
     self._dp_seed = seed
-    self._dp_unprotected_metrics = _check_bool(
-        unprotected_training_metrics, "unprotected_training_metrics",
-        type(self).__name__)
 
   # Settings -----------------------------------------------------------------
 
@@ -269,18 +267,21 @@ class _DPTrainingMixin:
 
   @property
   def unprotected_training_metrics(self) -> bool:
-    """Whether training logs hold un-noised values of the private batch."""
-    return bool(getattr(self, "_dp_unprotected_metrics", False))
+    """Whether training logs hold un-noised values of the private batch
+    (the plan's `unprotected_training_metrics`)."""
+    return bool(self.dp_plan.unprotected_training_metrics)
 
   def _set_unprotected_metrics(self, value: Optional[bool]) -> None:
-    """`fit`'s override (None: keep); retraces the train function on a
+    """`fit`'s override (None: keep), written into the DPOptimizer's plan
+    (the ledger's next run records it); retraces the train function on a
     change (the flag is read when the step is traced)."""
     if value is None:
       return
     value = _check_bool(value, "unprotected_training_metrics",
                         f"Model {self.name!r}.fit")
-    if value != self.unprotected_training_metrics:
-      self._dp_unprotected_metrics = value
+    dp = _ledger.dp_optimizer(getattr(self, "optimizer", None))
+    if dp is not None and value != dp.plan.unprotected_training_metrics:
+      dp._set_unprotected_metrics(value)  # pylint: disable=protected-access
       self.train_function = None
       self._forget_traced_steps()
 
@@ -362,6 +363,9 @@ class _DPTrainingMixin:
       optimizer._require_releases(own.noisy_loss, own.side_releases)
     if own.secure_mode and not plan.secure_mode:
       optimizer._require_secure_mode()
+    if (own.unprotected_training_metrics and
+        not plan.unprotected_training_metrics):
+      optimizer._set_unprotected_metrics(True)
     if own.sampling is not None and plan.sampling is None:
       optimizer._require_sampling(own.sampling)
     # pylint: enable=protected-access
@@ -448,7 +452,8 @@ class _DPTrainingMixin:
           clipping=request.clipping, sampling=request.sampling,
           noise_mechanism=request.noise_mechanism,
           noisy_loss=request.noisy_loss,
-          side_releases=request.side_releases)
+          side_releases=request.side_releases,
+          unprotected_training_metrics=request.unprotected_training_metrics)
       if scaled is not None:
         optimizer = keras.optimizers.LossScaleOptimizer(
             optimizer, initial_scale=scaled.initial_scale,
@@ -812,7 +817,7 @@ class _DPTrainingMixin:
     config["l2_norm_clip"] = request.l2_norm_clip
     config["noise_multiplier"] = request.noise_multiplier
     config["secure_mode"] = self.secure_mode
-    if self.unprotected_training_metrics:
+    if request.unprotected_training_metrics:
       config["unprotected_training_metrics"] = True
     if request.noisy_loss is not None:
       config["noisy_loss"] = request.noisy_loss.get_config()
@@ -850,9 +855,8 @@ class _DPTrainingMixin:
         noise_mechanism=_dp_state.deserialize_mechanism(
             config.pop("noise_mechanism", None)),
         secure_mode=secure_mode, sampling=sampling, noisy_loss=noisy_loss,
-        side_releases=side_releases)
+        side_releases=side_releases, unprotected_training_metrics=unprotected)
     model = super().from_config(config, custom_objects=custom_objects)
-    model._dp_unprotected_metrics = unprotected
     model._dp_request = request
     return model
 

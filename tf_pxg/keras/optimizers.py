@@ -20,6 +20,8 @@ silently give no privacy.
 
 from __future__ import annotations
 
+import inspect
+
 import keras
 
 from tf_pxg import _compat
@@ -76,10 +78,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
       logged under its name; its state, like the adaptive clip, is held
       here and saved). Saved in the config (register the class with
       `keras.saving.register_keras_serializable`).
-    accountant: "rdp" (default) or "pld": what `PrivacyCallback` computes
-      ε with unless it is given its own `accountant=` (the callback's
-      wins; either is an upper bound for the same event). Saved in the
-      config.
+    unprotected_training_metrics: also log the compiled loss and metrics
+      of each private batch, un-noised and not covered by ε, under
+      `unprotected_<name>` keys (default False; a debugging opt-in that a
+      model's constructor or `fit(unprotected_training_metrics=...)` may
+      also set here). The privacy ledger records it in the run's
+      settings. Saved in the config.
+    accountant: "rdp" (default) or "pld": what `PrivacyCallback` and
+      `model.epsilon()` compute ε with (the callback reads it here; it
+      has no accountant of its own). Saved in the config.
     name: optimizer name.
 
   Raises:
@@ -99,7 +106,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, l2_norm_clip, noise_multiplier,
                name=None, secure_mode=False, clipping=None,
                noise_mechanism=None, sampling=None, accountant="rdp",
-               noisy_loss=None, side_releases=(), **kwargs):
+               noisy_loss=None, side_releases=(),
+               unprotected_training_metrics=False, **kwargs):
     if kwargs:
       raise ValueError(
           f"DPOptimizer does not take `{'`, `'.join(kwargs)}`; set them on "
@@ -114,7 +122,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "DPOptimizer", l2_norm_clip, noise_multiplier, required=True,
         clipping=clipping, noise_mechanism=noise_mechanism,
         secure_mode=secure_mode, sampling=sampling, accountant=accountant,
-        noisy_loss=noisy_loss, side_releases=side_releases)
+        noisy_loss=noisy_loss, side_releases=side_releases,
+        unprotected_training_metrics=unprotected_training_metrics)
     plan.check_budget()
     super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
     self.inner_optimizer = inner_optimizer
@@ -177,6 +186,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self._plan = self._plan.replace(
         noisy_loss=self._plan.noisy_loss or noisy_loss,
         side_releases=self._plan.side_releases or tuple(side_releases))
+
+  def _set_unprotected_metrics(self, value: bool) -> None:
+    """Turns the unprotected training metrics on or off (a model created
+    with `unprotected_training_metrics=True` at `compile`, or
+    `fit(unprotected_training_metrics=...)`); the ledger's next run
+    records it."""
+    self._plan = self._plan.replace(unprotected_training_metrics=value)
 
   def _require_sampling(self, sampling) -> None:
     """Takes the sampling choice of a model created with `sampling=` (at
@@ -280,6 +296,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
                        self._plan.noisy_loss.get_config()),
         "side_releases": [keras.saving.serialize_keras_object(r)
                           for r in self._plan.side_releases],
+        "unprotected_training_metrics":
+            self._plan.unprotected_training_metrics,
     }
 
   @classmethod
@@ -319,8 +337,12 @@ def dp_optimizer_of(optimizer):
 
 #: The `DPOptimizer` arguments `DPSGD` and `DPAdam` take besides the clip
 #: and sigma (the rest go to the inner optimizer).
-_DP_ARGS = ("secure_mode", "clipping", "noise_mechanism", "sampling",
-            "accountant", "noisy_loss", "side_releases")
+# The DPOptimizer's own keyword arguments (its signature is the one list;
+# `name` and the rest go to the inner optimizer).
+_DP_ARGS = tuple(
+    p for p in inspect.signature(DPOptimizer.__init__).parameters
+    if p not in ("self", "inner_optimizer", "l2_norm_clip",
+                 "noise_multiplier", "name", "kwargs"))
 
 
 def _wrapping(inner_class, l2_norm_clip, noise_multiplier,
@@ -334,8 +356,8 @@ def DPSGD(l2_norm_clip: float, noise_multiplier: float,
           **kwargs) -> DPOptimizer:  # noqa: N802  (optimizer-class style)
   """DP-SGD: `DPOptimizer(keras.optimizers.SGD(**sgd_kwargs), ...)`; the
   `DPOptimizer` arguments (`secure_mode`, `clipping`, `noise_mechanism`,
-  `sampling`, `accountant`, `noisy_loss`, `side_releases`) go to it, the
-  rest to `SGD`."""
+  `sampling`, `accountant`, `noisy_loss`, `side_releases`,
+  `unprotected_training_metrics`) go to it, the rest to `SGD`."""
   return _wrapping(keras.optimizers.SGD, l2_norm_clip, noise_multiplier,
                    kwargs)
 

@@ -341,16 +341,15 @@ def plan_runs(candidates: Sequence[Config], run_event: RunEventFn,
 
 def _dp_optimizer(model):
   """The model's DPOptimizer (inside a LossScaleOptimizer), else None."""
-  import keras  # noqa: PLC0415
-  optimizer = getattr(model, "optimizer", None)
-  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-    optimizer = optimizer.inner_optimizer
-  return optimizer if hasattr(optimizer, "step_count") else None
+  from tf_pxg.keras.optimizers import dp_optimizer_of  # noqa: PLC0415
+  return dp_optimizer_of(getattr(model, "optimizer", None))
 
 
 def check_released(model, plan: RunPlan) -> None:
   """Raises SearchError unless `model`'s privacy ledger released at most
-  `plan.event` (RDP at every order)."""
+  `plan.event` (RDP at every order) and its plan logged no un-noised
+  training metrics (`unprotected_training_metrics`: outside every ε, and
+  the winner's `history` holds them)."""
   ledger = getattr(model, "privacy_ledger", None)
   optimizer = _dp_optimizer(model)
   if ledger is None or optimizer is None:
@@ -358,6 +357,13 @@ def check_released(model, plan: RunPlan) -> None:
         "a run's train_fn returned a model without a privacy ledger: it must "
         "return the tf_pxg DP model it trained (DPSequential, DPModel, "
         "make_private(...)), compiled and fitted.")
+  if optimizer.plan.unprotected_training_metrics:
+    raise SearchError(
+        f"a run of candidate {plan.config} logged un-noised training "
+        "metrics (unprotected_training_metrics=True), which no ε covers; the "
+        "search would release them with the winner's model. Train without "
+        "unprotected_training_metrics (score runs with NoisyTrainingLoss or "
+        "PrivateValidation).")
   released = ledger.event(optimizer.step_count())
   if released is None or not accounting.dominates(plan.event, released):
     raise SearchError(
