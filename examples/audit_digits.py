@@ -251,16 +251,22 @@ def run(break_mode="none", target_epsilon=8.0, delta=1e-5,
   model.compile(optimizer=optimizer,
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True), metrics=["accuracy"])
-  privacy = dpk.PrivacyCallback(num_examples=n, batch_size=batch_size,
-                                noise_multiplier=sigma, delta=delta,
-                                target_epsilon=target_epsilon,
-                                accountant=accountant)
+  # The claim is accounted apart from the model: a PrivacyCallback attached
+  # to it reads its DP plan, i.e. the noise the run adds (with --break, not
+  # the claimed σ, and it refuses another). Unattached, given σ, it
+  # accounts the configured mechanism (Poisson at rate B / N), and its
+  # budget becomes the model's step limit.
+  claim = dpk.PrivacyCallback(num_examples=n, batch_size=batch_size,
+                              noise_multiplier=sigma, delta=delta,
+                              target_epsilon=target_epsilon,
+                              accountant=accountant)
+  model.set_step_limit(claim.max_steps())
   model.fit(x_all, y_all, batch_size=batch_size, epochs=epochs,
-            callbacks=[privacy, callback], verbose=0)
+            callbacks=[callback], verbose=0)
   train_seconds = time.time() - start
   auditor = callback.auditor
   _, accuracy = model.evaluate(x_test, y_test, verbose=0)
-  claimed = privacy.epsilon()
+  claimed = claim.epsilon(int(model.optimizer.iterations.numpy()))
   eps_bound, fdp_bound = bounds(auditor, significance, delta, gradient,
                                 fraction)
   event = accounting.dp_event(n, batch_size, sigma, epochs=epochs)

@@ -10,7 +10,7 @@ tf_pxg's accounting.
 """
 
 import math
-import os
+import re
 
 import dp_accounting
 import keras
@@ -256,18 +256,47 @@ def test_fits_with_other_samplings_compose():
   assert len(model.privacy_ledger.runs(_steps(model))) == 3
 
 
-def test_callback_given_the_plans_sigma_still_reads_the_ledger():
-  # A callback told σ explicitly (TF Privacy's habit) reports the whole
-  # history when σ is the model's; only another σ (a custom loop's
-  # account) falls back to the single run it describes.
+def test_callback_given_the_plans_sigma_warns_and_reads_the_ledger():
+  # A callback told σ explicitly (TF Privacy's habit) with the model's own
+  # σ: redundant (a DeprecationWarning), and it reports the whole history.
   model = _model()
   _fit(model, 16)
   x, y = _data()
   same = dpk.PrivacyCallback(N, 4, noise_multiplier=1.0, delta=DELTA)
-  model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[same])
+  with pytest.warns(DeprecationWarning, match="noise_multiplier=1.0 .*"
+                    "redundant"):
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[same])
   assert same.epsilon() == pytest.approx(
       _rdp(_poisson(16 / N, 1.0, 4), _poisson(4 / N, 1.0, 16)), rel=1e-9)
-  other = dpk.PrivacyCallback(N, 4, noise_multiplier=2.0, delta=DELTA)
-  other.set_model(model)
-  assert other.epsilon() == pytest.approx(
-      _rdp(_poisson(4 / N, 2.0, _steps(model))), rel=1e-9)
+
+
+@pytest.mark.parametrize("given, named, planned", [
+    ({"noise_multiplier": 2.0}, "noise_multiplier=2.0", "noise_multiplier=1.0"),
+    ({"accountant": "pld"}, "accountant='pld'", "accountant='rdp'"),
+    ({"min_separation": 2}, "min_separation=2", "min_separation=1"),
+])
+def test_callback_with_other_settings_than_the_plan_raises_before_a_step(
+    given, named, planned):
+  # Attack: a callback given its own σ (or accountant, or b) would report
+  # an ε for noise the model does not add. The model's DPOptimizer plan
+  # (DP-SGD, σ = 1, RDP, b = 1) is the one owner: the callback refuses,
+  # naming the argument and both values, before any step.
+  model = _model()
+  _fit(model, 16)
+  x, y = _data()
+  steps, epsilon = _steps(model), model.epsilon(DELTA)
+  weights = [v.numpy() for v in model.trainable_variables]
+  cb = dpk.PrivacyCallback(N, 8, delta=DELTA, target_epsilon=10.0, **given)
+  cb.set_model(model)
+  for read in (cb.epsilon, cb.max_steps):
+    with pytest.raises(ValueError, match=re.escape(named)) as raised:
+      read()
+    assert planned in str(raised.value)
+    assert "has no settings of its own" in str(raised.value)
+  with pytest.raises(ValueError, match=re.escape(named)):
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        dpk.PrivacyCallback(N, 8, delta=DELTA, **given)])
+  assert _steps(model) == steps
+  assert model.epsilon(DELTA) == epsilon
+  for v, w in zip(model.trainable_variables, weights):
+    np.testing.assert_array_equal(v.numpy(), w)

@@ -12,6 +12,16 @@ from tf_pxg import _renamed
 from tf_pxg import accounting
 
 
+# Where a DP model's value of each argument is set (the error's hint).
+_WHERE_SET = {
+    "noise_multiplier": "DPSGD(..., noise_multiplier={!r}), or the model's "
+                        "noise_multiplier=",
+    "min_separation": "noise_mechanism=tf_pxg.mf.BandedToeplitz({!r})",
+    "accountant": "DPOptimizer(..., accountant={0!r}) or DPSGD(..., "
+                  "accountant={0!r})",
+}
+
+
 def _held_out_hint(counted: int, sampled: int) -> str:
   """The mismatch error's hint when the callback counts more examples than
   fit samples from: rows held out for validation."""
@@ -73,30 +83,30 @@ class PrivacyCallback(keras.callbacks.Callback):
       `batch_size / U`. The ε is then user-level (it bounds what training
       reveals about all of one user's examples together) and is logged
       under the key `epsilon_user_level` instead of `epsilon`.
-    noise_multiplier: deprecated for a tf_pxg DP model: the callback reads
-      the model's DP plan (`model.dp_plan`, its DPOptimizer's), the one
-      place σ lives, and its privacy ledger. Give it only for a model
-      without a plan (a custom loop over a plain Keras model); given for a
-      DP model it warns (`DeprecationWarning`), and a value other than the
-      plan's accounts only the single run it describes.
+    noise_multiplier: only for a model without a DP plan (a custom loop
+      over a plain Keras model), where it is the one source of σ. A
+      tf_pxg DP model's σ is its plan's (`model.dp_plan`, owned by its
+      `DPOptimizer`): the callback accounts the noise that plan adds and
+      has no settings of its own. Given for a DP model it must equal the
+      plan's (then it is redundant: a `DeprecationWarning`, it will be
+      removed); another value raises (set it on the model or the
+      optimizer, `DPSGD(..., noise_multiplier=...)`).
     delta: the δ of (ε, δ)-DP.
     target_epsilon: optional budget; training stops before exceeding it.
-    accountant: "rdp" or "pld"; default (None): the model's plan's
-      (`DPOptimizer(accountant=...)`, `model.dp_plan.accountant`; "rdp"
-      unless set there). Given here, it wins over the plan's: the plan
-      fixes the event (sampler, mechanism, σ, steps), and RDP and PLD each
-      give an upper bound on the ε of that same event, so choosing either
-      here claims nothing the run does not satisfy (`accountant` shows
-      the one in use).
+    accountant: "rdp" or "pld". For a DP model, its plan's
+      (`DPOptimizer(accountant=...)`, `model.dp_plan.accountant`); given
+      here it must equal it, like `noise_multiplier`. Without a plan,
+      this one (default "rdp").
     min_separation: b of the participation the noise mechanism's ε needs
-      (BandMF's bands, `tf_pxg.mf.BandedToeplitz`); default and, for a DP
-      model, deprecated like `noise_multiplier`: the plan's (1 for
-      DP-SGD). With b > 1, `fit` samples cyclically (b groups, step i from
-      group i mod b, rate `B b / N`) and ε is that of `ceil(T / b)`
+      (BandMF's bands, `tf_pxg.mf.BandedToeplitz`). For a DP model, its
+      plan's (1 for DP-SGD; set with
+      `noise_mechanism=tf_pxg.mf.BandedToeplitz(b)`); given here it must
+      equal it, like `noise_multiplier`. Without a plan, this one
+      (default 1). With b > 1, `fit` samples cyclically (b groups, step i
+      from group i mod b, rate `B b / N`) and ε is that of `ceil(T / b)`
       compositions of the Poisson-subsampled Gaussian at that rate
       (`tf_pxg.accounting.compute_epsilon(..., min_separation=b)`).
       `num_bands` is its deprecated name.
-
     allow_shuffled: the ε above assumes Poisson sampling, the default data
       path of a DP model's `fit`. If `fit` is called with
       `sampling="shuffled"` (fixed batches), the callback raises at
@@ -106,11 +116,15 @@ class PrivacyCallback(keras.callbacks.Callback):
       such batches can be much less private), and warns once.
 
   Raises:
-    ValueError: at `on_train_begin` when even the next step would exceed
-      `target_epsilon` (training would otherwise take one step over budget),
-      when no noise multiplier is known, when `fit` trains on shuffled
-      batches and `allow_shuffled` is False, or when `fit` samples with a
-      rate other than `batch_size / num_examples`.
+    ValueError: when `noise_multiplier`, `min_separation` or `accountant`
+      is given and differs from the DP model's plan (at the first read of
+      the plan: `on_train_begin`, before any step, or `epsilon()` /
+      `max_steps()` after `set_model`); at `on_train_begin` when even the
+      next step would exceed `target_epsilon` (training would otherwise
+      take one step over budget), when no noise multiplier is known
+      (neither a plan's nor the callback's), when `fit` trains on
+      shuffled batches and `allow_shuffled` is False, or when `fit`
+      samples with a rate other than `batch_size / num_examples`.
   """
 
   def __init__(self, num_examples: Optional[int] = None,
@@ -147,14 +161,18 @@ class PrivacyCallback(keras.callbacks.Callback):
     self.batch_size = batch_size
     self.delta = delta
     self.target_epsilon = target_epsilon
-    self._accountant = accountant
     self.allow_shuffled = allow_shuffled
     self._log_key = self._base_key()
-    # Deprecated overrides of the plan's values (the Args above), read only
-    # for a model without a plan or when they differ from it.
+    # The values given, by argument name and plan attribute: the only
+    # source without a plan; with one, checked against it (`_plan`).
     self._noise_multiplier = noise_multiplier
     self._min_separation = min_separation
-    self._warned_override = False
+    self._accountant = accountant
+    self._given = [(name, value, attribute) for name, value, attribute in (
+        ("noise_multiplier", noise_multiplier, "noise_multiplier"),
+        (self._separation_arg, min_separation, "min_separation"),
+        ("accountant", accountant, "accountant")) if value is not None]
+    self._warned_redundant = False
     self._max_steps_cache = {}
     # Validate the accounting arguments now rather than after an epoch.
     accounting.compute_epsilon(num_examples, batch_size,
@@ -165,39 +183,26 @@ class PrivacyCallback(keras.callbacks.Callback):
 
   @property
   def min_separation(self) -> int:
-    """b of the noise mechanism: the plan's (the deprecated override if
-    given; 1: DP-SGD)."""
-    if self._min_separation is not None:
-      return int(self._min_separation)
+    """b of the noise mechanism: the plan's, else the one given (1:
+    DP-SGD)."""
     plan = self._plan()
-    return 1 if plan is None else int(plan.min_separation)
+    if plan is not None:
+      return int(plan.min_separation)
+    return 1 if self._min_separation is None else int(self._min_separation)
 
   num_bands = _renamed.alias("num_bands", "min_separation")
 
-  def _warn_overrides(self) -> None:
-    """Warns once if σ or b were given for a model with a DP plan."""
-    if self._warned_override or self._plan() is None or (
-        self._noise_multiplier is None and self._min_separation is None):
-      return
-    self._warned_override = True
-    warnings.warn(
-        "PrivacyCallback: noise_multiplier= and min_separation= (num_bands=) "
-        "are deprecated for a tf_pxg DP model: the callback reads its DP "
-        "plan (model.dp_plan) and privacy ledger, the one place σ and b "
-        "live. Drop them; a value other than the plan's accounts only the "
-        "single run it describes.", DeprecationWarning, stacklevel=3)
-
   @property
   def noise_multiplier(self) -> float:
-    if self._noise_multiplier is not None:
-      return float(self._noise_multiplier)
+    """σ: the plan's, else the one given."""
     plan = self._plan()
-    value = None if plan is None else plan.noise_multiplier
+    value = self._noise_multiplier if plan is None else plan.noise_multiplier
     if value is None:
       raise ValueError(
-          "PrivacyCallback: the model has no `noise_multiplier` (it is not a "
-          "tf_pxg DP model, or it has no DP settings); pass "
-          "`noise_multiplier=` to the callback.")
+          "PrivacyCallback: no noise_multiplier: the model is not a tf_pxg "
+          "DP model (then pass `noise_multiplier=` to the callback) or has "
+          "no DP settings yet (give them to the model or compile it with a "
+          "tf_pxg.keras.DPOptimizer).")
     return float(value)
 
   def steps(self) -> int:
@@ -209,7 +214,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     BandMF's for the given `min_separation`."""
     from tf_pxg.dp import mechanisms  # noqa: PLC0415
     plan = self._plan()
-    if plan is not None and plan.min_separation == self.min_separation:
+    if plan is not None:
       return plan.mechanism
     if self.min_separation == 1:
       return mechanisms.IndependentGaussian()
@@ -217,28 +222,37 @@ class PrivacyCallback(keras.callbacks.Callback):
     return mechanisms.BandMF(mf.BandedToeplitz(self.min_separation))
 
   def _plan(self):
-    """The model's `DPPlan` (None: not a tf_pxg DP model, or no model)."""
+    """The model's `DPPlan` (None: not a tf_pxg DP model, or no model),
+    after checking the values given to the callback against it: equal,
+    they are redundant (warned once); different, they raise."""
     from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
     plan = getattr(getattr(self, "model", None), "dp_plan", None)
-    return plan if isinstance(plan, dp_plan.DPPlan) else None
+    if not isinstance(plan, dp_plan.DPPlan):
+      return None
+    for name, value, attribute in self._given:
+      planned = getattr(plan, attribute)
+      if value != planned:
+        raise ValueError(
+            f"PrivacyCallback: {name}={value!r} differs from the model's DP "
+            f"plan, {attribute}={planned!r}. The callback accounts the noise "
+            "the model's DPOptimizer plan adds and has no settings of its "
+            f"own: drop `{name}=` from the callback, or set it on the model "
+            f"or its DPOptimizer ({_WHERE_SET[attribute].format(value)}).")
+    if self._given and not self._warned_redundant:
+      self._warned_redundant = True
+      given = ", ".join(f"{name}={value!r}" for name, value, _ in self._given)
+      warnings.warn(
+          f"PrivacyCallback: {given} equal the model's DP plan "
+          "(model.dp_plan), which the callback reads: the arguments are "
+          "redundant and will be removed; drop them.", DeprecationWarning,
+          stacklevel=3)
+    return plan
 
   def _ledger(self):
-    """The model's privacy ledger (None: not a compiled tf_pxg DP model),
-    unless this callback is given a σ or a band count other than the
-    model's plan (then it accounts the single run it was told about, as a
-    custom loop's callback does); given the plan's own values, the ledger
-    is read as without them."""
-    model = getattr(self, "model", None)
-    ledger = getattr(model, "privacy_ledger", None)
-    plan = getattr(model, "dp_plan", None)
-    if ledger is None or plan is None:
+    """The model's privacy ledger (None: not a compiled tf_pxg DP model)."""
+    if self._plan() is None:
       return None
-    if self._noise_multiplier is not None and (
-        float(self._noise_multiplier) != plan.noise_multiplier):
-      return None
-    if self.min_separation != plan.min_separation:
-      return None
-    return ledger
+    return getattr(self.model, "privacy_ledger", None)
 
   def _sampler(self):
     """The plan's `tf_pxg.data.samplers.Sampler` (the model's last `fit`'s
@@ -248,11 +262,12 @@ class PrivacyCallback(keras.callbacks.Callback):
 
   @property
   def accountant(self) -> str:
-    """The accountant, "rdp" or "pld": the one given, else the plan's."""
-    if self._accountant is not None:
-      return self._accountant
+    """The accountant, "rdp" or "pld": the plan's, else the one given
+    (default "rdp")."""
     plan = self._plan()
-    return "rdp" if plan is None else plan.accountant
+    if plan is not None:
+      return plan.accountant
+    return self._accountant or "rdp"
 
   def epsilon(self, steps: Optional[int] = None) -> float:
     """ε after `steps` steps (default: the steps taken so far): the
@@ -345,16 +360,6 @@ class PrivacyCallback(keras.callbacks.Callback):
           f"{self.batch_size}/{self.num_examples}, not a guarantee for "
           "these batches.", stacklevel=2)
     elif sampler is not None:
-      groups = sampler.min_separation
-      if groups != self.min_separation:
-        plan = self._plan()
-        raise ValueError(
-            f"PrivacyCallback: accounts for {self._separation_arg}="
-            f"{self.min_separation}, but fit sampled with {groups} cyclic "
-            f"group(s) (the model's plan has min_separation="
-            f"{1 if plan is None else plan.min_separation}). BandMF's ε "
-            "needs b groups for b bands: leave min_separation unset (the "
-            "plan's).")
       rate = self.batch_size * self.min_separation / self.num_examples
       if not math.isclose(rate, sampler.sampling_rate, rel_tol=1e-9):
         raise ValueError(
@@ -368,7 +373,6 @@ class PrivacyCallback(keras.callbacks.Callback):
             + _held_out_hint(self.num_examples, sampler.num_examples))
 
   def on_train_begin(self, logs=None):
-    self._warn_overrides()
     self.noise_multiplier  # noqa: B018  (raises now, not after an epoch)
     self._check_sampling()
     if self._next_step_over_budget():
