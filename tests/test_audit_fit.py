@@ -38,17 +38,21 @@ def _audit(noise_factor, seed=0):
   model.compile(optimizer=keras.optimizers.Adam(1e-2),
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True))
-  privacy = dpk.PrivacyCallback(num_examples=n, batch_size=BATCH,
-                                noise_multiplier=sigma, delta=DELTA,
-                                target_epsilon=CLAIM)
+  # The claim (σ) is accounted apart from the model, whose plan has the
+  # broken noise: an unattached PrivacyCallback, whose budget becomes the
+  # model's step limit.
+  claim = dpk.PrivacyCallback(num_examples=n, batch_size=BATCH,
+                              noise_multiplier=sigma, delta=DELTA,
+                              target_epsilon=CLAIM)
+  model.set_step_limit(claim.max_steps())
   model.fit(x_all, y_all, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-            callbacks=[privacy, canaries])
+            callbacks=[canaries])
   auditor = canaries.auditor
   assert auditor.m == M
   assert len(auditor.in_scores) == canaries.num_included
   bound = max(auditor.epsilon_one_run(0.05, DELTA),
               auditor.epsilon_one_run(0.05, DELTA, one_sided=False))
-  return privacy.epsilon(), bound, auditor
+  return claim.epsilon(int(model.optimizer.iterations.numpy())), bound, auditor
 
 
 def test_audit_rejects_a_run_without_noise():

@@ -75,16 +75,21 @@ def _audit(break_mode, seed=0):
   canaries = audit.CanaryCallback.gradient(
       M, 100.0, accounting.sampling_probability(N, BATCH), seed=seed + 1,
       score="likelihood", noise_multiplier=sigma)
-  privacy = dpk.PrivacyCallback(num_examples=N, batch_size=BATCH,
-                                noise_multiplier=sigma, delta=DELTA,
-                                target_epsilon=CLAIM)
+  # The claim (σ) is accounted apart from the model, whose plan has the
+  # broken noise: an unattached PrivacyCallback, whose budget becomes the
+  # model's step limit.
+  claim = dpk.PrivacyCallback(num_examples=N, batch_size=BATCH,
+                              noise_multiplier=sigma, delta=DELTA,
+                              target_epsilon=CLAIM)
+  model.set_step_limit(claim.max_steps())
   model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-            sampling_seed=seed, callbacks=[privacy, canaries])
+            sampling_seed=seed, callbacks=[canaries])
   assert canaries.projections.shape == (
       int(model.optimizer.iterations.numpy()), M)
   bounds = [canaries.auditor.epsilon_one_run_fdp(
       SIGNIFICANCE, DELTA, threshold_strategy=rule) for rule in STRATEGIES]
-  return privacy.epsilon(), bounds, canaries
+  return (claim.epsilon(int(model.optimizer.iterations.numpy())), bounds,
+          canaries)
 
 
 @pytest.mark.parametrize("break_mode", ["no_noise", "noise_div_10",

@@ -220,9 +220,12 @@ def test_plan_sampling_and_accountant_survive_keras_file(tmp_path):
   # RDP is far enough away that the test tells the two apart.
   assert history.history["epsilon"][0] == pytest.approx(pld, rel=2e-2)
   assert abs(rdp - pld) > 0.05 * pld
-  # A callback given its own accountant wins over the plan's.
+  # The callback has no accountant of its own: another than the plan's is
+  # refused (issue 42); the model's ledger still answers for RDP.
   own = dpk.PrivacyCallback(num_examples=N, batch_size=BATCH,
                             accountant="rdp")
   own.set_model(loaded)
-  assert own.accountant == "rdp"
-  assert own.epsilon() == pytest.approx(rdp, rel=1e-9)
+  with pytest.raises(ValueError, match="accountant='rdp'.*'pld'"):
+    own.epsilon()
+  assert loaded.epsilon(1e-5, accountant="rdp") == pytest.approx(
+      rdp, rel=1e-9)

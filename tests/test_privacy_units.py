@@ -401,17 +401,16 @@ def test_privacy_callback_logs_user_level_key_and_checks_the_unit():
   model = _mlp(1.0)
   model.fit(x, y, batch_size=3, epochs=1, verbose=0, user_ids=ids,
             examples_per_user=2, sampling_seed=0, callbacks=[
-                dpk.PrivacyCallback(num_users=3, batch_size=3,
-                                    noise_multiplier=1.0)])
+                dpk.PrivacyCallback(num_users=3, batch_size=3)])
   hist = model.history.history
   assert "epsilon_user_level" in hist and "epsilon" not in hist
   with pytest.raises(ValueError, match="num_users"):
     model.fit(x, y, batch_size=3, epochs=1, verbose=0, user_ids=ids,
               examples_per_user=2, callbacks=[
-                  dpk.PrivacyCallback(3, 3, noise_multiplier=1.0)])
+                  dpk.PrivacyCallback(3, 3)])
   with pytest.raises(ValueError, match="sampled examples"):
     model.fit(x, y, batch_size=3, epochs=1, verbose=0, callbacks=[
-        dpk.PrivacyCallback(num_users=3, batch_size=3, noise_multiplier=1.0)])
+        dpk.PrivacyCallback(num_users=3, batch_size=3)])
   with pytest.raises(ValueError, match="exactly one"):
     dpk.PrivacyCallback(batch_size=3)
 

@@ -160,6 +160,24 @@ def _check_releases(side_releases) -> tuple:
   return side_releases
 
 
+#: The settings a DP model's constructor may request (`DPPlan.absorb`);
+#: the accountant and the sampler instance are the owner's alone.
+_REQUESTABLE = ("l2_norm_clip", "noise_multiplier", "clipping",
+                "noise_mechanism", "secure_mode", "sampling", "noisy_loss",
+                "side_releases", "unprotected_training_metrics")
+
+#: Those an owner's plan takes from a request where it has the default
+#: (the clip, σ, the policy and the mechanism fix the state the owner
+#: builds, so they must agree).
+ABSORBED = ("secure_mode", "sampling", "noisy_loss", "side_releases",
+            "unprotected_training_metrics")
+
+
+def _shown(value) -> str:
+  """A setting in a message (a sampler class by its name)."""
+  return value.__name__ if isinstance(value, type) else repr(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class DPPlan:
   """The frozen DP configuration (module docstring).
@@ -304,6 +322,35 @@ class DPPlan:
     if self.sampling is None:
       return None
     return samplers.sampling_name(self.sampling)
+
+  def absorb(self, request: "DPPlan", where: str) -> "DPPlan":
+    """This plan (an owner's) with a request's settings merged in (the
+    settings a DP model's constructor was given, at `compile`).
+
+    A setting the request gives (not its default) must equal this plan's,
+    or, for one of `ABSORBED` (settings that need no state built with the
+    owner), fill it where this plan has the default; `l2_norm_clip` and
+    `noise_multiplier` are given together or not at all. So there is one
+    plan, never a second copy that wins.
+
+    Raises:
+      ValueError: naming the setting, both values and `where`.
+    """
+    changes = {}
+    defaults = DPPlan(None, None)
+    for name in _REQUESTABLE:
+      mine, theirs = getattr(request, name), getattr(self, name)
+      if mine == getattr(defaults, name) or mine == theirs:
+        continue
+      if name in ABSORBED and theirs == getattr(defaults, name):
+        changes[name] = mine
+        continue
+      raise ValueError(
+          f"{where} has {name}={_shown(mine)} but its DPOptimizer has "
+          f"{name}={_shown(theirs)}. Set {name} in one place: on the "
+          "DPOptimizer, or on the model (then create the DPOptimizer "
+          f"without `{name}`).")
+    return self.replace(**changes) if changes else self
 
   def conflicts(self, other: "DPPlan") -> list:
     """The names of the settings in which `other` differs."""

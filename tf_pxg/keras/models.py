@@ -311,64 +311,20 @@ class _DPTrainingMixin:
     return self._dp_run_state().generator
 
   def _agree_with(self, optimizer):
-    """Checks, at `compile`, that the model's request and a DPOptimizer's
-    plan agree (raises, naming both, if not); the model's `secure_mode`
-    turns the optimizer's on, and a secure optimizer refuses a seeded
-    model."""
+    """At `compile`: a DPOptimizer's plan takes the model's request
+    (`tf_pxg.dp.plan.DPPlan.absorb`: what the model gives must agree, or
+    fill what the plan leaves open; raises naming both); a secure plan
+    refuses a seeded model."""
     optimizer = _unscaled(optimizer)
     if not isinstance(optimizer, DPOptimizer):
       return
-    own, plan = self._dp_request, optimizer.plan
-    if own.l2_norm_clip is not None and (
-        (own.l2_norm_clip, own.noise_multiplier) !=
-        (plan.l2_norm_clip, plan.noise_multiplier)):
-      raise ValueError(
-          f"Model {self.name!r} has l2_norm_clip={own.l2_norm_clip}, "
-          f"noise_multiplier={own.noise_multiplier} but its DPOptimizer has "
-          f"l2_norm_clip={plan.l2_norm_clip}, noise_multiplier="
-          f"{plan.noise_multiplier}. Set the DP parameters in one place: on "
-          "the model, or on the DPOptimizer (then create the model without "
-          "them).")
-    if not own.is_default_mechanism and (
-        (own.clipping, own.noise_mechanism) !=
-        (plan.clipping, plan.noise_mechanism)):
-      raise ValueError(
-          f"Model {self.name!r} has clipping={own.clipping!r}, "
-          f"noise_mechanism={own.noise_mechanism!r} but its DPOptimizer has "
-          f"clipping={plan.clipping!r}, noise_mechanism="
-          f"{plan.noise_mechanism!r}. Set them in one place.")
-    if plan.secure_mode and self._dp_seed is not None:
+    optimizer._take_request(  # pylint: disable=protected-access
+        self._dp_request, f"Model {self.name!r}")
+    if optimizer.plan.secure_mode and self._dp_seed is not None:
       raise ValueError(
           f"Model {self.name!r} was created with a noise seed, but its "
           "DPOptimizer has secure_mode=True, which cannot be "
           "reproducible. Create the model without `seed`.")
-    if (own.sampling is not None and plan.sampling is not None and
-        own.sampling is not plan.sampling):
-      raise ValueError(
-          f"Model {self.name!r} has sampling={own.sampling.__name__} but "
-          f"its DPOptimizer has sampling={plan.sampling.__name__}. Choose "
-          "the sampling in one place: on the DPOptimizer, or on the model "
-          "(then create the DPOptimizer without `sampling`).")
-    for name in ("noisy_loss", "side_releases"):
-      mine, theirs = getattr(own, name), getattr(plan, name)
-      if mine and theirs and mine != theirs:
-        raise ValueError(
-            f"Model {self.name!r} has {name}={mine!r} but its DPOptimizer "
-            f"has {name}={theirs!r}. Set the side releases in one place: "
-            "on the DPOptimizer, or on the model (then create the "
-            f"DPOptimizer without `{name}`).")
-    # The model's request fills what the optimizer's plan leaves open.
-    # pylint: disable=protected-access
-    if own.noisy_loss is not None or own.side_releases:
-      optimizer._require_releases(own.noisy_loss, own.side_releases)
-    if own.secure_mode and not plan.secure_mode:
-      optimizer._require_secure_mode()
-    if (own.unprotected_training_metrics and
-        not plan.unprotected_training_metrics):
-      optimizer._set_unprotected_metrics(True)
-    if own.sampling is not None and plan.sampling is None:
-      optimizer._require_sampling(own.sampling)
-    # pylint: enable=protected-access
 
   def _dp_step_parts(self) -> dp_step.StepParts:
     """The train step's `tf_pxg.dp.step.StepParts`, from the one plan: the

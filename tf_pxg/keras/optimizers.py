@@ -174,18 +174,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def accountant(self) -> str:
     return self._plan.accountant
 
-  def _require_secure_mode(self) -> None:
-    """Turns secure mode on (a model created with `secure_mode=True` is
-    compiled with this optimizer): the plan is replaced, never weakened."""
-    self._plan = self._plan.replace(secure_mode=True)
-
-  def _require_releases(self, noisy_loss, side_releases) -> None:
-    """Takes the side releases of a model created with `noisy_loss=` or
-    `side_releases=` (at `compile`; only where this plan has none: a
-    different one raises there)."""
-    self._plan = self._plan.replace(
-        noisy_loss=self._plan.noisy_loss or noisy_loss,
-        side_releases=self._plan.side_releases or tuple(side_releases))
+  def _take_request(self, request: dp_plan.DPPlan, where: str) -> None:
+    """Takes a DP model's request at `compile` (`DPPlan.absorb`: it must
+    agree with this plan, or fill what this plan leaves open, e.g. secure
+    mode, the sampling, the side releases); raises naming both values."""
+    self._plan = self._plan.absorb(request, where)
 
   def _set_unprotected_metrics(self, value: bool) -> None:
     """Turns the unprotected training metrics on or off (a model created
@@ -193,15 +186,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
     `fit(unprotected_training_metrics=...)`); the ledger's next run
     records it."""
     self._plan = self._plan.replace(unprotected_training_metrics=value)
-
-  def _require_sampling(self, sampling) -> None:
-    """Takes the sampling choice of a model created with `sampling=` (at
-    `compile`; only when this plan has none: a different one raises
-    there)."""
-    if self._plan.sampling is not None:
-      raise ValueError(f"DPOptimizer {self.name!r} already has sampling="
-                       f"{self._plan.sampling.__name__}.")
-    self._plan = self._plan.replace(sampling=sampling)
 
   @_compat.no_automatic_dependency_tracking
   def build(self, var_list):
