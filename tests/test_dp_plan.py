@@ -130,3 +130,44 @@ def test_model_sampling_is_a_request_handed_to_the_optimizer():
                                        r"PoissonSampler"):
     _model(sampling="shuffled").compile(
         optimizer=dpk.DPSGD(1.0, SIGMA, sampling="poisson"), loss="mse")
+
+
+# A model's request meets the owner's plan in one place (DPPlan.absorb) ----
+
+
+def test_absorb_fills_only_what_needs_no_state_and_refuses_the_rest():
+  import dataclasses  # noqa: PLC0415
+  from tf_pxg.dp import plan as dp_plan  # noqa: PLC0415
+  from tf_pxg.dp import norm_release  # noqa: PLC0415
+  owner = dp_plan.DPPlan.validated("owner", 1.0, 1.0, required=True)
+  request = dp_plan.DPPlan.validated(
+      "request", None, None, required=False, secure_mode=True,
+      sampling="poisson", noisy_loss=dpk.NoisyLoss(1.0, 10.0),
+      side_releases=[norm_release.ClippedNormMean(5.0)],
+      unprotected_training_metrics=True)
+  merged = owner.absorb(request, "Model 'm'")
+  assert sorted(merged.conflicts(owner)) == sorted(dp_plan.ABSORBED)
+  assert merged.absorb(request, "Model 'm'") == merged  # idempotent
+  assert owner.absorb(dp_plan.DPPlan(None, None), "m") is owner
+  # A setting the owner already has, or one that fixes the owner's state,
+  # must agree: named, with both values.
+  refused = {
+      "l2_norm_clip": dict(l2_norm_clip=2.0, noise_multiplier=1.0),
+      "noise_multiplier": dict(l2_norm_clip=1.0, noise_multiplier=2.0),
+      "clipping": dict(clipping="automatic"),
+      "noise_mechanism": dict(noise_mechanism=mf.BandedToeplitz(2)),
+      "sampling": dict(sampling="shuffled"),
+  }
+  for name, given in refused.items():
+    req = dp_plan.DPPlan.validated(
+        "request", given.pop("l2_norm_clip", None),
+        given.pop("noise_multiplier", None), required=False, **given)
+    with pytest.raises(ValueError, match=f"Model 'm' has {name}=.* but its "
+                                         f"DPOptimizer has {name}="):
+      merged.absorb(req, "Model 'm'")
+  # Every field is either the owner's alone or a request's: a new field
+  # must be put in one of the two lists.
+  fields = {f.name for f in dataclasses.fields(dp_plan.DPPlan)}
+  requestable = set(dp_plan._REQUESTABLE)  # pylint: disable=protected-access
+  assert fields - requestable == {"sampler", "accountant"}
+  assert set(dp_plan.ABSORBED) <= requestable <= fields
