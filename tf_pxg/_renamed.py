@@ -9,11 +9,12 @@ one, both with a `DeprecationWarning` that names the new name.
 
 Who is warned: the caller of the old name, when it is not a `tf_pxg`
 module, nor Keras or TensorFlow walking every attribute (Keras' saving
-reads each attribute of a model or optimizer). tf_pxg's own modules use the new names (tests/test_parts_names.py
-checks the ones that moved); a module of the package that still forwards
-an old name while it moves (e.g. the CLI's deprecated `--num_bands` flag)
-must not make a user's `fit` or command print a warning that the user
-cannot act on.
+reads each attribute of a model or optimizer). tf_pxg's own modules use
+the new names (`tests/test_parts.py::
+test_tf_pxg_uses_the_new_names_and_does_not_warn` checks the ones that
+moved); a module of the package that still forwards an old name while it
+moves (e.g. the CLI's deprecated `--num_bands` flag) must not make a
+user's `fit` or command print a warning that the user cannot act on.
 
 Imports nothing of tf_pxg (the accounting, the data and the DP layers all
 use it).

@@ -1,4 +1,4 @@
-"""`StepState`: what a DP run keeps between steps and never saves, in one object.
+"""`StepState`: what a DP run keeps between steps and never saves.
 
 A DP run keeps, from one physical batch to the next, state that is not
 model state and is never saved:
