@@ -23,14 +23,9 @@ optimizer, in the strategy scope Keras builds optimizers in:
   `side_releases` (`tf_pxg.dp.releases.SideRelease.initial_state`, then
   `next_state` of each applied step's noisy release; `ONLY_FIRST_REPLICA`,
   like the clip, which is the adaptive count's state);
-- `ledger`: the model's privacy ledger (`tf_pxg.dp.ledger`), its JSON in
-  an int32 variable of `LEDGER_BYTES / 4` words (4 bytes a word,
-  zero-padded; int32 because the collectives that broadcast a variable's
-  initial value under MultiWorkerMirroredStrategy take no uint8), so every
-  saving path carries it. The variable is the source of truth once built: a restore
-  that writes it is read back at the next access (`privacy_ledger`); the
-  ledger is written to it after every change (`write_ledger`). Read and
-  written in Python only, never in the train step.
+
+The privacy ledger is not here: it belongs to the weights, so it is held
+by the model (`tf_pxg.keras._ledger`), which every weights path carries.
 """
 
 from __future__ import annotations
@@ -38,15 +33,9 @@ from __future__ import annotations
 import secrets
 from typing import Any, Optional
 
-import numpy as np
 import tensorflow as tf
 
-from tf_pxg.dp import ledger as ledger_lib
 from tf_pxg.dp import mechanisms
-
-#: Capacity of the ledger's variable (a run's record is a few hundred
-#: bytes: thousands of fits, recompiles and resumes).
-LEDGER_BYTES = 1 << 18
 
 
 class DPState(tf.Module):
@@ -60,11 +49,6 @@ class DPState(tf.Module):
     self._noise_buffers = []  # tracked list of the state's variables
     self.releases = {}  # side release name -> its state variable
     self.group_seed: Optional[tf.Variable] = None
-    self._ledger = ledger_lib.PrivacyLedger()
-    self._ledger_var: Optional[tf.Variable] = None
-    self._ledger_written = b""  # the bytes last written to the variable
-    # () -> the owner's step count (`iterations`), set by the DPOptimizer.
-    self.steps = None
 
   def init_group_seed(self, noise_mechanism):
     """Creates `group_seed` (OS entropy) for cyclic participation in
@@ -92,12 +76,6 @@ class DPState(tf.Module):
           float(l2_norm_clip), dtype=tf.float32, trainable=False,
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
           name="dp_l2_norm_clip")
-    if self._ledger_var is None:
-      self._ledger_var = tf.Variable(
-          tf.zeros([LEDGER_BYTES // 4], tf.int32), trainable=False,
-          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-          name="dp_privacy_ledger")
-      self.write_ledger()
     keys = [id(v) for v in var_list]
     if self._noise_keys != keys:
       mech = mechanisms.from_setting(noise_mechanism)
@@ -109,7 +87,6 @@ class DPState(tf.Module):
   def variables(self) -> list:
     out = [] if self.clip is None else [self.clip]
     out += [] if self.group_seed is None else [self.group_seed]
-    out += [] if self._ledger_var is None else [self._ledger_var]
     return out + list(self._noise_buffers) + list(self.releases.values())
 
   def release_states(self, releases) -> tuple:
@@ -122,47 +99,6 @@ class DPState(tf.Module):
         return self.clip
       return self.releases[release.name]
     return tuple(state(r) for r in releases)
-
-  @property
-  def privacy_ledger(self) -> ledger_lib.PrivacyLedger:
-    """The ledger, re-read from its variable if a restore changed it."""
-    if self._ledger_var is not None:
-      data = self._ledger_var.numpy().astype("<i4").tobytes().rstrip(b"\0")
-      if data != self._ledger_written:
-        # A restore wrote it (BackupAndRestore restores at train begin,
-        # after `fit` began its run): the run this process trains goes on
-        # on top of the restored history (`PrivacyLedger.begin`).
-        training = self._ledger.current_run
-        self._ledger = ledger_lib.PrivacyLedger(data.decode() or None)
-        self._ledger_written = data
-        if training is not None and self.steps is not None:
-          self._ledger.begin(training, self.steps())
-          self.write_ledger()
-    return self._ledger
-
-  def set_privacy_ledger(self, ledger: ledger_lib.PrivacyLedger) -> None:
-    """Replaces the ledger (a recompile hands the model's over)."""
-    self._ledger = ledger
-    self.write_ledger()
-
-  def write_ledger(self) -> None:
-    """Stores the ledger's JSON in its variable (once built).
-
-    Raises:
-      ValueError: the ledger outgrew `LEDGER_BYTES`.
-    """
-    if self._ledger_var is None:
-      return
-    data = self._ledger.to_json().encode()
-    if len(data) > LEDGER_BYTES:
-      raise ValueError(
-          f"privacy ledger: {len(data)} bytes exceed its variable's "
-          f"{LEDGER_BYTES}; the history has too many runs to save.")
-    if data != self._ledger_written:
-      buf = np.zeros([LEDGER_BYTES], np.uint8)
-      buf[:len(data)] = np.frombuffer(data, np.uint8)
-      self._ledger_var.assign(buf.view("<i4"))
-      self._ledger_written = data
 
 
 def min_separation(noise_mechanism) -> int:

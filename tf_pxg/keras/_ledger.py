@@ -1,32 +1,74 @@
-"""How a DP model's training writes its privacy ledger (`tf_pxg.dp.ledger`).
+"""The privacy ledger belongs to the weights (`tf_pxg.dp.ledger`).
 
-The ledger lives in the compiled `DPOptimizer`'s `DPState` (saved with it
-by every saving path). Three moments write it:
+A DP model holds its ledger in a `LedgerState`, a model attribute that
+every path carrying the model's weights carries too:
 
-* `compile` with a new DP optimizer (`hand_over`): the old optimizer's open
-  run is closed at the old optimizer's `iterations` and the whole ledger
-  moves to the new optimizer, whose counter starts again. So a recompile
-  can neither reset ε nor restart a budget.
-* `fit`, once its sampler is built (`begin_fit`): the run it trains is the
-  open run if it releases the same event, else a new run (the open one is
-  closed at the current step count; correlated noise refuses, see
-  `PrivacyLedger.begin`).
-* the end of `fit` and every Keras save of the optimizer (`snapshot`): the
-  open run's event at the current count is stored, for a process that
-  reads the ledger without rebuilding the sampler.
+* Keras saving (`.keras`, `save_weights`/`load_weights`, so
+  `ModelCheckpoint(save_weights_only=True)` and `BackupAndRestore`): the
+  model's `save_own_variables` writes the ledger's JSON next to the
+  model's own variables, `load_own_variables` reads it back, whatever the
+  order of `compile`, the optimizer's build and the load;
+* `tf.train.Checkpoint` and `CheckpointManager`, immediate or deferred
+  restore: `LedgerState` is a `tf.train.experimental.PythonState`, written
+  when the checkpoint is saved (the ledger settled at that moment) and
+  read when it is restored;
+* weights that move without the model (`get_weights`/`set_weights`,
+  `clone_model` then `set_weights`, layers shared by two DP wrappers, a
+  DP-trained backbone under a new head): each floating weight's value has
+  a **digest**; the values a DP model's training wrote are registered in
+  this process (`_REGISTRY`: digest -> the ledger behind that value).
+  Before a DP model trains, and whenever its ε is read, each of its
+  weights is checked (`reconcile`): a value the model's ledger answers for
+  passes; a registered value brings its ledger (merged:
+  `PrivacyLedger.merge`, so the history is never counted twice); any
+  other change since the model's last DP step warns, naming the weights
+  (`WeightsChangedWarning`): the ledger cannot tell what they were trained
+  on. `declare_public_weights` starts a fresh history on purpose, and
+  refuses weights this process knows to be DP-trained.
 
-The run's event is the one `PrivacyCallback` composes for a single fit:
-`sampler.dp_event(plan.mechanism, plan.noise_multiplier, T)`, the plan
-being the optimizer's (`tf_pxg.dp.plan.DPPlan`).
+Steps are counted from the compiled `DPOptimizer`'s `iterations` at each
+**settle** (the start and end of `fit`, every read of ε, every save, a
+recompile): the steps since the last settle are the open run's when they
+were taken inside `fit` (its sampler drew them), else an unsampled run's
+(`train_on_batch`, a custom loop: no ε claimed). A restore re-bases the
+count (the restored ledger is exact at the moment it was saved).
+
+Residual limits (docs/threat_model.md, "What ε means"): values read out of
+a model between its last settle and a copy made without its
+`get_weights` (a layer's own `get_weights`, `variable.numpy()`) after
+steps outside `fit`; weights moved to another process by a route that
+carries no ledger (numpy files): the receiving model warns only if it has
+a history of its own.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
+import warnings
+import weakref
 from typing import Optional
 
+import keras
+import numpy as np
+import tensorflow as tf
 
 from tf_pxg.data import samplers
 from tf_pxg.dp import ledger as ledger_lib
+
+#: Where the ledger's JSON is kept among a model's own saved variables.
+STORE_KEY = "dp_privacy_ledger"
+
+#: Registered digests kept in this process (least recently used dropped).
+REGISTRY_SIZE = 1 << 16
+
+# digest of a DP-trained value -> the JSON of the ledger behind it.
+_REGISTRY: "collections.OrderedDict[str, str]" = collections.OrderedDict()
+
+
+class WeightsChangedWarning(UserWarning):
+  """A DP model's weights changed outside its DP training."""
 
 
 def dp_optimizer(optimizer):
@@ -36,23 +78,174 @@ def dp_optimizer(optimizer):
   return dp_optimizer_of(optimizer)
 
 
-def ledger_of(optimizer) -> Optional[ledger_lib.PrivacyLedger]:
-  """The ledger of a compiled optimizer (None: no DPOptimizer)."""
-  dp = dp_optimizer(optimizer)
-  return None if dp is None else dp.dp_state.privacy_ledger
+class LedgerState(tf.train.experimental.PythonState):
+  """A DP model's privacy ledger and how it follows the weights.
+
+  Attributes:
+    ledger: the `PrivacyLedger`.
+    vouched: digests of the weight values the ledger answers for (the
+      values at the last settle, or restored with the ledger).
+    in_fit: a `fit` is training the open run.
+  """
+
+  def __init__(self, model):
+    self._model = weakref.ref(model)
+    self.ledger = ledger_lib.PrivacyLedger()
+    self.vouched = set()
+    self.in_fit = False
+    self._counter = None  # (weakref to the DPOptimizer, its count)
+
+  # tf.train.experimental.PythonState ------------------------------------
+
+  def serialize(self) -> str:
+    model = self._model()
+    if model is not None:
+      reconcile(model)
+    return self.to_json()
+
+  def deserialize(self, string_value) -> None:
+    if isinstance(string_value, bytes):
+      string_value = string_value.decode()
+    self.restore(string_value)
+
+  # ----------------------------------------------------------------------
+
+  def to_json(self) -> str:
+    return json.dumps({"ledger": self.ledger.to_json(),
+                       "vouched": sorted(self.vouched)})
+
+  def restore(self, doc: str) -> None:
+    """Takes a saved ledger (its weights are restored with it): the step
+    count re-bases; a `fit` in progress (`BackupAndRestore` restores at
+    its start) goes on on top of it."""
+    data = json.loads(doc) if doc else {}
+    training = self.ledger.current_run if self.in_fit else None
+    self.ledger = ledger_lib.PrivacyLedger(data.get("ledger"))
+    self.vouched = set(data.get("vouched", []))
+    self._counter = None
+    _register(self.vouched, self.ledger)
+    if training is not None:
+      self.ledger.begin(training)
+
+  def settle(self, optimizer) -> None:
+    """Counts the steps `optimizer` (a DPOptimizer, or None) applied since
+    the last settle (module docstring)."""
+    if optimizer is None:
+      return
+    now = optimizer.step_count()
+    known = self._counter
+    if known is not None and known[0]() is optimizer and now > known[1]:
+      self.ledger.add_steps(
+          now - known[1],
+          sampled=self.in_fit and self.ledger.current_run is not None)
+    self._counter = (weakref.ref(optimizer), now)
 
 
-def hand_over(old, new) -> None:
-  """Moves the ledger of optimizer `old` (closed at its step count) to
-  `new` at compile. Nothing to do when either is not a DPOptimizer or
-  they are one object (a recompile with the same optimizer continues)."""
-  old_dp, new_dp = dp_optimizer(old), dp_optimizer(new)
-  if old_dp is None or new_dp is None or old_dp is new_dp:
+def state_of(model) -> LedgerState:
+  """The model's `LedgerState` (made on first use)."""
+  state = model.__dict__.get("_dp_ledger_state")
+  if state is None:
+    state = LedgerState(model)
+    model._dp_ledger_state = state  # pylint: disable=protected-access
+  return state
+
+
+def ledger_of(model) -> ledger_lib.PrivacyLedger:
+  """The model's ledger, settled and checked against its weights
+  (`reconcile`; inside `fit` only settled)."""
+  state = state_of(model)
+  if state.in_fit:
+    state.settle(dp_optimizer(getattr(model, "optimizer", None)))
+  else:
+    reconcile(model)
+  return state.ledger
+
+
+# Digests ----------------------------------------------------------------------
+
+
+def _weights(model):
+  """The model's floating weights (a seed generator's integer state moves
+  with every random draw, not with training)."""
+  return [v for v in model.weights
+          if keras.backend.is_float_dtype(v.dtype)]
+
+
+def digest(variable) -> str:
+  """A digest of a variable's current value (shape, dtype and bytes)."""
+  value = np.ascontiguousarray(np.asarray(variable.numpy()))
+  h = hashlib.blake2b(digest_size=16)
+  h.update(repr((value.shape, value.dtype.str)).encode())
+  h.update(value.tobytes())
+  return h.hexdigest()
+
+
+def _register(digests, ledger) -> None:
+  if ledger.is_empty:
     return
-  ledger = old_dp.dp_state.privacy_ledger
-  ledger.close(old_dp.step_count())
-  old_dp.dp_state.write_ledger()
-  new_dp.dp_state.set_privacy_ledger(ledger)
+  doc = ledger.to_json()
+  for d in digests:
+    _REGISTRY[d] = doc
+    _REGISTRY.move_to_end(d)
+  while len(_REGISTRY) > REGISTRY_SIZE:
+    _REGISTRY.popitem(last=False)
+
+
+def reconcile(model, check: bool = True) -> None:
+  """Settles the step count, then checks each weight (module docstring):
+  a registered value brings its ledger; another change since the last
+  settle warns (once per change) when the model has a history. Then the
+  current values are vouched for, and the trainable ones registered."""
+  state = state_of(model)
+  state.settle(dp_optimizer(getattr(model, "optimizer", None)))
+  weights = _weights(model)
+  digests = [digest(v) for v in weights]
+  if check and not state.in_fit:
+    changed = []
+    for v, d in zip(weights, digests):
+      if d in state.vouched:
+        continue
+      doc = _REGISTRY.get(d)
+      if doc is not None:
+        state.ledger.merge(ledger_lib.PrivacyLedger(doc))
+      elif state.vouched:
+        changed.append(v.path)
+    if changed and not state.ledger.is_empty:
+      warnings.warn(_changed_message(model, changed),
+                    WeightsChangedWarning, stacklevel=3)
+  state.vouched = set(digests)
+  trainable = {id(v) for v in model.trainable_weights}
+  _register([d for v, d in zip(weights, digests) if id(v) in trainable],
+            state.ledger)
+
+
+def _changed_message(model, paths) -> str:
+  shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more"
+                                   if len(paths) > 5 else "")
+  return (
+      f"Model {model.name!r}: weights {shown} changed outside DP training "
+      "since its last DP step (set_weights, an assignment, a load without "
+      "a privacy ledger). Its privacy ledger still counts its own history, "
+      "but cannot tell what the new values were trained on. If they are "
+      "public (e.g. pretrained on public data), call "
+      "model.declare_public_weights() to start a fresh history; if they "
+      "come from a DP model, copy them from it after its fit (or with its "
+      "get_weights) in this process, or load its saved weights with "
+      "load_weights: its ledger then comes with them.")
+
+
+# The model's moments -----------------------------------------------------------
+
+
+def hand_over(model, old, new) -> None:
+  """At `compile`: the old optimizer's steps are counted; a new DP
+  optimizer (a fresh noise state) closes the open run."""
+  state = state_of(model)
+  old_dp, new_dp = dp_optimizer(old), dp_optimizer(new)
+  state.settle(old_dp)
+  if new_dp is not None and new_dp is not old_dp:
+    state.ledger.fresh_noise_state()
+    state.settle(new_dp)
 
 
 def run_for(plan, sampler) -> ledger_lib.Run:
@@ -83,7 +276,8 @@ def run_for(plan, sampler) -> ledger_lib.Run:
 
 
 def begin_fit(model, sampler) -> None:
-  """Records the run `fit` is about to train (module docstring).
+  """Records the run `fit` is about to train, after checking the weights
+  (`reconcile`: steps since the last settle are unsampled).
 
   Raises:
     tf_pxg.dp.ledger.ComposeError: it cannot follow the open run.
@@ -91,13 +285,78 @@ def begin_fit(model, sampler) -> None:
   dp = dp_optimizer(getattr(model, "optimizer", None))
   if dp is None or sampler is None:
     return
-  ledger = dp.dp_state.privacy_ledger
-  ledger.begin(run_for(dp.plan, sampler), dp.step_count())
-  dp.dp_state.write_ledger()
+  state = state_of(model)
+  reconcile(model)
+  state.ledger.begin(run_for(dp.plan, sampler))
+  state.in_fit = True
 
 
-def snapshot(optimizer) -> None:
-  """Stores the open run's event at the optimizer's current count."""
-  dp = dp_optimizer(optimizer)
-  if dp is not None:
-    dp.snapshot_ledger()
+def end_fit(model) -> None:
+  """At the end of `fit` (also when it raised): its steps are counted as
+  its run's, and the trained values registered."""
+  state = state_of(model)
+  if not state.in_fit:
+    return
+  state.settle(dp_optimizer(getattr(model, "optimizer", None)))
+  state.in_fit = False
+  reconcile(model, check=False)
+
+
+def cover(model, event, settings) -> None:
+  """The model's ledger is replaced by one release of `event`
+  (`PrivacyLedger.cover`, a DP search's winner); its values registered."""
+  state = state_of(model)
+  reconcile(model, check=False)
+  state.ledger.cover(event, settings)
+  reconcile(model, check=False)
+
+
+def declare_public(model, note: str) -> None:
+  """Starts a fresh history for the model's current weights (declared
+  public by the user).
+
+  Raises:
+    ValueError: a weight's value was written by DP training in this
+      process (named): it is not public.
+  """
+  state = state_of(model)
+  state.settle(dp_optimizer(getattr(model, "optimizer", None)))
+  trained = [v.path for v in _weights(model)
+             if digest(v) in _REGISTRY]
+  if trained:
+    raise ValueError(
+        f"Model {model.name!r}: weights {', '.join(trained[:5])} hold "
+        "values written by DP training in this process (their privacy "
+        "ledger is known), so they are not public; their history stays "
+        "with them. Declare public only weights trained on public data "
+        "(e.g. loaded from a public checkpoint before any DP step).")
+  state.ledger.declare_public(note)
+  state.vouched = {digest(v) for v in _weights(model)}
+
+
+def saved_bytes(model) -> np.ndarray:
+  """The ledger's document for a save (settled and checked first)."""
+  reconcile(model)
+  return np.frombuffer(state_of(model).to_json().encode(), np.uint8)
+
+
+def load_saved(model, data) -> None:
+  """Restores the ledger `saved_bytes` wrote."""
+  state_of(model).restore(np.asarray(data, np.uint8).tobytes().decode())
+
+
+class StoreWithout:
+  """A read-only view of a Keras weights store without one key (the
+  ledger's), for the model's own variables."""
+
+  def __init__(self, store, key: str):
+    self._store, self._key = store, key
+
+  def keys(self):
+    return [k for k in self._store.keys() if k != self._key]
+
+  def __len__(self):
+    return len(self.keys())
+
+  def __getitem__(self, key):
+    return self._store[key]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from typing import Optional
@@ -277,11 +278,12 @@ class PrivacyCallback(keras.callbacks.Callback):
     `tf_pxg.accounting.mechanism_epsilon`)."""
     steps = self.steps() if steps is None else steps
     ledger = self._ledger()
-    if ledger is not None and ledger.open_start is not None:
-      # The model's whole history (tf_pxg.dp.ledger): every run's event,
-      # the open one's at `steps` of the current optimizer.
-      return ledger.epsilon(self.steps(), self.delta, self.accountant,
-                            open_steps=steps - ledger.open_start)
+    if ledger is not None and ledger.open is not None:
+      # The whole history behind the weights (tf_pxg.dp.ledger, settled
+      # at the current count): every run's event, the open one's with the
+      # steps up to `steps` of the current optimizer.
+      return ledger.epsilon(self.delta, self.accountant,
+                            extra_steps=steps - self.steps())
     mechanism, sampler = self._mechanism(), self._sampler()
     if sampler is None or not sampler.certified:
       # No sampler known yet (or shuffled batches, `epsilon_if_poisson`):
@@ -308,7 +310,7 @@ class PrivacyCallback(keras.callbacks.Callback):
       return None
     ledger = self._ledger()
     key = (self.noise_multiplier, self.min_separation, id(self._sampler()),
-           self.accountant, None if ledger is None else ledger.to_json())
+           self.accountant, _history_key(ledger, self.steps()))
     if self._max_steps_cache.get("key") != key:
       within = lambda s: self.epsilon(s) <= self.target_epsilon  # noqa: E731
       lo, hi = 0, 1
@@ -406,3 +408,14 @@ class PrivacyCallback(keras.callbacks.Callback):
     if logs is not None:
       eps = self.epsilon()
       logs[self._log_key] = eps if math.isfinite(eps) else float("inf")
+
+
+def _history_key(ledger, steps_now: int):
+  """What the budget's step count depends on in `ledger`: its closed runs
+  and where its open run started on the current counter (unchanged while
+  `fit` trains it, so the bisection runs once per fit)."""
+  if ledger is None:
+    return None
+  start = None if ledger.open is None else (
+      ledger.open["id"], steps_now - ledger.open["steps"])
+  return (json.dumps(ledger.closed, sort_keys=True), start)

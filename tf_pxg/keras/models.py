@@ -195,6 +195,9 @@ class _DPTrainingMixin:
     # DPOptimizer's `step_state` holds (made at `compile`, `_dp_run_state`):
     # never saved, so a reloaded or resumed model draws fresh noise.
     self._dp_seed = seed
+    # The privacy ledger belongs to the weights: held here, carried by
+    # every weights path (tf_pxg.keras._ledger).
+    _ledger.state_of(self)
 
   # Settings -----------------------------------------------------------------
 
@@ -423,10 +426,11 @@ class _DPTrainingMixin:
         raise secure.xla_error(f"Model {self.name!r} with secure_mode=True")
       kwargs["jit_compile"] = False
     self._forget_traced_steps()
-    # The privacy ledger belongs to the model's history: a new optimizer
-    # takes it over, its old open run closed (tf_pxg.keras._ledger).
+    # The privacy ledger is the model's: the old optimizer's steps are
+    # counted, a new DP optimizer (a fresh noise state) closes the open run
+    # (tf_pxg.keras._ledger).
     previous = _ledger.dp_optimizer(getattr(self, "optimizer", None))
-    _ledger.hand_over(previous, optimizer)
+    _ledger.hand_over(self, getattr(self, "optimizer", None), optimizer)
     # So does the run's unsaved state (a seeded noise stream goes on, never
     # replays; the step limit and the last sampler stay).
     if previous is not None:
@@ -705,40 +709,71 @@ class _DPTrainingMixin:
           initial_epoch=initial_epoch, validation_steps=validation_steps,
           **run.keras_args)
     finally:
-      _ledger.snapshot(self.optimizer)
+      _ledger.end_fit(self)
     run.finish(self)
     return history
 
   @property
   def privacy_ledger(self):
-    """The `tf_pxg.dp.ledger.PrivacyLedger` of this model's training
-    history (every fit, recompile and resume; `summary()` prints it), held
-    by the compiled DP optimizer; None before `compile`."""
-    return _ledger.ledger_of(getattr(self, "optimizer", None))
+    """The `tf_pxg.dp.ledger.PrivacyLedger` of the history behind this
+    model's weights (every fit, recompile, resume, and the histories of
+    weights copied or loaded into it; `summary()` prints it): held by the
+    model, settled and checked against the weights when read
+    (`tf_pxg.keras._ledger`)."""
+    return _ledger.ledger_of(self)
 
   def epsilon(self, delta: float = 1e-5,
               accountant: Optional[str] = None) -> float:
-    """ε at `delta` of everything this model's training released so far:
-    the composition of its privacy ledger's runs (every fit, recompile and
-    resume), by dp-accounting; `accountant` defaults to the plan's.
-
-    Raises:
-      ValueError: the model is not compiled with DP settings.
-    """
-    ledger = self.privacy_ledger
-    if ledger is None:
-      raise ValueError(f"Model {self.name!r} has no privacy ledger: compile "
-                       "it with DP settings first.")
-    return ledger.epsilon(_ledger.dp_optimizer(self.optimizer).step_count(),
-                          delta, accountant or self.dp_plan.accountant)
+    """ε at `delta` of everything behind this model's weights: the
+    composition of its privacy ledger's runs, by dp-accounting (∞ if
+    steps on batches no sampler drew are among them: `train_on_batch`, a
+    custom loop); `accountant` defaults to the plan's."""
+    return self.privacy_ledger.epsilon(
+        delta, accountant or self.dp_plan.accountant or "rdp")
 
   def privacy_summary(self) -> str:
     """What the training released so far, one line per run of the privacy
     ledger (settings, steps, whether an ε is claimed)."""
-    ledger = self.privacy_ledger
-    if ledger is None:
-      return "not compiled with DP settings: nothing released"
-    return ledger.summary(_ledger.dp_optimizer(self.optimizer).step_count())
+    return self.privacy_ledger.summary()
+
+  def declare_public_weights(self, note: str = "declared public by the "
+                             "user") -> None:
+    """Starts a fresh privacy history for the current weights, which the
+    caller states are public (e.g. pretrained on public data); `note` is
+    kept in the ledger's summary.
+
+    Raises:
+      ValueError: a weight holds a value DP training wrote in this
+        process (named): its history is known and stays.
+    """
+    _ledger.declare_public(self, note)
+
+  # Weights paths carry the ledger (tf_pxg.keras._ledger) ----------------------
+
+  def save_own_variables(self, store):
+    super().save_own_variables(store)
+    store[_ledger.STORE_KEY] = _ledger.saved_bytes(self)
+
+  def load_own_variables(self, store):
+    if _ledger.STORE_KEY in list(store.keys()):
+      _ledger.load_saved(self, store[_ledger.STORE_KEY])
+      store = _ledger.StoreWithout(store, _ledger.STORE_KEY)
+    super().load_own_variables(store)
+
+  def load_weights(self, filepath, *args, **kwargs):
+    """Keras' `load_weights`; a compiled model's optimizer is built first,
+    so its state (step count, noise buffers) is restored with the weights
+    and the privacy ledger, not skipped."""
+    optimizer = getattr(self, "optimizer", None)
+    if optimizer is not None and not optimizer.built and self.built:
+      optimizer.build(self.trainable_variables)
+    return super().load_weights(filepath, *args, **kwargs)
+
+  def get_weights(self):
+    """Keras' `get_weights`, after the ledger is settled and the values
+    registered (a DP model that takes them then takes their history)."""
+    _ledger.reconcile(self)
+    return super().get_weights()
 
   def _dp_fit_sampling(self, sampling):
     """`fit`'s sampling: the plan's choice (`DPPlan.sampling`) when it has

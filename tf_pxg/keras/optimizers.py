@@ -132,7 +132,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # a tf.Module, so tf.train.Checkpoint tracks them; `variables` lists
     # them for Keras' saving.
     self.dp_state = dp_state.DPState()
-    self.dp_state.steps = self.step_count
     self.dp_state.init_group_seed(noise_mechanism)
     # What the DP step keeps between physical batches and never saves
     # (tf_pxg.dp.step_state): set past Keras' attribute tracking.
@@ -244,19 +243,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   def finalize_variable_values(self, var_list):
     self.inner_optimizer.finalize_variable_values(var_list)
-
-  def snapshot_ledger(self) -> None:
-    """Stores the privacy ledger's open run's event at the current count
-    in its variable (`tf_pxg.dp.ledger.PrivacyLedger.snapshot`)."""
-    self.dp_state.privacy_ledger.snapshot(self.step_count())
-    self.dp_state.write_ledger()
-
-  def save_own_variables(self, store):
-    # Keras' saving (.keras, save_weights: ModelCheckpoint,
-    # BackupAndRestore) stores `variables`, the privacy ledger's among
-    # them: its open run's event at the current count first.
-    self.snapshot_ledger()
-    super().save_own_variables(store)
 
   def get_config(self):
     """The config; the sampling choice by its `SAMPLINGS` name.

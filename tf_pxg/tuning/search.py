@@ -364,7 +364,7 @@ def check_released(model, plan: RunPlan) -> None:
         "search would release them with the winner's model. Train without "
         "unprotected_training_metrics (score runs with NoisyTrainingLoss or "
         "PrivateValidation).")
-  released = ledger.event(optimizer.step_count())
+  released = ledger.event()
   if released is None or not accounting.dominates(plan.event, released):
     raise SearchError(
         f"a run of candidate {plan.config} released {released!r}, more than "
@@ -481,9 +481,8 @@ def run_search(draw: Callable[[], RunPlan], train: Callable[[RunPlan], Any],
 
 def _record(model, event, score, num_runs, num_candidates: int) -> None:
   """The winner's ledger now holds the search's event (`cover`)."""
-  optimizer = _dp_optimizer(model)
+  from tf_pxg.keras import _ledger  # noqa: PLC0415
   settings = {"release": "DP hyperparameter search (winner only)",
               "num_runs": repr(num_runs), "mean_runs": num_runs.mean,
               "candidates": num_candidates, "score": score.source}
-  model.privacy_ledger.cover(event, settings, optimizer.step_count())
-  optimizer.snapshot_ledger()
+  _ledger.cover(model, event, settings)
