@@ -85,6 +85,8 @@ class LedgerState(tf.train.experimental.PythonState):
     ledger: the `PrivacyLedger`.
     vouched: digests of the weight values the ledger answers for (the
       values at the last settle, or restored with the ledger).
+    written: those of them that DP training wrote (registered: a model
+      that takes such a value takes the ledger).
     in_fit: a `fit` is training the open run.
   """
 
@@ -92,6 +94,7 @@ class LedgerState(tf.train.experimental.PythonState):
     self._model = weakref.ref(model)
     self.ledger = ledger_lib.PrivacyLedger()
     self.vouched = set()
+    self.written = set()
     self.in_fit = False
     self._counter = None  # (weakref to the DPOptimizer, its count)
 
@@ -112,7 +115,8 @@ class LedgerState(tf.train.experimental.PythonState):
 
   def to_json(self) -> str:
     return json.dumps({"ledger": self.ledger.to_json(),
-                       "vouched": sorted(self.vouched)})
+                       "vouched": sorted(self.vouched),
+                       "written": sorted(self.written)})
 
   def restore(self, doc: str) -> None:
     """Takes a saved ledger (its weights are restored with it): the step
@@ -122,23 +126,26 @@ class LedgerState(tf.train.experimental.PythonState):
     training = self.ledger.current_run if self.in_fit else None
     self.ledger = ledger_lib.PrivacyLedger(data.get("ledger"))
     self.vouched = set(data.get("vouched", []))
+    self.written = set(data.get("written", []))
     self._counter = None
-    _register(self.vouched, self.ledger)
+    _register(self.written, self.ledger)
     if training is not None:
       self.ledger.begin(training)
 
-  def settle(self, optimizer) -> None:
+  def settle(self, optimizer) -> int:
     """Counts the steps `optimizer` (a DPOptimizer, or None) applied since
-    the last settle (module docstring)."""
+    the last settle (module docstring); returns how many."""
     if optimizer is None:
-      return
+      return 0
     now = optimizer.step_count()
     known = self._counter
+    steps = 0
     if known is not None and known[0]() is optimizer and now > known[1]:
+      steps = now - known[1]
       self.ledger.add_steps(
-          now - known[1],
-          sampled=self.in_fit and self.ledger.current_run is not None)
+          steps, sampled=self.in_fit and self.ledger.current_run is not None)
     self._counter = (weakref.ref(optimizer), now)
+    return steps
 
 
 def state_of(model) -> LedgerState:
@@ -194,29 +201,34 @@ def _register(digests, ledger) -> None:
 def reconcile(model, check: bool = True) -> None:
   """Settles the step count, then checks each weight (module docstring):
   a registered value brings its ledger; another change since the last
-  settle warns (once per change) when the model has a history. Then the
-  current values are vouched for, and the trainable ones registered."""
+  settle warns when the model has a history and took no DP step since
+  (steps since explain the change). Then the current values are vouched
+  for; those DP training wrote (the trainable ones after steps, the
+  adopted ones) are registered with the ledger."""
   state = state_of(model)
-  state.settle(dp_optimizer(getattr(model, "optimizer", None)))
+  steps = state.settle(dp_optimizer(getattr(model, "optimizer", None)))
   weights = _weights(model)
   digests = [digest(v) for v in weights]
+  written = state.written & set(digests)
+  if steps:
+    trainable = {id(v) for v in model.trainable_weights}
+    written |= {d for v, d in zip(weights, digests) if id(v) in trainable}
   if check and not state.in_fit:
     changed = []
     for v, d in zip(weights, digests):
-      if d in state.vouched:
+      if d in state.vouched or d in written:
         continue
       doc = _REGISTRY.get(d)
       if doc is not None:
         state.ledger.merge(ledger_lib.PrivacyLedger(doc))
-      elif state.vouched:
+        written.add(d)
+      elif state.vouched and not steps:
         changed.append(v.path)
     if changed and not state.ledger.is_empty:
       warnings.warn(_changed_message(model, changed),
                     WeightsChangedWarning, stacklevel=3)
-  state.vouched = set(digests)
-  trainable = {id(v) for v in model.trainable_weights}
-  _register([d for v, d in zip(weights, digests) if id(v) in trainable],
-            state.ledger)
+  state.vouched, state.written = set(digests), written
+  _register(written, state.ledger)
 
 
 def _changed_message(model, paths) -> str:
@@ -297,9 +309,10 @@ def end_fit(model) -> None:
   state = state_of(model)
   if not state.in_fit:
     return
-  state.settle(dp_optimizer(getattr(model, "optimizer", None)))
-  state.in_fit = False
-  reconcile(model, check=False)
+  try:
+    reconcile(model, check=False)  # the steps counted as the run's
+  finally:
+    state.in_fit = False
 
 
 def cover(model, event, settings) -> None:
@@ -331,7 +344,7 @@ def declare_public(model, note: str) -> None:
         "with them. Declare public only weights trained on public data "
         "(e.g. loaded from a public checkpoint before any DP step).")
   state.ledger.declare_public(note)
-  state.vouched = {digest(v) for v in _weights(model)}
+  state.vouched, state.written = {digest(v) for v in _weights(model)}, set()
 
 
 def saved_bytes(model) -> np.ndarray:
