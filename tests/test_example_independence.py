@@ -64,7 +64,10 @@ def test_zoo_covers_the_asked_families():
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_model_passes(name):
   model, x, y, sw = _zoo_model(name)
-  result = CHECK(model, x, y, sample_weight=sw)
+  # The explicit "perturb" (one change of example 0): the default search
+  # is tested on its own (test_independence_search.py) and run over the
+  # whole zoo once (issue 49's closing note), not in every CI run.
+  result = CHECK(model, x, y, sample_weight=sw, change="perturb")
   assert result.passed and result.moved == ()
   assert result.max_loss_change <= result.loss_tolerance
   assert result.max_gradient_change <= result.gradient_tolerance
@@ -75,7 +78,8 @@ def test_zoo_model_passes(name):
 @pytest.mark.parametrize("name", ZOO_FUNCTION)
 def test_zoo_model_passes_in_function(name):
   model, x, y, sw = _zoo_model(name)
-  result = CHECK(model, x, y, sample_weight=sw, mode="function")
+  result = CHECK(model, x, y, sample_weight=sw, mode="function",
+                 change="perturb")
   assert result.passed, result
   assert result.changed_loss_change > 0, result
 
@@ -218,7 +222,7 @@ def test_mixer_is_caught(name, mode):
                 "compile")
   model, x, y, expected, index = _mixer(name)
   with pytest.raises(pxg_testing.ExampleMixingError) as info:
-    CHECK(model, x, y, mode=mode, index=index)
+    CHECK(model, x, y, mode=mode, index=index, change="perturb")
   result = info.value.result
   assert result.moved, result
   assert all(i != b for i, b in result.moved), result
@@ -238,16 +242,17 @@ def test_mixup_caveat():
   """The empirical check's limit: MixUp's draw here maps example 0 to
   itself, so changing example 0 alone moves nothing else."""
   model, x, y, _, _ = _mixer("mixup")
-  assert CHECK(model, x, y).passed
-  assert not CHECK(model, x, y, index=EVERY, raise_on_failure=False).passed
+  assert CHECK(model, x, y, change="perturb").passed
+  assert not CHECK(model, x, y, index=EVERY, change="perturb",
+                   raise_on_failure=False).passed
 
 
 def test_gradient_only_mixer_needs_the_gradients():
   """Forward per example, gradient mixed: the losses do not move at all."""
   model, x, y, _, _ = _mixer("stop_gradient_centring")
-  result = CHECK(model, x, y, gradients=False)
+  result = CHECK(model, x, y, gradients=False, change="perturb")
   assert result.passed and result.max_loss_change <= result.loss_tolerance
-  result = CHECK(model, x, y, raise_on_failure=False)
+  result = CHECK(model, x, y, raise_on_failure=False, change="perturb")
   assert not result.passed
   assert result.max_gradient_change > 100 * result.gradient_tolerance
 
@@ -280,7 +285,7 @@ def _random_model(name):
 @pytest.mark.parametrize("name", list(RANDOM_MODELS))
 def test_random_layers_pass_with_seeding_and_fail_without(name, mode):
   model, x, y = _random_model(name)
-  result = CHECK(model, x, y, mode=mode, index=(0, 1))
+  result = CHECK(model, x, y, mode=mode, index=(0, 1), change="perturb")
   assert result.passed, result
   # Without re-seeding the two runs draw differently: other examples move.
   if name == "unseeded_tf_random":
@@ -288,7 +293,8 @@ def test_random_layers_pass_with_seeding_and_fail_without(name, mode):
     # seeds, and so the draws, even without re-seeding: clear it.
     tf.random.set_seed(None)
   with pytest.raises(pxg_testing.ExampleMixingError):
-    CHECK(model, x, y, mode=mode, index=(0, 1), seed=None)
+    CHECK(model, x, y, mode=mode, index=(0, 1), seed=None,
+          change="perturb")
 
 
 @pytest.mark.parametrize("name", ["dropout", "random_flip", "gaussian_noise"])
@@ -298,7 +304,8 @@ def test_keras_random_layers_pass_under_xla(name):
   stateful TF ops, e.g. `tf.random.uniform` without a seed, do not repeat
   under XLA; RandomRotation has no XLA kernel.)"""
   model, x, y = _random_model(name)
-  assert CHECK(model, x, y, mode="jit", index=(0, 1)).passed
+  assert CHECK(model, x, y, mode="jit", index=(0, 1),
+               change="perturb").passed
 
 
 # API details ---------------------------------------------------------------
