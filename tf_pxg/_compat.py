@@ -17,7 +17,7 @@ import contextlib
 import functools
 import importlib
 import sys
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import tensorflow as tf
 
@@ -88,6 +88,45 @@ def op_id(op) -> int:
   # The same counter for graph ops: orders ops by creation, which the
   # public tf.Operation does not expose.
   return op._id  # pylint: disable=protected-access
+
+
+def next_tensor_id() -> int:
+  # TF's one id counter (`tensor_id`, `op_id`), advanced by one: every
+  # tensor or op made afterwards has a larger id. Eagerly, it tells the
+  # tensors that existed before a recording started from those made during
+  # it without an op (a Python value converted where an op takes it).
+  return _tf_module("tensorflow.python.framework.ops").uid()
+
+
+def op_def(op_type: str):
+  # The registered OpDef of `op_type` (its inputs' names), or None; TF's
+  # public API gives it only for ops built in a graph (`tf.Operation.op_def`).
+  return _tf_module("tensorflow.python.framework.op_def_registry").get(op_type)
+
+
+def function_body(graph, name: str) -> Optional[list]:
+  # The nodes of function `name` as `graph` (or a graph it is nested in)
+  # defines it: `(op type, names of the functions the node calls)` each;
+  # None if no graph on the way defines it. No public API reads a function
+  # op's body (`If`'s branches, `While`'s body, a `PartitionedCall`'s `f`).
+  g = graph
+  while g is not None:
+    fn = g._get_function(name)  # pylint: disable=protected-access
+    if fn is not None:
+      break
+    g = getattr(g, "outer_graph", None)
+  else:
+    return None
+  nodes = []
+  for node in fn.definition.node_def:
+    called = []
+    for value in node.attr.values():
+      if value.HasField("func"):
+        called.append(value.func.name)
+      elif value.HasField("list"):
+        called.extend(f.name for f in value.list.func)
+    nodes.append((node.op, called))
+  return nodes
 
 
 def is_resource_variable(v) -> bool:
@@ -600,6 +639,16 @@ def _probe_graph_op():
   return t.op
 
 
+def _probe_function_op():
+  """A graph, and the name of the body of a `tf.cond` built in it."""
+  g = tf.Graph()
+  with g.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [])
+    tf.cond(x > 0, lambda: x * 2.0, lambda: x)
+  op = next(o for o in g.get_operations() if o.type in ("If", "StatelessIf"))
+  return g, op.get_attr("then_branch").name
+
+
 ACCESSES: Dict[str, Callable[[], Any]] = {
     "op_callbacks": lambda: (add_op_callback(_noop_callback),
                              remove_op_callback(_noop_callback)),
@@ -607,6 +656,11 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
     "VariableWatcher": lambda: variable_watcher().__enter__ and None,
     "tensor_id": lambda: isinstance(tensor_id(tf.constant(1)), int) or _fail(),
     "op_id": lambda: isinstance(op_id(_probe_graph_op()), int) or _fail(),
+    "op_def_registry": lambda: op_def("MatMul").input_arg[0].name == "a"
+        or _fail(),
+    "ops.uid": lambda: next_tensor_id() < tensor_id(tf.constant(1)) or _fail(),
+    "Graph._get_function": lambda: any(
+        t == "Mul" for t, _ in function_body(*_probe_function_op())) or _fail(),
     "is_resource_variable":
         lambda: is_resource_variable(tf.Variable(1.0)) or _fail(),
     "keras_variable_value": lambda: is_resource_variable(
@@ -690,3 +744,20 @@ def check(name: str) -> None:
     ACCESSES[name]()
   except Exception as e:  # pylint: disable=broad-except
     raise _missing(name, e) from e
+
+
+# TensorFlow: checkpoint restoration -------------------------------------------
+
+
+def deferred_restore_names(trackable) -> list:
+  # No public API lists the checkpoint values waiting for an object's
+  # children (deferred restoration): TF keeps them in the trackable's
+  # `_deferred_dependencies` until a child of that name is tracked. The
+  # DPOptimizer's DP state reads it after its build to refuse a saved
+  # value its plan did not create (`tf_pxg.keras._dp_state.check_restored`).
+  return sorted(getattr(trackable, "_deferred_dependencies", {}) or {})
+
+
+ACCESSES["_deferred_dependencies"] = lambda: isinstance(
+    deferred_restore_names(tf.Module()), list) or _fail()
+

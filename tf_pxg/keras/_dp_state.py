@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_pxg import _compat
 from tf_pxg.dp import mechanisms
 
 
@@ -46,7 +47,11 @@ class DPState(tf.Module):
     self.clip: Optional[tf.Variable] = None
     self.noise: Any = None  # the noise mechanism's state
     self._noise_keys = None  # ids of the variables `noise` was made for
-    self._noise_buffers = []  # tracked list of the state's variables
+    # The tracked list of the state's variables, assigned once built (not
+    # an empty list before: a checkpoint restored before the build binds
+    # its saved list to the object it finds, and a list assigned later
+    # would then never be restored; see `build`).
+    self._noise_buffers = None
     self.releases = {}  # side release name -> its state variable
     self.group_seed: Optional[tf.Variable] = None
 
@@ -82,12 +87,14 @@ class DPState(tf.Module):
       self.noise = mech.init_state(var_list)
       self._noise_keys = keys
       self._noise_buffers = mech.state_variables(self.noise)
+    check_restored(self)
 
   @property
   def variables(self) -> list:
     out = [] if self.clip is None else [self.clip]
     out += [] if self.group_seed is None else [self.group_seed]
-    return out + list(self._noise_buffers) + list(self.releases.values())
+    return (out + list(self._noise_buffers or ()) +
+            list(self.releases.values()))
 
   def release_states(self, releases) -> tuple:
     """The state variable of each of the step's `releases` (the adaptive
@@ -99,6 +106,37 @@ class DPState(tf.Module):
         return self.clip
       return self.releases[release.name]
     return tuple(state(r) for r in releases)
+
+
+def check_restored(state: "DPState") -> None:
+  """Refuses DP state that a checkpoint restore left unbound.
+
+  A `tf.train.Checkpoint` restored before the optimizer is built (deferred
+  restoration, as `CheckpointManager` users do) binds each saved DP state
+  variable when `build` creates it. A saved value that nothing took (the
+  plan's mechanism, clipping or side releases differ from the saved run's)
+  would let the run go on from a fresh state (a noise stream restarted,
+  an adaptive clip reset) under a ledger that continues the old one: so
+  the build raises, before the first step.
+
+  Raises:
+    ValueError: naming each unbound saved value and what to do.
+  """
+  pending = _compat.deferred_restore_names(state)
+  for name in ("_noise_buffers", "releases"):
+    container = getattr(state, name, None)
+    if container is not None:
+      pending += [f"{name}/{n}" for n in
+                  _compat.deferred_restore_names(container)]
+  if pending:
+    raise ValueError(
+        f"DPOptimizer: a checkpoint restored into this optimizer holds DP "
+        f"state {', '.join(sorted(pending))} that its plan does not create "
+        "(it was saved by a run with another noise mechanism, clipping "
+        "policy or side releases), so it would stay unbound and the run "
+        "would continue from a fresh state. Restore into a DPOptimizer with "
+        "the saved run's settings, or compile a new DPOptimizer (a fresh "
+        "noise state: the privacy ledger then starts a new run).")
 
 
 def min_separation(noise_mechanism) -> int:

@@ -188,9 +188,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   @_compat.no_automatic_dependency_tracking
   def build(self, var_list):
+    # The DP state first: it refuses saved state its plan does not create
+    # (`_dp_state.check_restored`), and then nothing is marked built.
+    self.dp_state.build(var_list, self._plan)
     self.inner_optimizer.build(var_list)
     super().build(var_list)
-    self.dp_state.build(var_list, self._plan)
 
   @property
   def variables(self):
