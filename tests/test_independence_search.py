@@ -346,6 +346,13 @@ def test_default_search_finds_the_attack(name):
   assert any("[" in line and "example" in line for line in result.details)
 
 
+def test_default_search_in_function_mode():
+  model, x, y, kwargs = _build(where_on_outlier_batch)
+  result = CHECK(model, x, y, mode="function", raise_on_failure=False,
+                 **kwargs)
+  assert result.moved and not result.passed, result
+
+
 def test_every_class_has_an_attack():
   assert len(ATTACKS) == 5 and all(ATTACKS.values())
 

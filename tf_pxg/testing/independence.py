@@ -46,7 +46,10 @@ class ExampleIndependenceResult(NamedTuple):
       example and every OTHER example b.
     max_gradient_change: the largest `|g_b' - g_b|` entry (over all the
       variables) over every changed example and every other example b; 0.0
-      when gradients were not checked.
+      when gradients were not checked. Under the search, a change whose
+      screen moved nothing adds the largest entry change of the screen's
+      random combination of the other examples' gradients instead (the
+      tolerances likewise).
     loss_tolerance: the largest loss tolerance used (`atol + rtol * loss
       scale`, the scale being the largest |loss| of the batch in either run).
     gradient_tolerance: the same for the gradients (scale: the largest
