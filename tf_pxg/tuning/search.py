@@ -38,35 +38,36 @@ binomial K) or 6 (Poisson K) for the per-run RDP curve; dp-accounting's
 * *A private score.* The score is an output of the run, inside its event
   (`scores`); a user-declared public validation set is said so in the
   result.
-* *Nothing else leaves.* K is never returned, printed or stored; runs are
-  silent (their stdout and stderr, Python's and the file descriptors that
-  TensorFlow's C++ logs and `tf.print` use, go to /dev/null; Python
-  logging is off) and
-  run with a private working and temporary directory (`tempfile.tempdir`)
-  that is deleted after each run (relative-path logs, checkpoints,
-  TensorBoard files, AutoGraph's generated sources vanish); Keras' name
-  counters are reset before each run (`keras.backend.clear_session`), so
-  the winner's layer names do not count the runs before it; a run that
-  raises stops the search, and the error raised is a new `SearchError`
-  with the candidate, the error's type and message, and no chained
-  exception or traceback that could hold a losing run's objects.
+* *Nothing else leaves: isolation by construction.* Each run executes in
+  a process of its own (`tf_pxg.tuning.isolation`: a child of a fork
+  server that imported TensorFlow once and ran nothing), seeded from the
+  OS CSPRNG whatever global seeds the caller set, silent for its whole
+  life (file descriptors 1 and 2 and Python's streams to /dev/null,
+  logging off), in a private directory removed after it. Only its score,
+  the score's noise std and its model's `.keras` bytes come back; the
+  caller keeps the best and rebuilds only the winner's model
+  (`keras.models.load_model`; its privacy ledger comes with it). Nothing a
+  losing run did reaches the caller: no output at any time (TF's
+  "unrestored values" warnings at garbage collection included), no RNG
+  state, no TF or Keras global counters (op and function ids, layer name
+  uids), no files, no objects. K is never returned, printed or stored. A
+  run that raises stops the search; the error raised is a new
+  `SearchError` with the candidate and the error's type and message (a
+  string: no traceback or object crosses).
 
 Not covered: timing (the search's wall time grows with K), files a
-`train_fn` writes to absolute paths, process-global TensorFlow state
-(function and op ids), the message of a run's own exception.
+`train_fn` writes to absolute paths, the message of a run's own
+exception. `train_fn` is sent to each run's process (cloudpickle when
+installed, else pickle: a module-level function).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-import io
+import functools
 import json
-import logging
 import os
 import shutil
-import sys
 import tempfile
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
@@ -75,6 +76,7 @@ import dp_accounting
 from tf_pxg import accounting as dp_accounting_lib
 from tf_pxg.tuning import accounting
 from tf_pxg.tuning import distributions
+from tf_pxg.tuning import isolation
 from tf_pxg.tuning import scores as scores_lib
 
 __all__ = ["PrivateSearch", "RunPlan", "SearchError", "SearchResult",
@@ -373,69 +375,40 @@ def check_released(model, plan: RunPlan) -> None:
         "gives.")
 
 
-@contextlib.contextmanager
-def _fds_to_devnull():
-  """File descriptors 1 and 2 point to /dev/null (TensorFlow's C++ logs
-  and `tf.print` write there, not through Python's sys.stdout)."""
-  for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-    try:
-      stream.flush()
-    except (AttributeError, OSError, ValueError):
-      pass
-  saved = [os.dup(1), os.dup(2)]
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  try:
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    yield
-  finally:
-    os.dup2(saved[0], 1)
-    os.dup2(saved[1], 2)
-    for fd in saved + [devnull]:
-      os.close(fd)
+def _one_run(train: Callable[[RunPlan], Any], score: scores_lib.Score,
+             plan: RunPlan):
+  """A run, in its own process (`tf_pxg.tuning.isolation`): trains
+  `plan`, checks its ledger (`train` does), releases its score, and
+  returns `(score, its noise std, the model's .keras bytes)`: all that
+  crosses back."""
+  model = train(plan)
+  value = float(score.release(model))
+  stddev = score.stddev(model)
+  path = os.path.join(os.getcwd(), "run.keras")  # the run's private dir
+  model.save(path)
+  with open(path, "rb") as f:
+    return value, stddev, f.read()
 
 
-def _clear_session(keras) -> None:
-  """Keras' name counters reset; its garbage collection skipped where
-  `clear_session` takes `free_memory` (a third of a second per run):
-  `run_search` collects once, after the last run, before it returns."""
-  import inspect  # noqa: PLC0415
-  if "free_memory" in inspect.signature(
-      keras.backend.clear_session).parameters:
-    keras.backend.clear_session(free_memory=False)
-  else:
-    keras.backend.clear_session()
-
-
-@contextlib.contextmanager
-def _sealed_run():
-  """A run's surroundings: silent (stdout/stderr discarded, file
-  descriptors 1 and 2 to /dev/null, Python logging off), in a private
-  working and temporary directory removed afterwards, Keras' name
-  counters reset."""
+def _load_winner(data: bytes):
+  """The winner's model, rebuilt in the caller's process from its .keras
+  bytes (its privacy ledger comes with them)."""
   import keras  # noqa: PLC0415
-  _clear_session(keras)
-  cwd = os.getcwd()
-  workdir = tempfile.mkdtemp(prefix="tf_pxg_run_")
-  sink = io.StringIO()
-  logging_level = logging.root.manager.disable
-  tempdir = tempfile.tempdir
+  workdir = tempfile.mkdtemp(prefix="tf_pxg_winner_")
   try:
-    os.chdir(workdir)
-    # Temporary files go there too: AutoGraph writes one source file per
-    # converted function to the temp directory (their count would count
-    # the runs).
-    tempfile.tempdir = workdir
-    logging.disable(logging.CRITICAL)
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
-        _fds_to_devnull():
-      yield
+    path = os.path.join(workdir, "winner.keras")
+    with open(path, "wb") as f:
+      f.write(data)
+    return keras.models.load_model(path)
+  except Exception as e:  # pylint: disable=broad-except
+    raise SearchError(
+        f"the winner's model could not be rebuilt in the caller's process "
+        f"({type(e).__name__}: {e}); register its custom layers and "
+        "objects (keras.saving.register_keras_serializable) in the module "
+        "that defines them, so keras.models.load_model can rebuild it. "
+        "Nothing of the search is released.") from None
   finally:
-    logging.disable(logging_level)
-    tempfile.tempdir = tempdir
-    os.chdir(cwd)
     shutil.rmtree(workdir, ignore_errors=True)
-    sink.close()
 
 
 def run_search(draw: Callable[[], RunPlan], train: Callable[[RunPlan], Any],
@@ -443,39 +416,35 @@ def run_search(draw: Callable[[], RunPlan], train: Callable[[RunPlan], Any],
                rng, event, epsilon: float, delta: float,
                num_candidates: int) -> SearchResult:
   """The search loop shared by `PrivateSearch` and the keras-tuner tuner
-  (module docstring): K runs, the best kept, nothing else."""
-  best_plan, best_model, best_score = None, None, None
-  failure = None
+  (module docstring): K runs, each in its own process
+  (`tf_pxg.tuning.isolation.run_isolated`), the best kept, nothing else.
+  `train(plan)` runs in the run's process and must be picklable there
+  (cloudpickle: closures too)."""
+  best_plan, best, failure = None, None, None
   for _ in range(num_runs.sample(rng)):
     plan = draw()
     try:
-      with _sealed_run():
-        model = train(plan)
-        value = score.release(model)
-    except Exception as e:  # pylint: disable=broad-except
-      # Only strings leave: the exception (its traceback holds the run's
-      # frames, models and data) is dropped when this block ends.
-      failure = (f"a run of candidate {plan.config} failed with "
-                 f"{type(e).__name__}: {e}" if not isinstance(e, SearchError)
-                 else str(e))
-      model = None
+      value, stddev, data = isolation.run_isolated(
+          functools.partial(_one_run, train, score, plan))
+    except isolation.IsolationError as e:
+      message = str(e)
+      failure = (message[len("SearchError: "):]
+                 if message.startswith("SearchError: ") else
+                 f"a run of candidate {plan.config} failed with {message}")
       break
-    if best_plan is None or score.better(value, best_score):
-      best_plan, best_model, best_score = plan, model, value
-    model = None
+    if best_plan is None or score.better(value, best[0]):
+      best_plan, best = plan, (value, stddev, data)
   if failure is not None:
-    best_plan = best_model = None
-    gc.collect()
     raise SearchError(failure + " The search stopped and releases nothing.")
-  gc.collect()
   if best_plan is None:
     return SearchResult(None, None, None, None, None, score.source, epsilon,
                         delta, event, num_runs)
-  _record(best_model, event, score, num_runs, num_candidates)
+  model = _load_winner(best[2])
+  _record(model, event, score, num_runs, num_candidates)
   return SearchResult(
-      model=best_model, hyperparameters=dict(best_plan.config),
-      noise_multiplier=best_plan.noise_multiplier, score=best_score,
-      score_stddev=score.stddev(best_model), score_source=score.source,
+      model=model, hyperparameters=dict(best_plan.config),
+      noise_multiplier=best_plan.noise_multiplier, score=best[0],
+      score_stddev=best[1], score_source=score.source,
       epsilon=epsilon, delta=delta, event=event, num_runs=num_runs)
 
 
