@@ -26,6 +26,8 @@ import tensorflow as tf
 
 from tf_pxg import testing as pxg_testing
 
+import test_example_independence as base
+
 L = keras.layers
 CHECK = pxg_testing.check_example_independence
 B, T, V, D = 4, 8, 20, 4
@@ -139,6 +141,23 @@ def where_on_outlier_batch():
       variables=dense.trainable_variables,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                       reduction=None))
+
+
+def label_depth_from_labels():
+  """A loss with label smoothing over the classes the batch shows:
+  `tf.one_hot(y, depth=tf.reduce_max(y) + 1)` (the batch holds every
+  class: only lowering the largest label moves it)."""
+
+  def loss(y_true, logits):
+    depth = tf.cast(tf.reduce_max(y_true), tf.int32) + 1
+    smooth = 0.9 * tf.one_hot(y_true, depth) + 0.1 / tf.cast(depth,
+                                                              tf.float32)
+    smooth = tf.reshape(tf.pad(smooth, [[0, 0], [0, 3 - depth]]), [-1, 3])
+    return keras.losses.categorical_crossentropy(smooth, logits,
+                                                 from_logits=True)
+
+  model = keras.Sequential([keras.Input((D,)), L.Dense(3)])
+  return model, (_floats(), _labels()), dict(loss=loss)
 
 
 class TileByLargestId(L.Layer):
@@ -309,7 +328,7 @@ def ragged_packing():
 ATTACKS = {
     "integer statistic at an argument": [
         one_hot_depth_from_ids, trim_to_longest, where_on_rare_ids,
-        where_on_outlier_batch],
+        where_on_outlier_batch, label_depth_from_labels],
     "size from the batch": [tile_multiples, broadcast_shape,
                             bincount_width],
     "seed from integer inputs": [seed_from_ids],
@@ -446,9 +465,6 @@ def test_scalar_weight_passes_the_default_search():
 
 
 # 3. The batch mixers and the random layers under the default search -------
-
-
-import test_example_independence as base  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 @pytest.mark.parametrize("name", ["mixup", "batchnorm_training",

@@ -704,7 +704,7 @@ def check_example_independence(
                    gradients=gradients, rtol=rtol, atol=atol,
                    b_total=b_total)
   if indices is None:
-    indices = changes_lib.search_indices(setup.x, b_total)
+    indices = changes_lib.search_indices(setup.x, setup.y, b_total)
   report = functools.partial(_report, b_total=b_total, change=change,
                              mode=mode, training=training, seed=seed,
                              raise_on_failure=raise_on_failure)

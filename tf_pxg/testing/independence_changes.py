@@ -189,12 +189,14 @@ def _per_example(a: np.ndarray, reduce) -> Optional[np.ndarray]:
   return reduce(rows, axis=1)
 
 
-def search_indices(x, b_total: int) -> Tuple[int, ...]:
+def search_indices(x, y, b_total: int) -> Tuple[int, ...]:
   """Example 0 and the holders of the batch's extremes (the largest value,
-  the most non-zero entries, the smallest value), at most
-  `MAX_SEARCH_INDICES`; at least two (the last example if need be)."""
+  the most non-zero entries, the smallest value; of the inputs, then of
+  the labels), at most `MAX_SEARCH_INDICES`; at least two (the last
+  example if need be)."""
   picks = [0]
-  leaves = [np.asarray(tf.convert_to_tensor(t)) for t in tf.nest.flatten(x)]
+  leaves = [np.asarray(tf.convert_to_tensor(t)) for t in
+            tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))]
   for reduce in (np.max, np.count_nonzero, np.min):
     for a in leaves:
       stat = _per_example(a, reduce)
