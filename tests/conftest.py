@@ -10,6 +10,14 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--adversary-models", type=int, default=None,
+      help="models the generated adversary tries "
+           "(tests/test_generated_adversary.py; default 2000, or "
+           "TF_PXG_ADVERSARY_MODELS)")
+
+
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "slow: takes more than ~60 s; deselect with -m 'not slow'")

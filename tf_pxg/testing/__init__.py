@@ -31,6 +31,14 @@ random layers re-seeded identically in both runs). It catches layers that
 mix examples (MixUp, BatchNormalization in training, batch statistics,
 in-batch negatives...), as far as the chosen change exercises them.
 
+`adversary` is the generated adversary of issue 49: seeded compositions of
+small models from an op vocabulary whose every input position (values,
+sizes, depths, seeds, conditions, slice bounds, indices, partitions, table
+keys) is fed from a constant, a per-example value or a batch statistic, and
+`adversary.check_models`, which requires each to be refused by name or to be
+exact against the single-example loop with a replace-one influence of at
+most 2C, eagerly, in `tf.function` and under XLA (docs/testing.md).
+
 `trace_rules` records which rule, and which form of it, tf_pxg ran at each
 interface op (e.g. the ghost or the materialised squared norm, or the
 vectorized fallback), so a test can tell a rule from the fallback.
@@ -62,6 +70,7 @@ References:
   (the batch-of-one loop as a reference).
 """
 
+from tf_pxg.testing import adversary
 from tf_pxg.testing.checks import check_gradient_invariants
 from tf_pxg.testing.checks import check_per_example_gradients
 from tf_pxg.testing.dp_step import assert_dp_step_matches_reference
@@ -76,7 +85,7 @@ from tf_pxg.testing.tolerances import MODES
 from tf_pxg.testing.tracing import trace_rules
 
 __all__ = ["CHANGES", "ExampleIndependenceResult", "ExampleMixingError",
-           "MODES", "assert_dp_step_matches_reference",
+           "MODES", "adversary", "assert_dp_step_matches_reference",
            "check_example_independence", "check_gradient_invariants",
            "check_per_example_gradients", "expected_dp_sgd_weights",
            "per_example_global_norms", "reference_per_example_gradients",

@@ -12,7 +12,7 @@ op vocabulary and feeds each such input position from one of
 * `batch`: the batch axis itself, for an `axis` position (a constant that
   reduces or accumulates over the examples);
 * `f.<kind>`: a float statistic of the whole batch (`f.mean`, `f.maxabs`,
-  `f.row0`, `f.colmean`, `f.hmean`, `f.fromi`);
+  `f.row0`, `f.colmean`, `f.hmean`, `f.fromi`, `f.ymean` of the labels);
 * `i.<kind>`: an integer statistic of the whole batch (`i.maxid`,
   `i.count`, `i.row0`, `i.lenmax`, `i.fromf`).
 
@@ -77,13 +77,13 @@ MODES = ("eager", "function", "jit")
 OK_STATUSES = ("refused", "exact", "unsupported")
 FAIL_STATUSES = ("leak", "inexact", "bad_refusal", "crash", "invalid")
 
-F_KINDS = ("mean", "maxabs", "row0", "colmean", "hmean", "fromi")
+F_KINDS = ("mean", "maxabs", "row0", "colmean", "hmean", "fromi", "ymean")
 I_KINDS = ("maxid", "count", "row0", "lenmax", "fromf")
 # Per kind, a threshold between its value on ordinary data and on the
 # extreme example's batch (so a condition on it flips when one example is
 # replaced).
 _F_THRESHOLD = {"mean": 1.0, "maxabs": 10.0, "row0": 10.0, "colmean": 1.0,
-                "hmean": 0.0, "fromi": 4.5}
+                "hmean": 0.0, "fromi": 4.5, "ymean": 1.0}
 _I_THRESHOLD = {"maxid": 4, "count": 0, "row0": 4, "lenmax": 3, "fromf": 4}
 
 _RNG_CONST = np.random.RandomState(1234)
@@ -100,8 +100,8 @@ _CONST_ROW = np.array([0.3, -0.2, 0.5, 0.1], np.float32)
 class _Ctx:
   """What an op can read: the raw inputs and the current data path `h`."""
 
-  def __init__(self, x, ids, w):
-    self.x, self.ids, self.w = x, ids, w
+  def __init__(self, x, ids, w, y=None):
+    self.x, self.ids, self.w, self.y = x, ids, w, y
     self.h = None
 
   # Batch statistics (mix the examples by construction).
@@ -119,6 +119,8 @@ class _Ctx:
       return tf.reduce_mean(self.h, axis=0)     # [K], depends on W
     if kind == "fromi":
       return tf.cast(tf.reduce_max(self.ids), tf.float32)
+    if kind == "ymean":                         # from the labels
+      return tf.reduce_mean(self.y)
     raise ValueError(f"unknown float statistic {kind!r}")
 
   def istat(self, kind):
@@ -292,8 +294,13 @@ def _reshape_transpose(h, ctx, f, v, r):
 def _gather(h, ctx, f, v, r):
   """Gather along the features: a constant permutation, per-example ids
   (`batch_dims=1`), or shifted by a statistic; variant 1 gathers rows of
-  the batch shifted by the statistic (`(range(B) + s) % B`)."""
+  the batch shifted by the statistic (`(range(B) + s) % B`) or, fed `ex`,
+  the row each example's first id names."""
   src = f["idx"]
+  if src == "ex" and v == 1:
+    # Each example picks a row of the batch by its own first id.
+    n = tf.shape(h)[0]
+    return tf.gather(h, tf.math.floormod(ctx.ids[:, 0], n), axis=0)
   if src == "ex":
     return tf.gather(h, ctx.iex("ex", K), axis=1, batch_dims=1)
   if src == "const":
@@ -321,6 +328,53 @@ def _one_hot(h, ctx, f, v, r):
     depth = ctx.istat("maxid") + 1        # the issue's one-hot
   oh = tf.one_hot(ctx.iex(f["idx"], V), depth)
   return h * 0.5 * tf.reduce_logsumexp(2.0 * oh, axis=-1)
+
+
+@_op("sequence_mask", {"lengths": ALL, "maxlen": SCALAR})
+def _sequence_mask(h, ctx, f, v, r):
+  """`h * (1 + mean(sequence_mask(lengths, maxlen)))`: the padded length
+  (a batch's longest sequence, say) sets each row's fraction."""
+  src = f["lengths"]
+  n = tf.shape(h)[0]
+  if src == "ex":
+    lengths = tf.math.count_nonzero(ctx.ids, axis=1, dtype=tf.int32)
+  elif src == "const":
+    lengths = tf.fill([n], 2)
+  else:
+    lengths = tf.fill([n], ctx.iscalar(src, 1, 3, 2))
+  maxlen = (tf.constant(K) if f["maxlen"] == "const" else
+            ctx.iscalar(f["maxlen"], 2, 3, K))
+  if f["maxlen"] == "i.lenmax":
+    maxlen = ctx.istat("lenmax")
+  m = tf.cast(tf.sequence_mask(lengths, maxlen), tf.float32)
+  return h * (1.0 + tf.reduce_mean(m, axis=1, keepdims=True))
+
+
+@_op("range", {"n": SCALAR})
+def _range(h, ctx, f, v, r):
+  """`h + 0.1 * sum(range(n))`."""
+  n = ctx.iscalar(f["n"], 1, 3, 3)
+  return h + 0.1 * tf.reduce_sum(tf.cast(tf.range(n), tf.float32))
+
+
+@_op("roll", {"shift": SCALAR, "axis": AXIS})
+def _roll(h, ctx, f, v, r):
+  """`roll(h, shift, axis)`: the features (const), the batch (batch), or
+  an axis a statistic picks."""
+  shift = ctx.iscalar(f["shift"], 1, 3, 1)
+  src = f["axis"]
+  axis = 1 if src == "const" else 0 if src == "batch" else (
+      ctx.iscalar(src, 0, 2, 1))
+  return tf.roll(h, shift, axis)
+
+
+@_op("bincount", {"idx": ALL, "size": SCALAR})
+def _bincount(h, ctx, f, v, r):
+  """`h + logsumexp(bincount(idx, width n, per row))`: the width counts."""
+  n = ctx.iscalar(f["size"], V, 3, V)
+  counts = tf.math.bincount(ctx.iex(f["idx"], V), minlength=n, maxlength=n,
+                            axis=-1, dtype=tf.float32)
+  return h + 0.5 * tf.reduce_logsumexp(counts, axis=1, keepdims=True)
 
 
 @_op("slice", {"begin": SCALAR, "end": SCALAR}, variants=2)
@@ -434,17 +488,18 @@ def _sort(h, ctx, f, v, r):
 
 @_op("random", {"seed": SCALAR, "lo": SCALAR}, variants=2)
 def _random(h, ctx, f, v, r):
-  """`h * (1 + u)`, u `[K]` stateless uniform (or normal) with a seed and a
-  lower bound (the same noise for every example)."""
+  """`h * (1 + u)`, u `[K]` stateless uniform (integers / 1000, or / 10)
+  from a seed, plus a lower bound (the same noise for every example)."""
   if f["seed"] == "const":
     seed = tf.constant([1, 2])
   else:
     seed = tf.stack([ctx.iscalar(f["seed"], 0, 1000, 0), 7])
   lo = ctx.fscalar(f["lo"], 0.0)
-  if v == 0:
-    u = tf.random.stateless_uniform([K], seed, minval=lo, maxval=lo + 1.0)
-  else:
-    u = lo + tf.random.stateless_normal([K], seed)
+  # Integer draws: XLA's float samplers (uniform and normal) are not
+  # TensorFlow's kernels bit for bit, its integer draws are.
+  n = 1000 if v == 0 else 10
+  u = lo + tf.cast(tf.random.stateless_uniform(
+      [K], seed, minval=0, maxval=n, dtype=tf.int32), tf.float32) / n
   return h * (1.0 + u)
 
 
@@ -644,8 +699,15 @@ class Model:
     return [v for r in self.resources if r for v in r.values()
             if isinstance(v, tf.Variable)]
 
-  def __call__(self, x, ids):
-    ctx = _Ctx(x, ids, self.w)
+  def reset_state(self):
+    """Zeros the variables the forward pass writes, so each run starts from
+    the same state (what one run writes is then read back in that run
+    alone: the channel under test is within the step)."""
+    for v in self.state_variables:
+      v.assign(tf.zeros_like(v))
+
+  def __call__(self, x, ids, y=None):
+    ctx = _Ctx(x, ids, self.w, tf.zeros_like(x) if y is None else y)
     h = x
     for step, res in zip(self.composition.steps, self.resources):
       ctx.h = h
@@ -657,7 +719,7 @@ class Model:
     return h
 
   def losses(self, x, ids, y):
-    h = self(x, ids)
+    h = self(x, ids, y)
     return 0.5 * tf.reduce_sum(tf.square(h - y), axis=1)
 
 
@@ -670,7 +732,7 @@ EXTREME_X = np.array([25.0, 24.0, 23.0, 22.0], np.float32)
 def make_data(seed: int):
   """(D, D'): `x, ids, y` of B ordinary examples (ids: 1 to 3 tokens in
   [1, V - 2], then padding 0), and the same batch with example 0 replaced
-  by an extreme one (large x, every id V - 1, y = 0)."""
+  by an extreme one (large x, every id V - 1, y = 20)."""
   rng = np.random.RandomState(seed)
   x = rng.standard_normal((B, K)).astype(np.float32)
   ids = np.zeros((B, K), np.int32)
@@ -679,7 +741,7 @@ def make_data(seed: int):
     ids[b, :n] = rng.randint(1, V - 1, size=n)
   y = rng.standard_normal((B, K)).astype(np.float32)
   x2, ids2, y2 = x.copy(), ids.copy(), y.copy()
-  x2[0], ids2[0], y2[0] = EXTREME_X, V - 1, 0.0
+  x2[0], ids2[0], y2[0] = EXTREME_X, V - 1, 20.0
   return ((tf.constant(x), tf.constant(ids), tf.constant(y)),
           (tf.constant(x2), tf.constant(ids2), tf.constant(y2)))
 
@@ -720,10 +782,11 @@ def _pxg(model: Model, d, d2, clip):
   """What DP training computes, under `tf_pxg.GradientTape`: per-example
   gradients and the clipped sum on D, the clipped sum on D'. Raises the
   tape's refusal, or the train step's (a data-dependent state write)."""
-  import tf_pxg  # noqa: PLC0415  (tf_pxg.testing must not import it early)
+  from tf_pxg.gradient_tape import GradientTape  # noqa: PLC0415
 
   def forward(data):
-    tape = tf_pxg.GradientTape(persistent=True)
+    model.reset_state()
+    tape = GradientTape(persistent=True)
     with tape:
       losses = model.losses(*data)
     writes = tape.data_dependent_writes(data, model.state_variables)
@@ -741,6 +804,7 @@ def _pxg(model: Model, d, d2, clip):
 
 def _plain(model: Model, d):
   """Plain TensorFlow's batch gradient (does the model run in a mode?)."""
+  model.reset_state()
   with tf.GradientTape() as tape:
     loss = tf.reduce_sum(model.losses(*d))
   return tape.gradient(loss, model.w)
@@ -770,6 +834,7 @@ def _single(model: Model, data, b: int):
   """Example b alone (a batch of one) under a plain `tf.GradientTape`: its
   loss and the gradient of its loss with respect to W (zeros if
   unconnected)."""
+  model.reset_state()
   with tf.GradientTape() as tape:
     loss = model.losses(*(t[b:b + 1] for t in data))
   g = tape.gradient(loss, model.w)
@@ -792,8 +857,8 @@ def reference(model: Model, d, d2) -> _Reference:
   finite = norms[np.isfinite(norms)]
   clip = float(np.median(finite)) if finite.size else 1.0
   clip = max(clip, 1e-3)
-  scale = max([float(np.max(np.abs(a[np.isfinite(a)]), initial=0.0))
-               for a in (pe, pe2)] + [clip])
+  scale = max(float(np.max(np.abs(pe[np.isfinite(pe)]), initial=0.0)),
+              clip)
   return _Reference(pe, _clipped(pe, losses, clip), _clipped(pe2, losses2,
                                                              clip),
                     clip, scale)
@@ -1008,6 +1073,7 @@ def _unguarded(model: Model, d, d2, clip):
   row of the batch Jacobian (cross-example terms included) and the sums
   clipped with those rows, by plain TensorFlow."""
   def rows(data):
+    model.reset_state()
     with tf.GradientTape(persistent=True) as tape:
       losses = model.losses(*data)
     jac = tape.jacobian(losses, model.w, experimental_use_pfor=False)
