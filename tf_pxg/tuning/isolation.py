@@ -3,13 +3,12 @@
 `run_isolated(job)` runs `job()` in a fresh process and returns what it
 returns, and nothing else of the run reaches the caller:
 
-* **Process.** The run is a child of a fork server (`multiprocessing`'s
-  "forkserver" context, TensorFlow, Keras and tf_pxg imported there once,
-  before any op ran): every run starts from the same clean interpreter,
-  not from the caller's (no TF global counters, op or function ids, Keras
-  name counters, caches, objects of an earlier run) and not from another
-  run's. Where the platform has no fork server, "spawn" (slower, the same
-  guarantees).
+* **Process.** The run is a child forked from a server process
+  (`tf_pxg.tuning._fork_server`, started once, which imported TensorFlow,
+  Keras and tf_pxg and ran nothing else; it never imports the caller's
+  `__main__`): every run starts from the same clean interpreter, not from
+  the caller's (no TF global counters, op or function ids, Keras name
+  counters, caches, objects) and not from another run's.
 * **Randomness.** The child seeds Python's, NumPy's and TensorFlow's global
   generators from the OS CSPRNG (`keras.utils.set_random_seed` with 32
   bits of `secrets`) before the job runs: whatever seeds the caller set
@@ -18,38 +17,39 @@ returns, and nothing else of the run reaches the caller:
   independent and cannot be replayed to tell the winner's index.
 * **Output.** File descriptors 1 and 2 (TensorFlow's C++ logs, `tf.print`,
   warnings printed at garbage collection) and Python's streams go to
-  /dev/null for the child's whole life; Python logging is off.
+  /dev/null for the child's whole life (and the server's); Python logging
+  is off.
 * **Files.** The child works in a private directory (`cwd` and
-  `tempfile.tempdir`), which the caller removes after the child ended,
+  `tempfile.tempdir`), which the caller removes after the run ended,
   whatever happened.
 * **What crosses back:** the job's return value (pickled), or the failure's
   type and message (a string; no traceback, no object).
 
-`job` crosses the other way: it is pickled with cloudpickle when that is
-installed (closures and lambdas work), else with `pickle` (a module-level
-function or a `functools.partial` of one).
+`job` crosses the other way: pickled with cloudpickle when that is
+installed (closures, lambdas and functions of a script work), else with
+`pickle` (a module-level function or a `functools.partial` of one).
 
-Cost: one fork (and the TensorFlow runtime's start in the child) per run,
-plus the fork server's start once per process (the import of TensorFlow).
+Cost: one fork and the TensorFlow runtime's start in the child per run;
+the server's start (an import of TensorFlow) once per caller process.
 """
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import logging
-import multiprocessing
 import os
 import pickle
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any, Callable
 
-__all__ = ["IsolationError", "run_isolated"]
+from tf_pxg.tuning import _fork_server
 
-#: Modules the fork server imports once (the runs then start with them).
-PRELOAD = ["tensorflow", "keras", "tf_pxg.keras", "tf_pxg.tuning.search"]
+__all__ = ["IsolationError", "run_isolated"]
 
 
 class IsolationError(RuntimeError):
@@ -64,44 +64,70 @@ def _dumps(obj) -> bytes:
     return pickle.dumps(obj)
 
 
-def _context():
-  methods = multiprocessing.get_all_start_methods()
-  if "forkserver" in methods:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-  return multiprocessing.get_context("spawn")
+class _Server:
+  """The running fork server (started on first use, closed at exit)."""
+
+  _lock = threading.Lock()
+  _process = None
+
+  @classmethod
+  def request(cls, payload: bytes, workdir: str):
+    with cls._lock:
+      process = cls._process
+      if process is None or process.poll() is not None:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tf_pxg.tuning._fork_server"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, cwd=os.sep)
+        _fork_server.write_message(process.stdin.fileno(), list(sys.path))
+        cls._process = process
+        atexit.register(cls.close)
+      try:
+        _fork_server.write_message(process.stdin.fileno(),
+                                   (payload, workdir))
+        answer = _fork_server.read_message(process.stdout.fileno())
+      except OSError:
+        answer = None
+      if answer is None:
+        cls.close()
+        return "error", "the run's process server ended without an answer"
+      return answer
+
+  @classmethod
+  def close(cls):
+    process, cls._process = cls._process, None
+    if process is not None and process.poll() is None:
+      process.stdin.close()
+      try:
+        process.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        process.kill()
 
 
-@contextlib.contextmanager
-def _silenced():
+def _silence() -> None:
   """Descriptors 1 and 2 and Python's streams to /dev/null, logging off
   (the child's whole life: nothing is restored)."""
   devnull = os.open(os.devnull, os.O_WRONLY)
   os.dup2(devnull, 1)
   os.dup2(devnull, 2)
-  sink = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
-  sys.stdout = sys.stderr = sink
+  sys.stdout = sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
   logging.disable(logging.CRITICAL)
-  yield
 
 
-def _child(conn, payload: bytes, workdir: str) -> None:
-  """The run's process: silent, private directory, fresh OS seeds; sends
-  `("ok", pickled result)` or `("error", message)`."""
-  with _silenced():
-    try:
-      os.chdir(workdir)
-      tempfile.tempdir = workdir
-      import keras  # noqa: PLC0415
-      keras.utils.set_random_seed(secrets.randbits(32))
-      job = pickle.loads(payload)
-      conn.send(("ok", pickle.dumps(job())))
-    except BaseException as e:  # pylint: disable=broad-except
-      conn.send(("error", f"{type(e).__name__}: {e}"))
-    finally:
-      conn.close()
-  os._exit(0)  # pylint: disable=protected-access  (no atexit, no output)
+def child_main(payload: bytes, workdir: str):
+  """The run's process (forked by the server): silent, private directory,
+  fresh OS seeds; returns `("ok", pickled result)` or `("error",
+  message)`."""
+  _silence()
+  try:
+    os.chdir(workdir)
+    tempfile.tempdir = workdir
+    import keras  # noqa: PLC0415
+    keras.utils.set_random_seed(secrets.randbits(32))
+    job = pickle.loads(payload)
+    return "ok", pickle.dumps(job())
+  except BaseException as e:  # pylint: disable=broad-except
+    return "error", f"{type(e).__name__}: {e}"
 
 
 def run_isolated(job: Callable[[], Any]) -> Any:
@@ -109,7 +135,7 @@ def run_isolated(job: Callable[[], Any]) -> Any:
 
   Raises:
     IsolationError: `job` could not be pickled, raised (its type and
-      message), or the process died without an answer.
+      message), or its process died without an answer.
   """
   try:
     payload = _dumps(job)
@@ -119,25 +145,10 @@ def run_isolated(job: Callable[[], Any]) -> Any:
         f"({type(e).__name__}: {e}); define train_fn at module level (or "
         "install cloudpickle) and give it picklable arguments "
         "(functools.partial).") from None
-  ctx = _context()
   workdir = tempfile.mkdtemp(prefix="tf_pxg_run_")
-  receive, send = ctx.Pipe(duplex=False)
-  process = ctx.Process(target=_child, args=(send, payload, workdir),
-                        daemon=True)
   try:
-    process.start()
-    send.close()
-    try:
-      status, value = receive.recv()
-    except EOFError:
-      status, value = "error", (f"the run's process ended without an answer "
-                                f"(exit code {process.exitcode})")
-    process.join()
+    status, value = _Server.request(payload, workdir)
   finally:
-    receive.close()
-    if process.is_alive():
-      process.kill()
-      process.join()
     shutil.rmtree(workdir, ignore_errors=True)
   if status != "ok":
     raise IsolationError(value)
