@@ -1,5 +1,18 @@
 """`check_example_independence`: change one example, check with a plain
-`tf.GradientTape` that no other example's loss or gradient moves."""
+`tf.GradientTape` that no other example's loss or gradient moves.
+
+The check runs in named stages:
+
+1. `_check_arguments` and `_prepare`: the batch size, the examples to
+   change, the variables and the loss; the model is built.
+2. `_forward_exits`: the exits that the traced forward pass shows.
+3. The changes. `_run_search` runs the default search, whose changes are
+   in `independence_changes.py`. `_run_changes` runs an explicit change.
+   The runs themselves are in `independence_runs.py`, and `_Tally`
+   compares them.
+4. `_history_exits`: the unchanged batch is run again.
+5. `_report`: returns the result, or raises `ExampleMixingError`.
+"""
 
 from __future__ import annotations
 
