@@ -41,6 +41,7 @@ training noise has `secure_mode`.)
 
 from __future__ import annotations
 
+import copy
 import math
 import secrets
 from typing import Callable, Optional, Union
@@ -67,6 +68,18 @@ class Score:
   direction = "max"
   event: Optional[dp_accounting.DpEvent] = None
   source = ""
+
+  def for_run(self) -> "Score":
+    """The score one run releases with, in its own process: itself, or,
+    seeded (tests), a copy whose generator is seeded from this one's (so
+    the runs' noises stay independent, as one generator would make them
+    in one process)."""
+    rng = getattr(self, "_rng", None)
+    if rng is None:
+      return self
+    run = copy.copy(self)
+    run._rng = np.random.default_rng(int(rng.integers(2**63)))  # pylint: disable=protected-access
+    return run
 
   def stddev(self, model=None) -> Optional[float]:
     """The score's noise std (None: not a closed form here)."""

@@ -268,14 +268,22 @@ class PrivateSearch:
       SearchError: a run raised or released more than its plan; nothing of
         the search is returned.
     """
-    return run_search(self._draw, self._train_and_check, self.score,
+    # What each run's process gets: the user's train_fn, not this search
+    # (its generator of K and the draws stays here).
+    return run_search(self._draw,
+                      functools.partial(_train_and_check, self.train_fn),
+                      self.score,
                       self.num_runs, self._rng, self.event, self.epsilon,
                       self.delta, len(self.candidates))
 
-  def _train_and_check(self, plan: RunPlan):
-    model = self.train_fn(dict(plan.config), plan.noise_multiplier)
-    check_released(model, plan)
-    return model
+
+
+def _train_and_check(train_fn, plan: RunPlan):
+  """A run's training (in its own process): `train_fn` on the plan, its
+  ledger checked against the plan (`check_released`)."""
+  model = train_fn(dict(plan.config), plan.noise_multiplier)
+  check_released(model, plan)
+  return model
 
 
 @dataclasses.dataclass
@@ -425,7 +433,7 @@ def run_search(draw: Callable[[], RunPlan], train: Callable[[RunPlan], Any],
     plan = draw()
     try:
       value, stddev, data = isolation.run_isolated(
-          functools.partial(_one_run, train, score, plan))
+          functools.partial(_one_run, train, score.for_run(), plan))
     except isolation.IsolationError as e:
       message = str(e)
       failure = (message[len("SearchError: "):]
