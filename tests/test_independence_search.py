@@ -26,8 +26,6 @@ import tensorflow as tf
 
 from tf_pxg import testing as pxg_testing
 
-import test_example_independence as base
-
 L = keras.layers
 CHECK = pxg_testing.check_example_independence
 B, T, V, D = 4, 8, 20, 4
@@ -467,23 +465,81 @@ def test_scalar_weight_passes_the_default_search():
 # 3. The batch mixers and the random layers under the default search -------
 
 
-@pytest.mark.parametrize("name", ["mixup", "batchnorm_training",
-                                  "stop_gradient_centring",
-                                  "in_batch_negatives"])
+def _dense_model(*middle):
+  """Input(D) -> Dense(6, relu) -> middle -> Dense(3)."""
+  inputs = keras.Input((D,))
+  h = L.Dense(6, activation="relu")(inputs)
+  for layer in middle:
+    h = layer(h)
+  return _compiled(keras.Model(inputs, L.Dense(3)(h)))
+
+
+def _centre(h):
+  return h - tf.reduce_mean(h, axis=0, keepdims=True)
+
+
+def _mixup():
+  inputs = keras.Input((6, 6, 2))
+  h = L.Conv2D(3, 3, activation="relu")(L.MixUp(alpha=0.2, seed=3)(inputs))
+  model = _compiled(keras.Model(inputs, L.Dense(3)(
+      L.GlobalAveragePooling2D()(h))))
+  x = np.random.default_rng(11).standard_normal((B, 6, 6, 2))
+  return model, x.astype("float32"), _labels()
+
+
+def _two_tower():
+  """In-batch negatives: logits[a, b] = z_a(query a) . z_b(item b)."""
+  query, item = keras.Input((D,), name="query"), keras.Input((D,),
+                                                            name="item")
+  logits = L.Lambda(lambda t: tf.matmul(t[0], t[1], transpose_b=True),
+                    output_shape=(None,))([L.Dense(4)(query),
+                                           L.Dense(4)(item)])
+  model = _compiled(keras.Model({"query": query, "item": item}, logits))
+  rng = np.random.default_rng(11)
+  x = {k: rng.standard_normal((B, D)).astype("float32")
+       for k in ("query", "item")}
+  return model, x, np.arange(B)
+
+
+MIXERS = {
+    "mixup": _mixup,
+    "batchnorm_training": lambda: (_dense_model(L.BatchNormalization()),
+                                   _floats(), _labels()),
+    # Forward per example, backward mixed: only the gradients tell.
+    "stop_gradient_centring": lambda: (_dense_model(Fn(
+        lambda h: _centre(h) + tf.stop_gradient(
+            tf.reduce_mean(h, 0, keepdims=True)))), _floats(), _labels()),
+    "in_batch_negatives": _two_tower,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
 def test_mixers_are_caught_by_the_default_search(name):
-  """MixUp included: its draw maps example 0 to itself (the explicit
-  change of example 0 misses it, `test_mixup_caveat`); the search changes
-  several examples."""
-  model, x, y, _, _ = base._mixer(name)  # pylint: disable=protected-access
+  """MixUp included: its draw maps example 0 to itself, so the explicit
+  change of example 0 misses it (test_example_independence.py,
+  `test_mixup_caveat`); the search changes several examples."""
+  keras.utils.set_random_seed(7)
+  model, x, y = MIXERS[name]()
+  if name == "mixup":
+    assert CHECK(model, x, y, change="perturb").passed
   with pytest.raises(pxg_testing.ExampleMixingError) as info:
     CHECK(model, x, y)
   assert info.value.result.moved
 
 
-@pytest.mark.parametrize("name", ["dropout", "unseeded_tf_random"])
+RANDOM_MODELS = {
+    "dropout": lambda: _dense_model(L.Dropout(0.5)),
+    # Unseeded TF op: the same op seeds after re-seeding.
+    "unseeded_tf_random": lambda: _dense_model(Fn(
+        lambda h: h * tf.cast(tf.random.uniform(tf.shape(h)) > 0.5,
+                              h.dtype))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_MODELS))
 def test_random_layers_pass_the_default_search(name):
-  model, x, y = base._random_model(name)  # pylint: disable=protected-access
-  result = CHECK(model, x, y)
+  keras.utils.set_random_seed(5)
+  result = CHECK(RANDOM_MODELS[name](), _floats(), _labels())
   assert result.passed, result
 
 
