@@ -24,9 +24,14 @@ states what it needs by its `min_separation` and `whole_run_event`, and
 `check` refuses a mismatch, in one place, before any step: so a sampler
 that ignores the cyclic groups it is given cannot report BandMF's ε. A
 sampler that states cyclic groups but selects its steps itself
-(`step_indices`) is also drawn for one cycle and refused if a step takes
-an example outside the step's group (a sanity check of the statement, not
-a proof: the built-in selection is tested where it is defined).
+(`step_indices`) is drawn for its first cycle here and refused if a step
+takes an example outside the step's group; and the stream draws every
+later step through `guarded_selection` (each call checks, in TF ops, that
+the drawn indices belong to group `step mod b`, and fails the step that
+strays before its batch reaches training: one gather and one compare per
+step; `tf_pxg.data.sampling_ops.index_stream` uses it). So a selection that follows the groups in the first
+cycle and not afterwards is refused at the first step that leaves them.
+(The built-in cyclic selection is tested where it is defined.)
 
 Imports nothing of tf_pxg: it reads the sampler and the mechanism by their
 protocols (`tf_pxg.data.samplers.Sampler`,
@@ -190,3 +195,43 @@ def _check_selection(sampler, where: str) -> None:
           f"group {step % b}. Its ε would not hold: make step_indices draw "
           "step s from group s mod b only (sampler.group_index), or state "
           "the participation it has (schema).")
+
+
+def guarded_selection(sampler, where: str):
+  """The sampler's own selection (`step_indices`), checked at every step
+  of every cycle when it states b > 1 cyclic groups (module docstring);
+  else `step_indices` as it is (None: the built-in selection).
+
+  The check is data-independent (it reads the sampler's indices and the
+  group assignment, never the data) and raises `tf.errors.
+  InvalidArgumentError` from the input pipeline at the step that strays,
+  naming the sampler, the step, the example, its group and the fix.
+  """
+  select = sampler.step_indices
+  b = int(sampler.min_separation)
+  if b <= 1 or select is None:
+    return select
+  import tensorflow as tf  # noqa: PLC0415  (only for such samplers)
+  groups = tf.constant(sampler.group_index.assignment(), tf.int64)
+  name = type(sampler).__name__
+
+  def guarded(step, key=None):
+    drawn = select(step, key)
+    indices = tf.cast(drawn, tf.int64)
+    group = tf.math.floormod(tf.cast(step, tf.int64), b)
+    outside = tf.not_equal(tf.gather(groups, indices), group)
+    first = tf.gather(indices, tf.argmax(tf.cast(outside, tf.int32)))
+    check = tf.debugging.Assert(
+        tf.logical_not(tf.reduce_any(outside)),
+        [f"{where}: the sampler <{name} instance> states cyclic "
+         f"participation with min_separation={b}, but its step_indices "
+         "drew example", first, "of group",
+         tf.gather(groups, first), "at step", step, "which samples only "
+         "group", group, ". Its ε would not hold: make step_indices draw "
+         "step s from group s mod b only (sampler.group_index), in every "
+         "cycle, or state the participation it has (schema)."],
+        summarize=8)
+    with tf.control_dependencies([check]):
+      return tf.identity(drawn)
+
+  return guarded

@@ -28,6 +28,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_pxg.data import participation
 from tf_pxg.data._gaps import gap_chunk_size
 
 _URANDOM = "/dev/urandom"
@@ -259,7 +260,10 @@ def index_stream(sampler: "tf_pxg.data.PoissonSampler",
     idx, mask, end = layout(indices, p, k, r)
     return tf.data.Dataset.from_tensor_slices((idx, mask, end))
 
-  select = sampler.step_indices
+  # A sampler's own selection, checked at every step against the cyclic
+  # groups it states (tf_pxg.data.participation.guarded_selection).
+  select = participation.guarded_selection(
+      sampler, f"{type(sampler).__name__}'s stream")
   if select is not None:
     # The sampler protocol: a sampler with its own selection (e.g.
     # `tf_pxg.data.balls_in_bins`) maps (global step, key) to indices;
