@@ -337,6 +337,12 @@ _MIRRORED = textwrap.dedent("""
     y = (x[:, 0] > 0.5).astype("int32")
 
     def train(config, noise_multiplier):
+      # Each run is its own process: it makes its own devices and strategy
+      # (a strategy object does not cross processes).
+      cpu = tf.config.list_physical_devices("CPU")[0]
+      tf.config.set_logical_device_configuration(
+          cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
       with strategy.scope():
         model = dpk.DPSequential(
             [keras.Input((4,)), keras.layers.Dense(2)], l2_norm_clip=1.0,
@@ -348,10 +354,12 @@ _MIRRORED = textwrap.dedent("""
       model.fit(x, y, batch_size=16, epochs=1, verbose=0)
       return model
 
-    result = tuning.PrivateSearch(
-        [{"lr": 0.1}, {"lr": 0.5}], train, tuning.NoisyTrainingLoss(),
-        tuning.TruncatedNegativeBinomial(1.0, mean=2.0), num_examples=64,
-        batch_size=16, epochs=1, noise_multiplier=1.5, seed=1).run()
+    # The winner is rebuilt in the caller's strategy scope.
+    with strategy.scope():
+      result = tuning.PrivateSearch(
+          [{"lr": 0.1}, {"lr": 0.5}], train, tuning.NoisyTrainingLoss(),
+          tuning.TruncatedNegativeBinomial(1.0, mean=2.0), num_examples=64,
+          batch_size=16, epochs=1, noise_multiplier=1.5, seed=1).run()
     print("RESULT", result.model.distribute_strategy is strategy,
           result.model.epsilon(1e-5) == result.epsilon, result.epsilon)
     try:
