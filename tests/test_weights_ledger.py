@@ -77,35 +77,46 @@ def _trained():
 # Weights copied in memory -----------------------------------------------------
 
 
-def test_set_weights_from_a_dp_model_brings_its_history():
-  a, t1 = _trained()
+def _set_weights(a, base):
+  del base
   b = _private(_plain())
   b.set_weights(a.get_weights())
-  t2 = _fit(b)
-  assert b.epsilon(DELTA) == pytest.approx(_true(t1, t2), rel=1e-9)
-  assert b.epsilon(DELTA) > 1.3 * _true(t2)  # what it reported before
+  return b
 
 
-def test_layer_by_layer_copy_brings_its_history():
+def _layer_by_layer(a, base):
   # Layer.get_weights is Keras' own: the values registered at a's fit end.
-  a, t1 = _trained()
+  del base
   b = _private(_plain())
   for src, dst in zip(a.layers, b.layers):
     dst.set_weights(src.get_weights())
-  t2 = _fit(b)
-  assert b.epsilon(DELTA) == pytest.approx(_true(t1, t2), rel=1e-9)
+  return b
 
 
-def test_clone_model_then_set_weights_brings_its_history():
+def _clone_then_set_weights(a, base):
+  clone = keras.models.clone_model(base)
+  clone.set_weights(a.get_weights())
+  return _private(clone)
+
+
+def _backbone_under_a_new_head(a, base):
+  del base
+  return _private(keras.Sequential([keras.Input((3,)), a.layers[0],
+                                    keras.layers.Dense(2, name="new_head")]))
+
+
+@pytest.mark.parametrize("move", [_set_weights, _layer_by_layer,
+                                  _clone_then_set_weights,
+                                  _backbone_under_a_new_head])
+def test_weights_moved_in_memory_bring_their_history(move):
   keras.utils.set_random_seed(1)
   base = _plain()
   a = _private(base)
   t1 = _fit(a, epochs=2)
-  clone = keras.models.clone_model(base)
-  clone.set_weights(a.get_weights())
-  b = _private(clone)
+  b = move(a, base)
   t2 = _fit(b)
   assert b.epsilon(DELTA) == pytest.approx(_true(t1, t2), rel=1e-9)
+  assert b.epsilon(DELTA) > 1.3 * _true(t2)  # what it reported before
 
 
 def test_a_second_make_private_over_the_same_layers_shares_the_history():
@@ -123,16 +134,6 @@ def test_a_second_make_private_over_the_same_layers_shares_the_history():
   t3 = _fit(a)
   assert a.epsilon(DELTA) == pytest.approx(_true(t1, t2, t3), rel=1e-9)
   assert b.epsilon(DELTA) == pytest.approx(_true(t1, t2, t3), rel=1e-9)
-
-
-def test_a_dp_trained_backbone_under_a_new_head_brings_its_history():
-  a, t1 = _trained()
-  backbone = a.layers[0]
-  new = keras.Sequential([keras.Input((3,)), backbone,
-                          keras.layers.Dense(2, name="new_head")])
-  b = _private(new)
-  t2 = _fit(b)
-  assert b.epsilon(DELTA) == pytest.approx(_true(t1, t2), rel=1e-9)
 
 
 def test_weights_changed_outside_dp_training_warn_by_name():
