@@ -274,6 +274,37 @@ def patched(name: str) -> bool:
   return name in _PATCHES
 
 
+def install_host_read_hook(active: Callable[[], bool],
+                           on_read: Callable[[Any], None]) -> None:
+  """Calls `on_read(tensor)` whenever Python reads an eager tensor's value
+  while `active()` is true: `.numpy()`, `bool()` (an `if`, a `tf.cond` or
+  `tf.while_loop` predicate run eagerly), `int()`, `float()`, `np.asarray`.
+
+  Why: such a read takes a value out of the recorded computation, so what
+  Python then does with it (a branch, a count, a shape) is invisible to the
+  tape; TF has no public hook for it. Patched: `_numpy` of TF's
+  `_EagerTensorBase`, which every one of those reads calls (TensorFlow
+  2.16-2.21). Idempotent; `uninstall_host_read_hook` undoes it.
+  """
+  def wrap(original):
+    @functools.wraps(original)
+    def _numpy(self):
+      if active():
+        on_read(self)
+      return original(self)
+    return _numpy
+
+  _patch("EagerTensor._numpy", _eager_tensor_base(), "_numpy", wrap)
+
+
+def uninstall_host_read_hook() -> None:
+  _unpatch("EagerTensor._numpy")
+
+
+def _eager_tensor_base():
+  return _tf_module("tensorflow.python.framework.ops")._EagerTensorBase  # pylint: disable=protected-access
+
+
 def install_function_inlining(inline: Callable[[], bool]) -> None:
   """Makes a call of a `tf.function` run its Python function in the
   caller's context (`inline_call`) while `inline()` is true.
@@ -657,6 +688,8 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
     "tensor_id": lambda: isinstance(tensor_id(tf.constant(1)), int) or _fail(),
     "op_id": lambda: isinstance(op_id(_probe_graph_op()), int) or _fail(),
     "op_def_registry": lambda: op_def("MatMul").input_arg[0].name == "a"
+        or _fail(),
+    "EagerTensor._numpy": lambda: callable(_eager_tensor_base()._numpy)  # pylint: disable=protected-access
         or _fail(),
     "ops.uid": lambda: next_tensor_id() < tensor_id(tf.constant(1)) or _fail(),
     "Graph._get_function": lambda: any(

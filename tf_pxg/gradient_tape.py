@@ -214,8 +214,9 @@ class GradientTape:
       and scope) and the variable of `variables` it writes, or None.
     """
     dependent = self._dependent_ids(data)
-    writes = side_effects.data_dependent_writes(self._recorder.writes,
-                                                dependent)
+    writes = side_effects.data_dependent_writes(
+        self._recorder.writes, dependent, self._recorder.entries,
+        _compat.function_body)
     if not writes:
       return []
     by_handle = {}

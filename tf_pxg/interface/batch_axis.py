@@ -77,7 +77,8 @@ def _rule(*op_types):
 
 
 def register_row_wise(*op_types: str, rule: Optional[Rule] = None,
-                      override: bool = False) -> None:
+                      override: bool = False,
+                      row_inputs: Optional[Sequence[int]] = None) -> None:
   """Adds op types to the allowlist of ops that keep examples apart.
 
   Args:
@@ -89,6 +90,10 @@ def register_row_wise(*op_types: str, rule: Optional[Rule] = None,
       an op whose output rows for example b depend on example b's input rows
       alone.
     override: replace an existing entry instead of raising.
+    row_inputs: the indices of the inputs that may hold rows of examples
+      (default: every input, as for elementwise ops). Every other input is
+      an *argument* (a shape, size, axis, seed, bound...): one value shared
+      by the whole batch, so data reaching it is refused (`row_inputs`).
 
   Raises:
     ValueError: an op type is already on the list and `override` is False.
@@ -101,6 +106,78 @@ def register_row_wise(*op_types: str, rule: Optional[Rule] = None,
           "override=True to tf_pxg.register_row_wise to replace its rule.")
   for t in op_types:
     _RULES[t] = rule
+    if row_inputs is not None:
+      ROW_INPUTS[t] = tuple(row_inputs)
+    elif override:
+      ROW_INPUTS.pop(t, None)
+
+
+# Which inputs of an op may hold rows of examples. Every other input is an
+# *argument*: a shape, size, depth, axis, permutation, seed, slice bound,
+# multiple or default value, one value for the whole batch. Whatever the data
+# touches is data (`tf_pxg.interface.classify`), so an argument computed from
+# the data (`tf.one_hot(ids, depth=tf.reduce_max(ids) + 1)`, `x[:, :n]` with
+# `n` a longest length over the batch, a seed from token ids) lets every
+# example's computation depend on the others: `arguments_from_data` refuses
+# it. Op type -> indices of the row inputs (a negative index counts from the
+# end); an op type absent here takes rows at every input (elementwise ops,
+# contractions, per-example rules).
+ROW_INPUTS: Dict[str, Tuple[int, ...]] = {
+    # Axis permutations, reshapes, slices, pads, tiles: the tensor alone.
+    **{t: (0,) for t in (
+        "Transpose", "ConjugateTranspose", "ExpandDims", "Squeeze",
+        "Reshape", "StridedSlice", "Slice", "Unpack", "Tile", "Pad", "PadV2",
+        "MirrorPad", "ReverseV2", "Roll", "BroadcastTo", "OneHot",
+        "Bucketize", "SplitV", "SpaceToBatchND", "SpaceToBatch",
+        "BatchToSpaceND", "BatchToSpace", "StringSplitV2", "TopKV2", "TopK",
+        "ArgMax", "ArgMin", "Cumsum", "Cumprod", "CumulativeLogsumexp",
+        "Softmax", "LogSoftmax", "RGBToHSV", "HSVToRGB", "MaxPool",
+        "MaxPoolV2", "MaxPool3D", "AvgPool", "AvgPool3D",
+        "ExtractImagePatches", "ExtractVolumePatches", "ResizeBilinear",
+        "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea",
+        "ScaleAndTranslate", "DepthToSpace", "SpaceToDepth",
+        "AdjustContrastv2", "AdjustSaturation", "AdjustHue", "LRN",
+        "MaxPoolWithArgmax", "MatrixInverse", "Cholesky",
+        "MatrixDeterminant", "LogMatrixDeterminant", "Qr", "Svd",
+        "SelfAdjointEigV2", "MatrixBandPart", "MatrixDiagPartV3",
+        "MatrixDiagV3", "MatrixExponential", "MatrixLogarithm",
+        "MatrixSquareRoot", "TensorListGetItem", "TensorListPopBack",
+        "TensorListResize", "TensorListStack", "TensorListFromTensor",
+        "FFT", "IFFT", "RFFT", "IRFFT", "FFT2D", "IFFT2D", "RFFT2D",
+        "IRFFT2D", "FFT3D", "IFFT3D", "RFFT3D", "IRFFT3D",
+        # The reductions (`REDUCTIONS`): input 1 holds the axes.
+        "Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "All", "Any")},
+    "Split": (1,),
+    "ConcatV2": tuple(range(-2, -1000, -1)),  # All but the axis (last).
+    "GatherV2": (0, 1), "ResourceGather": (0, 1),
+    "DenseBincount": (0, 2), "Bincount": (0, 2),
+    "RaggedTensorToTensor": tuple(range(1, 1000)),  # Values, partitions.
+    "MatrixSetDiagV3": (0, 1),
+    "Conv2DBackpropInput": (1, 2), "Conv3DBackpropInputV2": (1, 2),
+    "ImageProjectiveTransformV2": (0, 1), "ImageProjectiveTransformV3": (0, 1),
+    "FusedPadConv2D": (0, 2), "FusedResizeAndPadConv2D": (0, 3),
+    "TensorListSetItem": (0, 2),
+    "TensorListScatter": (0, 1), "TensorListScatterV2": (0, 1),
+    "TensorListGather": (0, 1),
+    "LookupTableFindV2": (0, 1), "LookupTableFind": (0, 1),
+    # Random draws with per-element parameters: the parameters; the shape
+    # and the seed are arguments.
+    "RandomGamma": (1,), "RandomPoissonV2": (1,),
+    "StatelessRandomGammaV2": (2,), "StatelessRandomGammaV3": (4,),
+    "StatelessRandomPoisson": (2,), "StatelessRandomBinomial": (2, 3),
+    "ParameterizedTruncatedNormal": (1, 2, 3, 4),
+    "StatelessParameterizedTruncatedNormal": (2, 3, 4, 5),
+}
+
+
+def row_inputs(entry) -> Tuple[int, ...]:
+  """The indices of `entry`'s inputs that may hold rows of examples
+  (`ROW_INPUTS`; every input for op types it does not list)."""
+  n = len(entry.inputs)
+  listed = ROW_INPUTS.get(entry.op_type)
+  if listed is None:
+    return tuple(range(n))
+  return tuple(sorted({i % n for i in listed if -n <= i < n}))
 
 
 def row_wise_op_types() -> List[str]:
@@ -115,6 +192,9 @@ def _attr(entry, name, default=None):
           tf.errors.InvalidArgumentError):
     return default
   return default if v is None else v
+
+
+attr = _attr  # Attribute `name` of a recorded op, or `default`.
 
 
 def _static(t, partial: bool = False):

@@ -37,10 +37,12 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_pxg import _compat
 from tf_pxg.interface import batch_axis
 from tf_pxg.interface import batch_copies
 from tf_pxg.tape import library_constants
 from tf_pxg.tape import recording
+from tf_pxg.tape import side_effects
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
 
 PARAM, CONST, DATA = "param", "const", "data"
@@ -199,6 +201,11 @@ class Classifier:
                batch_size: Optional[int]):
     self._sources = set(source_ids)
     self._batch_size = batch_size
+    self._producer = recorder.producer
+    self._start_uid = getattr(recorder, "start_uid", None)
+    self._graph_values_memo: Dict[int, bool] = {}
+    # Integer data proven to lie in [lo, hi] (clamps by constants).
+    self._bounds: Dict[int, tuple] = {}
     self.status: Dict[int, str] = {}
     self.layouts: Dict[int, batch_axis.Layout] = {}
     self.mixing: Dict[int, str] = {}  # id(entry) -> why it mixes examples.
@@ -214,21 +221,30 @@ class Classifier:
     # Tensors whose shape depends on the values of examples -> the entry
     # that made it so (`tf_pxg.interface.batch_axis.VALUE_SHAPED`).
     self.value_shaped: Dict[int, Entry] = {}
+    # Entries with data at an argument (`argument_from_data`).
+    self.argument_creators: set = set()
     for entry in recorder.entries:
       st = CONST
       layouts = {}
       values = False
+      data_args = []  # Arguments (not rows) that hold values of examples.
+      rows = batch_axis.row_inputs(entry)
       for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs)):
         s = self.input_status(entry, i, tid, t)
         if s == DATA:
           st = DATA
           if tid not in self._fills:  # Identical rows: any layout agrees.
             layouts[i] = self.layout(tid)
-          values = values or (
-              _is_float(t.dtype) or tid in self._values or
-              i in INTEGER_DATA_INPUTS.get(entry.op_type, ()))
+          carries = (_is_float(t.dtype) or tid in self._values or
+                     i in INTEGER_DATA_INPUTS.get(entry.op_type, ()) or
+                     (tid not in self.status and self._external_values(t)))
+          values = values or carries
+          if carries and i not in rows and tid not in self._fills:
+            data_args.append(i)
         elif s == PARAM and st != DATA:
           st = PARAM
+      if st == DATA and self._clamped_to_constant(entry):
+        st, values, layouts, data_args = CONST, False, {}, []
       shape_of = self._value_shape_read(entry)
       if shape_of is not None:
         # A shape that counts the examples' values: data of the whole batch.
@@ -262,6 +278,9 @@ class Classifier:
         out_layouts, why = batch_axis.propagate(entry, layouts,
                                                  batch_size,
                                                  self._layout_of_tensor)
+        if why is None and batch_size != 1:
+          why = (argument_from_data(entry, data_args) or
+                 self._unproven_partition(entry))
         if batch_size == 1:
           # One example cannot mix with another; where a rule loses the
           # batch axis (a squeeze of every size-1 axis, say) it is axis 0.
@@ -279,7 +298,7 @@ class Classifier:
           self._batch_stats.update(entry.output_ids)
         elif why is not None and why.kind == batch_axis.REDUCES:
           self._batch_stats.update(entry.output_ids)
-      creator = self._value_shape_creator(entry)
+      creator = self._value_shape_creator(entry, data_args)
       if creator is not None:
         self.value_shaped.update(
             (tid, creator) for tid, t, lay in zip(
@@ -294,13 +313,165 @@ class Classifier:
           if values:
             self._values.add(tid)
 
-  def _value_shape_creator(self, entry: Entry) -> Optional[Entry]:
+  def _external_values(self, t) -> bool:
+    """Whether a tensor made outside the tape holds values of examples
+    rather than a literal: in a graph, unless every op it comes from is a
+    constant, a shape read or a variable read (a placeholder, an iterator's
+    element, anything computed from them holds values); eagerly, if it
+    has a row per example and existed before the tape started (a Python
+    value converted while the tape records, a literal shape say, was made
+    after)."""
+    if t.dtype in _NON_DATA_DTYPES:
+      return False
+    if tf.is_symbolic_tensor(t):
+      return self._graph_values(t)
+    # TF caches small eager constants (a slice's `[0]` may predate the
+    # tape), so eagerly only a tensor with a row per example counts.
+    lead = t.shape[0] if t.shape.rank else None
+    if self._batch_size in (None, 0, 1) or lead is None or (
+        lead % self._batch_size):
+      return False
+    tid = recording.tensor_id(t)
+    return self._start_uid is not None and tid < self._start_uid
+
+  def _graph_values(self, t) -> bool:
+    memo = self._graph_values_memo
+    stack, order = [t], []
+    while stack:  # Depth-first over producers, bounded.
+      u = stack.pop()
+      key = recording.tensor_id(u)
+      if key in memo:
+        continue
+      op = u.op
+      if op.type in _LITERAL_OPS or u.dtype in _NON_DATA_DTYPES:
+        memo[key] = False
+        continue
+      inputs = [v for v in op.inputs if v.dtype not in _NON_DATA_DTYPES]
+      if not inputs or len(order) > 500:
+        memo[key] = True  # A placeholder, an iterator: the step's data.
+        continue
+      order.append((key, inputs))
+      memo[key] = None  # In progress.
+      stack.extend(inputs)
+    for key, inputs in reversed(order):
+      memo[key] = any(memo.get(recording.tensor_id(v)) is not False
+                      for v in inputs)
+    return memo[recording.tensor_id(t)] is not False
+
+  def _interval(self, tid: int, t) -> tuple:
+    if tid in self._bounds:
+      return self._bounds[tid]
+    if self.status.get(tid, CONST) != DATA:
+      v = tf.get_static_value(t)
+      if v is not None and np.size(v) == 1:
+        v = float(np.ravel(v)[0])
+        return v, v
+    return -np.inf, np.inf
+
+  def _clamped_to_constant(self, entry: Entry) -> bool:
+    """Whether an integer `Maximum`/`Minimum` of data and constants has one
+    possible value: interval arithmetic over clamps, e.g. `tf.math.bincount`'s
+    size `min(maxlength, max(minlength, max(ids) + 1))` with `minlength ==
+    maxlength` (Keras' CategoryEncoding) is `maxlength` whatever the data.
+    Records the bounds of any other clamp of data for later ones."""
+    if entry.op_type not in ("Maximum", "Minimum", "Cast", "Identity") or not (
+        entry.outputs and entry.outputs[0].dtype.is_integer):
+      return False
+    bounds = [self._interval(tid, t)
+              for tid, t in zip(entry.input_ids, entry.inputs)]
+    if entry.op_type == "Maximum":
+      lo, hi = max(b[0] for b in bounds), max(b[1] for b in bounds)
+    elif entry.op_type == "Minimum":
+      lo, hi = min(b[0] for b in bounds), min(b[1] for b in bounds)
+    else:
+      lo, hi = bounds[0]
+    if lo == hi:
+      return True
+    if np.isfinite(lo) or np.isfinite(hi):
+      self._bounds.update((o, (lo, hi)) for o in entry.output_ids)
+    return False
+
+  def _unproven_partition(self, entry: Entry):
+    """Why a `RaggedTensorToTensor` of data may not give each example its
+    own row, or None. Its output row r holds the values its row partition
+    assigns to r, so the partition must be *proven* to follow example
+    boundaries: the row ids of a string split (`tf.strings.split` of a
+    `[B]` batch: column 0 of `StringSplitV2`'s indices, the example each
+    token came from) with the number of rows `B` (its dense shape's first
+    entry, or a constant). A constant partition over data rows (sequence
+    packing: `RaggedTensor.from_row_lengths(flat, lengths)` over the
+    flattened batch) or any other computed one is not proven."""
+    if entry.op_type != "RaggedTensorToTensor":
+      return None
+    try:
+      kinds = [k.decode() if isinstance(k, bytes) else str(k) for k in
+               recording.get_attr(entry, "row_partition_types")]
+    except (ValueError, KeyError, TypeError):
+      kinds = []
+    if self.input_status(entry, 1, entry.input_ids[1],
+                         entry.inputs[1]) != DATA:
+      return None  # Rows of constants: no example's values to move.
+    for k, (tid, t) in enumerate(zip(entry.input_ids[3:], entry.inputs[3:])):
+      kind = kinds[k] if k < len(kinds) else "?"
+      if kind == "FIRST_DIM_SIZE" and (
+          self.status.get(tid, CONST) != DATA or self._split_part(t, 2)):
+        continue
+      if kind == "VALUE_ROWIDS" and self._split_part(t, 0):
+        continue
+      return batch_axis.Mixing(
+          batch_axis.MIXES, "rebuilds a dense tensor from data rows by a "
+          f"row partition ({kind}) that tf_pxg cannot prove follows example "
+          "boundaries (only a string split's own row ids do), so a row may "
+          "hold values of several examples, as in sequence packing; keep "
+          "each example in its own row (pad to a fixed length per example)")
+    return None
+
+  def _split_part(self, t, output_index: int) -> bool:
+    """Whether `t` is column/entry 0 of output `output_index` of a
+    `StringSplitV2` (0: indices -> the row id of each token; 2: dense shape
+    -> the number of strings), through casts and identities."""
+    entry = self._producer.get(recording.tensor_id(t))
+    while entry is not None and entry.op_type in ("Cast", "Identity"):
+      entry = self._producer.get(entry.input_ids[0])
+    if entry is None or entry.op_type != "StridedSlice":
+      return False
+    source = self._producer.get(entry.input_ids[0])
+    if source is None or source.op_type != "StringSplitV2" or (
+        entry.input_ids[0] != source.output_ids[output_index]):
+      return False
+    begin = tf.get_static_value(entry.inputs[1])
+    stride = tf.get_static_value(entry.inputs[3])
+    shrink = int(batch_axis.attr(entry, "shrink_axis_mask", 0))
+    if begin is None or stride is None or np.any(np.asarray(stride) != 1):
+      return False
+    begin = np.ravel(begin)
+    if output_index == 2:
+      return begin.size == 1 and begin[0] == 0 and bool(shrink & 1)
+    return (begin.size == 2 and begin[1] == 0 and bool(shrink & 2) and
+            bool(int(batch_axis.attr(entry, "begin_mask", 0)) & 1) and
+            bool(int(batch_axis.attr(entry, "end_mask", 0)) & 1))
+
+  def carries_values(self, tid: int, t) -> bool:
+    """Whether a tensor holds values computed from the examples (DATA by
+    provenance, not a fill of the batch's shape), or, made outside the
+    tape, is one of the step's inputs (`_external_values`)."""
+    if tid not in self.status:  # Made outside the tape: an input?
+      return self._external_values(t) and self._external(t) == DATA
+    return self.status[tid] == DATA and tid not in self._fills and (
+        _is_float(t.dtype) or tid in self._values)
+
+  def _value_shape_creator(self, entry: Entry,
+                           data_args: Sequence[int] = ()) -> Optional[Entry]:
     """The entry that made the shape of `entry`'s outputs depend on the
     values of examples: the creator behind an input with such a shape, or
     `entry` itself if an input that sets its output shape
-    (`batch_axis.VALUE_SHAPED`) carries examples. None otherwise."""
+    (`batch_axis.VALUE_SHAPED`) or any argument (`data_args`, e.g. a
+    bincount's width) carries examples. None otherwise."""
     if entry.op_type in _SHAPE_OPS:
       return None  # A shape vector's own shape is its rank: static.
+    if data_args:
+      self.argument_creators.add(id(entry))
+      return entry
     for tid in entry.input_ids:
       if tid in self.value_shaped:
         return self.value_shaped[tid]
@@ -333,6 +504,11 @@ class Classifier:
     """
     if tid in self._sources:
       return PARAM
+    status = self.status.get(tid)
+    if status is not None and (_is_float(t.dtype) or tid in self._values):
+      return status  # Provenance: data at every input, whatever it sets.
+    if status is None and self._external_values(t):
+      return self._external(t)
     if (not _is_float(t.dtype) and entry.outputs and
         _is_float(entry.outputs[0].dtype) and tid not in self._values and
         i not in INTEGER_DATA_INPUTS.get(entry.op_type, ())):
@@ -417,6 +593,37 @@ class Classifier:
 
 
 
+# Ops whose output is a literal, never the step's data.
+_LITERAL_OPS = ("Const", "ReadVariableOp", "VarHandleOp", "Shape", "ShapeN",
+                "Size", "Rank", "VariableShape")
+
+
+def _argument_name(entry: Entry, i: int) -> str:
+  op_def = _compat.op_def(entry.op_type)
+  args = list(op_def.input_arg) if op_def is not None else []
+  if len(args) == len(entry.inputs):  # No list inputs: one arg each.
+    return f"'{args[i].name}'"
+  return f"input {i}"
+
+
+def argument_from_data(entry: Entry, data_args: Sequence[int]):
+  """The refusal of an op with data at an argument (`batch_axis.ROW_INPUTS`:
+  a shape, size, depth, axis, seed, slice bound...), or None.
+
+  An argument is one value for the whole batch. Computed from the data, it
+  is a function of every example (a longest length, a maximum id, a count,
+  a sum of token ids as a seed), so each example's computation would depend
+  on the others and clipping its gradient would not bound its influence;
+  with one example's values at an argument, the others depend on it."""
+  if not data_args:
+    return None
+  names = ", ".join(_argument_name(entry, i) for i in data_args)
+  return batch_axis.Mixing(
+      batch_axis.MIXES, f"takes its argument {names} (a shape, size, depth, "
+      "axis, seed, bound or other value shared by the whole batch) from the "
+      "data")
+
+
 # Examples never mix ----------------------------------------------------------
 
 _BATCH_NORMS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
@@ -436,7 +643,8 @@ def data_path(recorder: Recorder, target_id: int,
   producer = recorder.producer
   seen, stack = set(), [target_id]
   stack.extend(tid for tid, creator in classifier.value_shaped.items()
-               if batch_axis.is_value_selector(creator.op_type) and
+               if (batch_axis.is_value_selector(creator.op_type) or
+                   id(creator) in classifier.argument_creators) and
                creator.outputs and
                not tf.is_symbolic_tensor(creator.outputs[0]))
   while stack:
@@ -480,6 +688,18 @@ def _hint(entry: Entry, mixing) -> str:
             "or pad to a fixed size. Shapes "
             "that depend only on the batch size (tf.shape(x)[0], "
             "tf.reshape(x, [-1, d])) are fine.")
+  if "takes its argument" in why:
+    return (" Whatever the data touches is data, at every input of every op. "
+            "Give the argument a value that does not depend on the examples: "
+            "a constant (the vocabulary size as one_hot's depth, a fixed "
+            "sequence length to slice or pad to, a seed from the layer's "
+            "keras.random.SeedGenerator), or a shape that depends only on "
+            "the batch size (tf.shape(x)[0]). Per-example choices belong in "
+            "the rows: mask with tf.where(cond, x, y) where cond has one row "
+            "per example.")
+  if "row partition" in why:
+    return (" Split strings with tf.strings.split on a [B] batch, or pad each "
+            "example to a fixed length instead of packing sequences.")
   if "statistics" in why:
     return (" BatchNormalization in training does this; use "
             "keras.layers.GroupNormalization or "
@@ -531,3 +751,69 @@ def check_examples_independent(entries: Sequence[Entry],
         "example's loss and gradient would depend on the other examples of "
         "the batch and clipping its gradient would not bound its influence "
         f"(no per-example gradient, no DP guarantee).{_hint(entry, mixing)}")
+
+
+def check_no_data_writes(recorder: Recorder, classifier: Classifier) -> None:
+  """Raises if the recording changes state from the data: an op without
+  outputs (a variable assignment, a table insert, a summary or print), an
+  op that may change a resource it takes (`side_effects.is_resource_writer`),
+  or a `tf.cond`/`tf.while_loop`/function call whose body does
+  (`side_effects.body_writes`), with an input that holds values of examples.
+
+  Such state is read back later in the step or in later steps, saved with
+  the model or printed: an exit of the data besides the clipped, noised sum
+  (invariant 4 of docs/design.md's guarantee). The Keras step checks the
+  same with its declared data (`tf_pxg.keras._validation`); this check
+  serves the tape used directly.
+
+  Raises:
+    ValueError: naming the op, its scope and what to do instead.
+  """
+  values = set()
+  for e in list(recorder.entries) + list(recorder.writes):
+    values.update(tid for tid, t in zip(e.input_ids, e.inputs)
+                  if classifier.carries_values(tid, t))
+  writes = side_effects.data_dependent_writes(
+      recorder.writes, values, recorder.entries, _compat.function_body)
+  if writes:
+    raise ValueError(
+        f"{writes[0].describe()} changes state (a variable, a lookup table, "
+        "a TensorArray, a summary or print, or a write inside a tf.cond, "
+        "tf.while_loop or function body) from values computed from the "
+        "examples. State read back later in the step or in later steps, "
+        "saved with the model, or printed carries the data out other than "
+        "through the clipped, noised gradient sum (no DP guarantee). "
+        "Compute such state outside the DP step from public data, or make "
+        "it depend only on the weights and constants.")
+
+
+def check_no_host_reads(recorder: Recorder, classifier: Classifier) -> None:
+  """Raises if Python read, while an eager tape recorded, the value of a
+  tensor computed from the examples (`Recorder.host_reads`): an `if` on a
+  tensor, an eager `tf.cond` or `tf.while_loop` predicate, `.numpy()`,
+  `int()`. The value leaves the recorded computation, and what Python does
+  with it (which branch runs, how many iterations, a size) steers every
+  example's computation unseen: with a predicate `tf.reduce_max(x) > 10`,
+  one outlier flips every other example's branch. Inside `tf.function`
+  such reads are trace-time errors or recorded ops (`tf.cond` builds an
+  `If`), and `fit` always traces the DP step.
+
+  Raises:
+    ValueError: naming the op that computed the value and what to do.
+  """
+  for t in recorder.host_reads:
+    tid = tensor_id(t)
+    if not classifier.carries_values(tid, t):
+      continue
+    producer = recorder.producer.get(tid)
+    what = producer.describe() if producer is not None else "an input"
+    raise ValueError(
+        f"Python read the value of a tensor computed from the examples "
+        f"({what} made it) while the tape recorded eagerly: an if on a "
+        "tensor, an eager tf.cond or tf.while_loop predicate, .numpy() or "
+        "int(). That value steers the computation outside the recording, "
+        "so one example could change how every other example is computed "
+        "(no per-example gradient, no DP guarantee). Run the forward pass "
+        "in tf.function (tf.cond and tf.while_loop become recorded ops), "
+        "select per example with tf.where(cond, x, y), or decide the branch "
+        "from constants.")

@@ -47,7 +47,9 @@ from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop import rule_trace
 from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.interface.classify import (DATA, PARAM, Classifier, Interface,
-                              check_examples_independent, data_path)
+                              check_examples_independent,
+                              check_no_data_writes, check_no_host_reads,
+                              data_path)
 from tf_pxg.rules import base
 from tf_pxg.rules import factors
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
@@ -148,6 +150,8 @@ class PerExampleBackprop:
     for entry in path:  # Loops and calls the tape cannot see into first.
       self._check_visible(entry)
     check_examples_independent(path, classifier, self.vector_target)
+    check_no_data_writes(self._recorder, classifier)
+    check_no_host_reads(self._recorder, classifier)
     imperative_grad(self._producer, {target_id: [output_gradient]}, param_ids,
                     backward)
     for itf in found:  # The rule says where it takes the examples.

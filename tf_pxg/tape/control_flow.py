@@ -61,7 +61,8 @@ from tf_pxg import _compat
 
 _local = threading.local()
 _install_lock = threading.Lock()
-_installed = {"function": False, "keras": False, "custom_gradient": False}
+_installed = {"function": False, "keras": False, "custom_gradient": False,
+              "host_read": False}
 
 # Op types whose computation lives in a function body the tape did not record.
 LOOP_OPS = ("While", "StatelessWhile")
@@ -159,6 +160,9 @@ def install() -> None:
       _compat.install_custom_gradient_recording(recording,
                                                 _record_custom_gradient)
       _installed["custom_gradient"] = True
+    if not _installed["host_read"]:
+      _compat.install_host_read_hook(recording, _record_host_read)
+      _installed["host_read"] = True
     if not _installed["keras"]:
       _installed["keras"] = _compat.install_rnn_unrolling(_unrolling_rnn,
                                                           _no_cudnn)
@@ -170,6 +174,7 @@ def uninstall() -> None:
     _compat.uninstall_function_inlining()
     _compat.uninstall_rnn_unrolling()
     _compat.uninstall_custom_gradient_recording()
+    _compat.uninstall_host_read_hook()
     for name in _installed:
       _installed[name] = False
 
@@ -185,6 +190,19 @@ def _record_custom_gradient(name, outputs, inputs, backward_function) -> None:
     if not recorder.paused and recorder.graph is None:
       recorder.record_custom_gradient(name, outputs, inputs,
                                       backward_function)
+
+
+# Values read in Python, eagerly ------------------------------------------------
+
+
+def _record_host_read(tensor) -> None:
+  """Hands a Python read of an eager tensor's value (`.numpy()`, `bool()`,
+  an eager `tf.cond` predicate) to every eager recorder recording on this
+  thread (`Recorder.host_reads`); the engine refuses the read if the value
+  was computed from the examples (`classify.check_no_host_reads`)."""
+  for recorder in _recorders():
+    if not recorder.paused and recorder.graph is None:
+      recorder.host_reads.append(tensor)
 
 
 # Opaque ops ------------------------------------------------------------------

@@ -113,8 +113,15 @@ class Recorder:
     # Ops with no outputs that write state (`side_effects.WRITE_OPS`):
     # not on any gradient path, kept for the data-dependence check.
     self.writes: list[Entry] = []
+    # Eager tensors whose value Python read while recording
+    # (`control_flow._record_host_read`).
+    self.host_reads: list = []
     self._graph = None
     self._first_op_id = 0
+    # The id counter when recording first started: eagerly, a tensor with a
+    # smaller id existed before the tape (an input), one with a larger id
+    # that no recorded op made is a Python value converted during it.
+    self.start_uid: Optional[int] = None
     self._active = False
     self._watcher = None
     self.paused = 0
@@ -127,6 +134,8 @@ class Recorder:
     if self._active:
       return
     self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if self.start_uid is None:
+      self.start_uid = _compat.next_tensor_id()
     if self._graph is None:
       self._renew_watcher()
     else:
@@ -170,9 +179,13 @@ class Recorder:
           if i not in taken and tid not in self.producer and
           t.dtype == var.dtype and t.shape == var.shape]
       if len(candidates) > 1:
-        value = var.read_value()
-        same = [i for i in candidates
-                if bool(tf.reduce_all(tf.equal(inputs[i], value)))]
+        self.paused += 1  # The recorder's own reads, not the model's.
+        try:
+          value = var.read_value()
+          same = [i for i in candidates
+                  if bool(tf.reduce_all(tf.equal(inputs[i], value)))]
+        finally:
+          self.paused -= 1
         candidates = same or candidates
       if not candidates:
         continue
@@ -189,6 +202,7 @@ class Recorder:
     self.entries = []
     self.producer = {}
     self.writes = []
+    self.host_reads = []
 
   def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
                 graph=None):

@@ -29,16 +29,102 @@ before any update leaves only the noised sum as the data's way out.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
-# Op types (or prefixes) that write state and have no outputs.
-_WRITE_PREFIXES = ("Assign", "ResourceScatter", "ResourceStridedSliceAssign",
-                   "ResourceApply", "ResourceSparseApply", "Write",
-                   "TensorSummary", "ScalarSummary")
+# Every op that takes a resource (a variable, a lookup table, a TensorArray,
+# a stack, a queue, an iterator, a random generator's state) either only
+# reads it or may change it. The readers are listed; every other op with a
+# resource input, and every op with no outputs (a state write, a summary or
+# print, a table insert, a queue enqueue), may carry the data out of the
+# step, so it is a *write*: refused when its inputs depend on the data.
+# Refuse what is not proven safe: a resource op tf_pxg does not know is a
+# write.
+PURE_RESOURCE_READS = frozenset({
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+    "VarIsInitializedOp", "LookupTableFindV2", "LookupTableFind",
+    "LookupTableSizeV2", "LookupTableSize", "LookupTableExportV2",
+    "TensorArrayReadV3", "TensorArraySizeV3", "TensorArrayGatherV3",
+    "IsBoostedTreesEnsembleInitialized",
+})
+
+# Ops with no outputs that change nothing a run releases: `NoOp` (control
+# dependencies) and `Assert` (a failed assertion stops the step; XLA drops
+# it: docs/threat_model.md lists this as not covered).
+_HARMLESS_WITHOUT_OUTPUTS = frozenset({"NoOp", "Assert"})
+
+# Function-calling ops whose bodies the tape does not record op by op.
+FUNCTION_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase",
+                          "While", "StatelessWhile", "PartitionedCall",
+                          "StatefulPartitionedCall"})
+
+_RESOURCE_DTYPES = ("resource",)
 
 
 def is_write(op_type: str) -> bool:
-  """Whether an op of `op_type` (with no outputs) writes state."""
+  """Whether an op of `op_type` with no outputs may carry data out (every
+  one but `NoOp` and `Assert`)."""
+  return op_type not in _HARMLESS_WITHOUT_OUTPUTS
+
+
+def _is_resource(t) -> bool:
+  return getattr(getattr(t, "dtype", None), "name", None) in _RESOURCE_DTYPES
+
+
+def is_resource_writer(entry) -> bool:
+  """Whether a recorded op with outputs takes a resource it may change (an
+  op with a resource input that `PURE_RESOURCE_READS` does not list)."""
+  return (entry.op_type not in PURE_RESOURCE_READS and
+          entry.op_type not in FUNCTION_OPS and
+          any(_is_resource(t) for t in entry.inputs))
+
+
+def body_writes(graph, function_names: Iterable[str],
+                body: Callable[..., Optional[list]]) -> List[str]:
+  """The op types in the bodies of `function_names` (and the functions they
+  call, transitively) that may change state: outputless ops but `NoOp` and
+  `Assert`, and ops whose type reads like a resource update. An unreadable
+  body counts as writing (`"<unreadable body>"`).
+
+  Args:
+    graph: the graph that holds the calling op.
+    function_names: the functions the op calls (`If`'s branches...).
+    body: `tf_pxg._compat.function_body`.
+  """
+  found, seen, stack = [], set(), list(function_names)
+  while stack:
+    name = stack.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    nodes = body(graph, name)
+    if nodes is None:
+      found.append("<unreadable body>")
+      continue
+    for op_type, called in nodes:
+      stack.extend(called)
+      if op_type in FUNCTION_OPS or op_type in PURE_RESOURCE_READS:
+        continue
+      if writes_by_name(op_type):
+        found.append(op_type)
+  return found
+
+
+# Op types (or prefixes) that change state, as read in a function body,
+# where a node's inputs are names, not tensors.
+_WRITE_PREFIXES = ("Assign", "ResourceScatter", "ResourceStridedSliceAssign",
+                   "ResourceApply", "ResourceSparseApply", "Write",
+                   "TensorSummary", "ScalarSummary", "HistogramSummary",
+                   "ImageSummary", "AudioSummary", "Print", "LookupTableInsert",
+                   "LookupTableRemove", "LookupTableImport", "InitializeTable",
+                   "TensorArrayWrite", "TensorArrayScatter", "TensorArraySplit",
+                   "StackPush", "QueueEnqueue", "Stateful", "RngSkip",
+                   "RngReadAndSkip", "ResourceAccumulator", "Barrier",
+                   "MutexLock", "PyFunc", "EagerPyFunc")
+
+
+def writes_by_name(op_type: str) -> bool:
+  """Whether `op_type` is a known state update (`_WRITE_PREFIXES`), as read
+  where only the op's type is at hand (a function body's node)."""
   return op_type.startswith(_WRITE_PREFIXES)
 
 
@@ -59,8 +145,68 @@ def data_dependent_ids(entries: Sequence, seed_ids: Iterable[int]) -> set:
   return dependent
 
 
-def data_dependent_writes(writes: Sequence, dependent: set) -> List:
-  """The write entries whose written value (any input but the resource
-  handle, input 0) depends on the data."""
-  return [w for w in writes
-          if any(i in dependent for i in w.input_ids[1:])]
+def _written_from(entry, dependent) -> bool:
+  return any(i in dependent for i, t in zip(entry.input_ids, entry.inputs)
+             if not _is_resource(t))
+
+
+def data_dependent_writes(writes: Sequence, dependent,
+                          entries: Sequence = (),
+                          body: Optional[Callable] = None) -> List:
+  """The writes whose value depends on the data.
+
+  Args:
+    writes: the recorded ops without outputs (`Recorder.writes`).
+    dependent: ids of the data-dependent tensors (a set, or a predicate on
+      ids).
+    entries: the recorded ops with outputs; those that may change a
+      resource (`is_resource_writer`) and function calls whose bodies may
+      (`body_writes`) count too.
+    body: `tf_pxg._compat.function_body`, to read function bodies.
+
+  Returns:
+    The write entries (in recording order within each kind) with a
+    data-dependent input other than a resource handle.
+  """
+  if not callable(dependent):
+    dependent = dependent.__contains__
+  ids = _Ids(dependent)
+  found = [w for w in writes if is_write(w.op_type) and _written_from(w, ids)]
+  for entry in entries:
+    if not _written_from(entry, ids):
+      continue
+    if is_resource_writer(entry):
+      found.append(entry)
+    elif (entry.op_type in FUNCTION_OPS and entry.op is not None and
+          body is not None and body_writes(entry.op.graph,
+                                           function_names(entry.op), body)):
+      found.append(entry)
+  return found
+
+
+class _Ids:
+  """A predicate on ids as a container (`in`)."""
+
+  def __init__(self, predicate):
+    self._predicate = predicate
+
+  def __contains__(self, i) -> bool:
+    return bool(self._predicate(i))
+
+
+def function_names(op) -> List[str]:
+  """The functions a function-calling op runs (branches, body, cond, f)."""
+  names = []
+  for attr in ("f", "then_branch", "else_branch", "branches", "body",
+               "cond"):
+    try:
+      value = op.get_attr(attr)
+    except (ValueError, AttributeError):
+      continue
+    for v in value if isinstance(value, list) else [value]:
+      name = getattr(v, "name", v)
+      if isinstance(name, bytes):
+        name = name.decode()
+      if name:
+        names.append(str(name))
+  return names
