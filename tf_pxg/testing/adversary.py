@@ -14,7 +14,10 @@ op vocabulary and feeds each such input position from one of
 * `f.<kind>`: a float statistic of the whole batch (`f.mean`, `f.maxabs`,
   `f.row0`, `f.colmean`, `f.hmean`, `f.fromi`, `f.ymean` of the labels);
 * `i.<kind>`: an integer statistic of the whole batch (`i.maxid`,
-  `i.count`, `i.row0`, `i.lenmax`, `i.fromf`).
+  `i.count`, `i.row0`, `i.lenmax`, `i.fromf`, `i.argmax0`, `i.uniq`,
+  `i.freq`), and the same mixing written without a plain reduction over
+  axis 0 (`f.flatmax`, `f.tmean`, `f.gram`, `f.softmax0`, `f.l2norm0`,
+  `f.segmax`, `f.sortlast`, `f.scan`, `f.moments`).
 
 Each model is `x -> ops -> x @ W -> ops -> 0.5 * ||h - y||^2` per example,
 with `x: [B, K]` floats, `ids: [B, K]` token ids (0 is padding), `y: [B, K]`
@@ -77,14 +80,21 @@ MODES = ("eager", "function", "jit")
 OK_STATUSES = ("refused", "exact", "unsupported")
 FAIL_STATUSES = ("leak", "inexact", "bad_refusal", "crash", "invalid")
 
-F_KINDS = ("mean", "maxabs", "row0", "colmean", "hmean", "fromi", "ymean")
-I_KINDS = ("maxid", "count", "row0", "lenmax", "fromf")
+F_KINDS = ("mean", "maxabs", "row0", "colmean", "hmean", "fromi", "ymean",
+           "flatmax", "tmean", "gram", "softmax0", "l2norm0", "segmax",
+           "sortlast", "scan", "moments")
+I_KINDS = ("maxid", "count", "row0", "lenmax", "fromf", "argmax0", "uniq",
+           "freq")
 # Per kind, a threshold between its value on ordinary data and on the
 # extreme example's batch (so a condition on it flips when one example is
 # replaced).
-_F_THRESHOLD = {"mean": 1.0, "maxabs": 10.0, "row0": 10.0, "colmean": 1.0,
-                "hmean": 0.0, "fromi": 4.5, "ymean": 1.0}
-_I_THRESHOLD = {"maxid": 4, "count": 0, "row0": 4, "lenmax": 3, "fromf": 4}
+_F_THRESHOLD = {"mean": 1.0, "maxabs": 10.0, "row0": 10.0, "colmean": 3.0,
+                "hmean": 0.0, "fromi": 4.5, "ymean": 1.0, "flatmax": 10.0,
+                "tmean": 3.0, "gram": 20.0, "softmax0": 3.9, "l2norm0": 3.9,
+                "segmax": 10.0, "sortlast": 10.0, "scan": 4.0,
+                "moments": 20.0}
+_I_THRESHOLD = {"maxid": 4, "count": 0, "row0": 4, "lenmax": 3, "fromf": 4,
+                "argmax0": 13, "uniq": 4, "freq": 0}
 
 _RNG_CONST = np.random.RandomState(1234)
 _CONST_MATRIX = (_RNG_CONST.standard_normal((K, K)) * 0.5).astype(np.float32)
@@ -121,6 +131,25 @@ class _Ctx:
       return tf.cast(tf.reduce_max(self.ids), tf.float32)
     if kind == "ymean":                         # from the labels
       return tf.reduce_mean(self.y)
+    # The same mixing, written without a plain reduction over axis 0.
+    if kind == "flatmax":                       # the batch flattened away
+      return tf.reduce_max(tf.reshape(x, [-1]))
+    if kind == "tmean":                         # the batch moved to axis 1
+      return tf.reduce_mean(tf.transpose(x), axis=1)
+    if kind == "gram":                          # contracted by an einsum
+      return tf.linalg.trace(tf.einsum("bi,bj->ij", x, x)) / 16.0
+    if kind == "softmax0":                      # [B, K], normalised over B
+      return 4.0 * tf.nn.softmax(x, axis=0)
+    if kind == "l2norm0":                       # [B, K], normalised over B
+      return 4.0 * tf.math.l2_normalize(x, axis=0)
+    if kind == "segmax":                        # one segment: the batch
+      return tf.math.segment_max(x, tf.zeros_like(x[:, 0], tf.int32))[0]
+    if kind == "sortlast":                      # sorted over the batch
+      return tf.sort(x, axis=0)[-1]
+    if kind == "scan":                          # [B, K], carried over B
+      return tf.scan(lambda a, r: a + r, x) / 4.0
+    if kind == "moments":                       # the batch variance
+      return tf.nn.moments(x, axes=[0])[1]
     raise ValueError(f"unknown float statistic {kind!r}")
 
   def istat(self, kind):
@@ -137,13 +166,19 @@ class _Ctx:
                      tf.int32)
     if kind == "fromf":
       return tf.cast(tf.floor(tf.reduce_max(x)), tf.int32)
+    if kind == "argmax0":                       # which examples hold a max
+      return 16 - tf.cast(tf.reduce_sum(tf.argmax(x, axis=0)), tf.int32)
+    if kind == "uniq":                          # distinct ids in the batch
+      return tf.size(tf.unique(tf.reshape(ids, [-1])).y)
+    if kind == "freq":                          # an id's count in the batch
+      return tf.math.bincount(ids, minlength=V, maxlength=V)[V - 1]
     raise ValueError(f"unknown integer statistic {kind!r}")
 
   def flag(self, src):
     """A scalar bool statistic that flips on the extreme example."""
     fam, kind = src.split(".")
     if fam == "f":
-      return tf.reduce_mean(self.fstat(kind)) > _F_THRESHOLD[kind]
+      return tf.reduce_max(self.fstat(kind)) > _F_THRESHOLD[kind]
     return self.istat(kind) > _I_THRESHOLD[kind]
 
   # Typed values for a position.
@@ -269,6 +304,8 @@ def _matmul(h, ctx, f, v, r):
     m = tf.constant(_CONST_MATRIX)
   else:
     stat = ctx.frow(src)
+    if stat.shape.rank == 2:
+      stat = tf.reduce_mean(stat, axis=0)
     m = eye + 0.3 * stat * tf.ones([K, K]) if stat.shape.rank == 0 else (
         eye + 0.3 * tf.einsum("i,j->ij", stat, stat))
   return tf.matmul(h, m) if v == 0 else tf.einsum("bk,kj->bj", h, m)
@@ -538,8 +575,11 @@ def _assign(h, ctx, f, v, r):
   (variant 1: the assignment inside a `tf.cond` branch on `pred`)."""
   src = f["value"]
   var = r["rows"] if src == "ex" else r["row"]
-  value = (tf.sin(ctx.x) if src == "ex" else
-           tf.broadcast_to(ctx.frow(src, 0.4), [K]))
+  value = tf.sin(ctx.x) if src == "ex" else ctx.frow(src, 0.4)
+  if src != "ex":
+    if value.shape.rank == 2:
+      value = tf.reduce_mean(value, axis=0)
+    value = tf.broadcast_to(value, [K])
 
   def write():
     var.assign(value)
@@ -778,27 +818,41 @@ class _Refusal(ValueError):
   """The DP train step's refusal of a data-dependent state write."""
 
 
+def _forward(model: Model, data):
+  """The forward pass under `tf_pxg.GradientTape` (persistent), then the DP
+  train step's refusal of a data-dependent state write."""
+  from tf_pxg.gradient_tape import GradientTape  # noqa: PLC0415
+  model.reset_state()
+  tape = GradientTape(persistent=True)
+  with tape:
+    losses = model.losses(*data)
+  writes = tape.data_dependent_writes(data, model.state_variables)
+  if writes:
+    raise _Refusal(f"{writes[0][0].describe()} writes state from the data")
+  return tape, losses
+
+
+def _pxg_first(model: Model, d):
+  """Stage 1 on D: the forward pass and `per_example_gradient` (where the
+  engine refuses a model, before any clipping)."""
+  tape, losses = _forward(model, d)
+  return tape, losses, tape.per_example_gradient(losses, [model.w])[0]
+
+
+def _pxg_rest(model: Model, tape, losses, d2, clip):
+  """Stage 2: `clipped_gradient_sum` on D (same tape) and on D'."""
+  cs = tape.clipped_gradient_sum(losses, [model.w], clip)[0][0]
+  tape2, losses2 = _forward(model, d2)
+  cs2 = tape2.clipped_gradient_sum(losses2, [model.w], clip)[0][0]
+  return cs, cs2
+
+
 def _pxg(model: Model, d, d2, clip):
   """What DP training computes, under `tf_pxg.GradientTape`: per-example
   gradients and the clipped sum on D, the clipped sum on D'. Raises the
   tape's refusal, or the train step's (a data-dependent state write)."""
-  from tf_pxg.gradient_tape import GradientTape  # noqa: PLC0415
-
-  def forward(data):
-    model.reset_state()
-    tape = GradientTape(persistent=True)
-    with tape:
-      losses = model.losses(*data)
-    writes = tape.data_dependent_writes(data, model.state_variables)
-    if writes:
-      raise _Refusal(f"{writes[0][0].describe()} writes state from the data")
-    return tape, losses
-
-  tape, losses = forward(d)
-  pe = tape.per_example_gradient(losses, [model.w])[0]
-  cs = tape.clipped_gradient_sum(losses, [model.w], clip)[0][0]
-  tape2, losses2 = forward(d2)
-  cs2 = tape2.clipped_gradient_sum(losses2, [model.w], clip)[0][0]
+  tape, losses, pe = _pxg_first(model, d)
+  cs, cs2 = _pxg_rest(model, tape, losses, d2, clip)
   return pe, cs, cs2
 
 
@@ -901,13 +955,17 @@ def _error_outcome(comp, mode, err, model, d, **kw) -> Outcome:
     return Outcome(comp, mode, "refused" if "op '" in str(err) else
                    "bad_refusal", error=msg, **kw)
   try:
-    if mode == "eager":
-      _plain(model, d)
-    else:
+    _plain(model, d)
+  except Exception as plain:  # noqa: BLE001  (the model itself is broken)
+    return Outcome(comp, mode, "invalid", error=(
+        f"plain TensorFlow fails eagerly too: {type(plain).__name__}: "
+        f"{plain}").splitlines()[0][:300], **kw)
+  if mode != "eager":
+    try:
       tf.function(_plain_fn(model), jit_compile=(mode == "jit"),
                   autograph=False)(*d)
-  except Exception:  # noqa: BLE001  (any failure of plain TF)
-    return Outcome(comp, mode, "unsupported", error=msg, **kw)
+    except Exception:  # noqa: BLE001  (plain TF cannot run it in this mode)
+      return Outcome(comp, mode, "unsupported", error=msg, **kw)
   return Outcome(comp, mode, "crash", error=msg + " | " + "".join(
       traceback.format_exception_only(type(err), err))[-300:], **kw)
 
@@ -1011,11 +1069,12 @@ def check_models(compositions: Sequence, modes: Sequence[str] = MODES,
   one `Outcome` per (model, mode), in the order of `compositions` and then
   `modes`. `seeds` are the models' kernel seeds (default 0).
 
-  Order of work (each model still runs in every mode): eagerly with a
-  provisional clip (a refusal comes before any clipping), then each
-  graph/XLA chunk is traced; the reference runs only for the models some
-  mode accepted, and only those are run again (eagerly) or called (the
-  traced chunks) with their clip norm."""
+  Order of work (each model still runs in every mode): eagerly up to
+  `per_example_gradient` (a refusal comes before any clipping; the
+  persistent tape is kept), then each graph/XLA chunk is traced; the
+  reference runs only for the models some mode accepted, and only those
+  go on (eagerly, on the kept tape) or are called (the traced chunks) with
+  their clip norm."""
   d, d2 = make_data(data_seed)
   cases = []
   for j, comp in enumerate(compositions):
@@ -1023,47 +1082,73 @@ def check_models(compositions: Sequence, modes: Sequence[str] = MODES,
     cases.append(_Case(j, str(comp), Model(Composition.parse(str(comp)),
                                            seed), seed, data_seed))
   eager_errors: Dict[int, Exception] = {}
+  eager_first = {}
   if "eager" in modes:
-    for c in cases:
-      try:
-        _pxg(c.model, d, d2, 1.0)
-      except Exception as err:  # noqa: BLE001
-        eager_errors[c.index] = err
-  chunks = {m: [_Chunk(cases[s:s + chunk], m, d, d2)
-                for s in range(0, len(cases), chunk)]
-            for m in modes if m != "eager"}
-  for k, c in enumerate(cases):
-    wanted = ("eager" in modes and c.index not in eager_errors) or any(
-        ch[k // chunk].accepted(k % chunk) for ch in chunks.values())
-    if wanted:
-      try:
-        c.ref = reference(c.model, d, d2)
-      except Exception as err:  # noqa: BLE001  (a generator bug)
-        c.ref_error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    with _timed("eager"):
+      for c in cases:
+        try:
+          eager_first[c.index] = _pxg_first(c.model, d)
+        except Exception as err:  # noqa: BLE001
+          eager_errors[c.index] = err
+  chunks = {}
+  for m in modes:
+    if m != "eager":
+      with _timed(f"trace {m}"):
+        chunks[m] = [_Chunk(cases[s:s + chunk], m, d, d2)
+                     for s in range(0, len(cases), chunk)]
+  with _timed("reference"):
+    for k, c in enumerate(cases):
+      wanted = c.index in eager_first or any(
+          ch[k // chunk].accepted(k % chunk) for ch in chunks.values())
+      if wanted:
+        try:
+          c.ref = reference(c.model, d, d2)
+        except Exception as err:  # noqa: BLE001  (a generator bug)
+          c.ref_error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
   outcomes = {}
-  for c in cases:
-    if "eager" not in modes:
-      break
-    if c.index in eager_errors:
-      outcomes[(c.index, "eager")] = _error_outcome(
-          c.comp, "eager", eager_errors[c.index], c.model, d, **c.kw)
-    elif c.ref is None:
-      outcomes[(c.index, "eager")] = Outcome(c.comp, "eager", "invalid",
-                                             error=c.ref_error, **c.kw)
-    else:
-      outcomes[(c.index, "eager")] = _run_eager(c, d, d2)
+  with _timed("eager"):
+    for c in cases:
+      if "eager" not in modes:
+        break
+      if c.index in eager_errors:
+        outcomes[(c.index, "eager")] = _error_outcome(
+            c.comp, "eager", eager_errors[c.index], c.model, d, **c.kw)
+      elif c.ref is None:
+        outcomes[(c.index, "eager")] = Outcome(c.comp, "eager", "invalid",
+                                               error=c.ref_error, **c.kw)
+      else:
+        outcomes[(c.index, "eager")] = _run_eager(
+            c, eager_first.pop(c.index), d2)
   for m, chs in chunks.items():
-    for ch in chs:
-      for c, o in zip(ch.cases, ch.outcomes()):
-        outcomes[(c.index, m)] = o
+    with _timed(f"run {m}"):
+      for ch in chs:
+        for c, o in zip(ch.cases, ch.outcomes()):
+          outcomes[(c.index, m)] = o
   return [outcomes[(j, m)] for j in range(len(compositions)) for m in modes]
 
 
-def _run_eager(case: _Case, d, d2) -> Outcome:
+# CPU seconds (`time.process_time`) spent per phase, summed over calls.
+TIMINGS: Dict[str, float] = {}
+
+
+class _timed:
+  def __init__(self, name):
+    self.name = name
+
+  def __enter__(self):
+    self.t0 = time.process_time()
+
+  def __exit__(self, *exc):
+    TIMINGS[self.name] = TIMINGS.get(self.name, 0.0) + (
+        time.process_time() - self.t0)
+
+
+def _run_eager(case: _Case, first, d2) -> Outcome:
+  tape, losses, pe = first
   try:
-    pe, cs, cs2 = _pxg(case.model, d, d2, case.ref.clip)
+    cs, cs2 = _pxg_rest(case.model, tape, losses, d2, case.ref.clip)
   except Exception as err:  # noqa: BLE001
-    return _error_outcome(case.comp, "eager", err, case.model, d, **case.kw)
+    return _error_outcome(case.comp, "eager", err, case.model, d2, **case.kw)
   return _judge(case.comp, "eager", case.ref, pe.numpy(), cs.numpy(),
                 cs2.numpy(), **case.kw)
 
