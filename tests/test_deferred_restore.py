@@ -103,3 +103,17 @@ def test_deferred_restore_binds_the_adaptive_clip(tmp_path):
   status.assert_consumed()
   assert b.optimizer.current_l2_norm_clip == a.optimizer.current_l2_norm_clip
   assert a.optimizer.current_l2_norm_clip != 1.0
+
+
+def test_deferred_restore_binds_the_blt_state(tmp_path):
+  from tf_pxg.dp import blt  # pylint: disable=import-outside-toplevel
+  mech = blt.BLT(num_steps=64, min_separation=2, num_buffers=3)
+  a, path = _saved(tmp_path, noise_mechanism=mech)
+  b = _model(noise_mechanism=mech)
+  status = tf.train.Checkpoint(model=b).restore(path)
+  b.optimizer.build(b.trainable_variables)
+  status.assert_consumed()
+  saved, restored = a.optimizer.dp_state.noise, b.optimizer.dp_state.noise
+  assert np.abs(saved[0].numpy()).max() > 0
+  for u, v in zip(saved, restored):
+    np.testing.assert_array_equal(u.numpy(), v.numpy())

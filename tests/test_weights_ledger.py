@@ -254,3 +254,18 @@ def test_the_ledger_is_not_a_weight_and_warns_nothing_on_plain_paths(
     a.save(tmp_path / "a.keras")
     loaded = keras.models.load_model(tmp_path / "a.keras")
     _fit(loaded)
+
+
+def test_custom_loop_steps_claim_no_epsilon():
+  # A custom loop calling the DP step in its own tf.function: noised
+  # steps no sampler the ledger knows drew; counted at the next read.
+  keras.utils.set_random_seed(4)
+  model = _private(_plain())
+  x, y = _data()
+  step = tf.function(model.train_step)
+  for i in range(2):
+    step((x[8 * i:8 * i + 8], y[8 * i:8 * i + 8], None))
+  assert int(model.optimizer.iterations.numpy()) == 2
+  assert model.epsilon(DELTA) == math.inf
+  assert [(r["steps"], r["claimed"])
+          for r in model.privacy_ledger.runs()] == [(2, False)]
