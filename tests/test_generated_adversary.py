@@ -212,8 +212,10 @@ def test_every_statistic_moves_when_one_example_is_replaced():
       stat = ctx.fstat(kind) if fam == "f" else ctx.istat(kind)
       values.append(np.asarray(stat))
       flags.append(bool(ctx.flag(f"{fam}.{kind}")))
+    if kind == "uniq":     # the count of distinct ids may stay the same
+      continue
     assert not np.array_equal(values[0], values[1]), kind
-    if kind not in ("hmean", "uniq"):  # hmean depends on W; uniq on the ids
+    if kind != "hmean":    # hmean depends on W and the op's place
       assert flags[0] != flags[1], (kind, values)
 
 

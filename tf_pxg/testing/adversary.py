@@ -75,7 +75,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-B, K, V = 4, 4, 6          # batch, width, vocabulary (ids in [0, V))
+B, K, V = 4, 6, 6          # batch, width, vocabulary (ids in [0, V))
+# K != B: a constant with a dimension of the batch size may be taken for
+# a batch of examples (tf_pxg refuses it, conservatively), which would hide
+# every model that uses one.
 MODES = ("eager", "function", "jit")
 OK_STATUSES = ("refused", "exact", "unsupported")
 FAIL_STATUSES = ("leak", "inexact", "bad_refusal", "crash", "invalid")
@@ -93,15 +96,17 @@ _F_THRESHOLD = {"mean": 1.0, "maxabs": 10.0, "row0": 10.0, "colmean": 3.0,
                 "tmean": 3.0, "gram": 20.0, "softmax0": 3.9, "l2norm0": 3.9,
                 "segmax": 10.0, "sortlast": 10.0, "scan": 4.0,
                 "moments": 20.0}
-_I_THRESHOLD = {"maxid": 4, "count": 0, "row0": 4, "lenmax": 3, "fromf": 4,
-                "argmax0": 13, "uniq": 4, "freq": 0}
+_I_THRESHOLD = {"maxid": 4, "count": 0, "row0": 4, "lenmax": K - 1,
+                "fromf": 4, "argmax0": K * (B - 1) - 1, "uniq": 4, "freq": 0}
 
 _RNG_CONST = np.random.RandomState(1234)
 _CONST_MATRIX = (_RNG_CONST.standard_normal((K, K)) * 0.5).astype(np.float32)
 _CONST_MATRIX2 = (_RNG_CONST.standard_normal((2 * K, K)) * 0.5).astype(
     np.float32)
-_CONST_IDS = np.array([1, 3, 0, 2], np.int32)
-_CONST_ROW = np.array([0.3, -0.2, 0.5, 0.1], np.float32)
+_CONST_IDS = np.array([1, 3, 0, 2, 5, 4], np.int32)
+_CONST_ROW = np.array([0.3, -0.2, 0.5, 0.1, -0.4, 0.2], np.float32)
+_CONST_PERM = np.array([2, 0, 3, 1, 5, 4], np.int32)
+_CONST_MASK = np.array([True, False, True, True, False, True])
 
 
 # The op input's sources -------------------------------------------------------
@@ -167,7 +172,8 @@ class _Ctx:
     if kind == "fromf":
       return tf.cast(tf.floor(tf.reduce_max(x)), tf.int32)
     if kind == "argmax0":                       # which examples hold a max
-      return 16 - tf.cast(tf.reduce_sum(tf.argmax(x, axis=0)), tf.int32)
+      return K * (B - 1) - tf.cast(tf.reduce_sum(tf.argmax(x, axis=0)),
+                                   tf.int32)
     if kind == "uniq":                          # distinct ids in the batch
       return tf.size(tf.unique(tf.reshape(ids, [-1])).y)
     if kind == "freq":                          # an id's count in the batch
@@ -203,13 +209,13 @@ class _Ctx:
     """A scalar int32 in [lo, lo + span)."""
     if src == "const":
       return tf.constant(const, tf.int32)
-    if src.startswith("f."):
-      stat = tf.cast(tf.floor(tf.reduce_mean(self.fstat(src[2:]))), tf.int32)
-    else:
-      stat = self.istat(src[2:])
-    # Modulo 3 where the range allows: every statistic's ordinary and
-    # extreme values (0 vs 8, 4 vs 5, 3 vs 4, 2 vs 25) stay apart.
-    return lo + tf.math.floormod(stat, min(span, 3))
+    # The statistic's flag (calibrated to flip when one example is replaced
+    # by the extreme one): a value computed from the statistic that differs
+    # between the two batches, whatever the statistic's own values (a
+    # modulus of them can coincide). Raw statistics feed one_hot's depth,
+    # the slice end and sequence_mask's maxlen directly.
+    del span
+    return lo + tf.cast(self.flag(src), tf.int32)
 
   def iex(self, src, n):
     """`[B, K]` int32 in [0, n): per-example ids, a constant pattern, or a
@@ -227,7 +233,7 @@ class _Ctx:
     if src == "ex":
       return self.x > 0.0
     if src == "const":
-      c = tf.constant([True, False, True, True])
+      c = tf.constant(_CONST_MASK)
       if shape_bk:
         return tf.broadcast_to(c, tf.shape(self.x))
       return tf.constant(True)
@@ -341,7 +347,7 @@ def _gather(h, ctx, f, v, r):
   if src == "ex":
     return tf.gather(h, ctx.iex("ex", K), axis=1, batch_dims=1)
   if src == "const":
-    return tf.gather(h, tf.constant([2, 0, 3, 1]), axis=1)
+    return tf.gather(h, tf.constant(_CONST_PERM), axis=1)
   s = ctx.iscalar(src, 0, K, 0)
   if v == 1:
     n = tf.shape(h)[0]
@@ -766,7 +772,7 @@ class Model:
 # Data ---------------------------------------------------------------------
 
 
-EXTREME_X = np.array([25.0, 24.0, 23.0, 22.0], np.float32)
+EXTREME_X = np.arange(25.0, 25.0 - K, -1.0).astype(np.float32)
 
 
 def make_data(seed: int):
