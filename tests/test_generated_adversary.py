@@ -21,11 +21,12 @@ Size: `TF_PXG_ADVERSARY_MODELS=N` or `pytest --adversary-models=N` (default
 shard's counts go to `$TF_PXG_ADVERSARY_REPORT/shard_<k>.json` when that
 variable names a directory.
 
-Every failure the generator has found is a fixed case in `REGRESSIONS`; a
-class the engine still leaks is marked `xfail(strict=True)` there and listed
-in `KNOWN_LEAKS`, whose matches among the generated models are reported,
-not failed (a fixed class turns its strict xfail into a failure, which
-says to remove both).
+Every failure the generator has found is a fixed case in `REGRESSIONS`. A
+class the engine still leaks would be marked `xfail(strict=True)` there and
+listed in `KNOWN_LEAKS`, whose matches among the generated models are
+reported, not failed (a fixed class turns its strict xfail into a failure,
+which says to remove both). None is open: the one class found (eager
+tf.cond / tf.while_loop predicates) is refused since df52507.
 """
 
 from __future__ import annotations
@@ -83,9 +84,11 @@ def _eager_host_branch(comp: A.Composition) -> bool:
   return False
 
 
-KNOWN_LEAKS = [
-    ("eager tf.cond / tf.while_loop on a batch statistic (host-side "
-     "predicate)", "eager", _eager_host_branch),
+KNOWN_LEAKS: list = [
+    # (name, mode, predicate): none open. Closed: "eager tf.cond /
+    # tf.while_loop on a batch statistic (host-side predicate)", mode
+    # "eager", predicate _eager_host_branch (refused since df52507: the
+    # tape refuses an eager Python read of a data value).
 ]
 
 
@@ -127,22 +130,32 @@ def test_generated_models(shard):
 # Every failure the generator found, as a fixed case: (composition, model
 # seed, data seed). Also the issue's own classes, written in the
 # generator's vocabulary, so each is checked in every mode.
-_KNOWN_EAGER = pytest.mark.xfail(
-    strict=True, reason="eager tf.cond / tf.while_loop read a batch "
-    "statistic on the host (issue 49: a Python branch on a tensor is data)")
-
-
 def _case(comp, seed=0, data_seed=0, marks=()):
   return pytest.param(comp, seed, data_seed, marks=marks, id=comp)
 
 
 REGRESSIONS = [
-    # Found by the generator (eager only; graph and XLA refuse them).
-    _case("cond[pred=f.maxabs] > W", 234, 2, _KNOWN_EAGER),
-    _case("W > while_loop[n=i.count,step=ex]", 0, 0, _KNOWN_EAGER),
-    _case("W > cond[pred=f.mean]", 0, 0, _KNOWN_EAGER),
-    _case("cond[pred=i.maxid] > W > gather:1[idx=ex]", 280, 0, _KNOWN_EAGER),
-    _case("W > unary:2 > cond[pred=i.maxid]", 179, 3, _KNOWN_EAGER),
+    # Found by the generator (K = 4, before df52507): eager only, a
+    # tf.cond / tf.while_loop predicate read on the host; graph and XLA
+    # refused them. Leaks (influence above 2C) first, then inexact ones.
+    _case("cond[pred=f.maxabs] > W", 234, 2),
+    _case("W > while_loop[n=i.count,step=ex]", 0, 0),
+    _case("tile[multiples=const] > cond[pred=i.row0] > W", 849, 1),
+    _case("cond[pred=i.fromf] > W > while_loop[n=const,step=ex]", 1311, 3),
+    _case("while_loop[n=const,step=ex] > cond[pred=f.row0] > W > "
+          "reduce:2[axis=const]", 403, 3),
+    _case("sort:1[k=const] > cond[pred=f.row0] > W", 586, 2),
+    _case("cond[pred=i.count] > W > gather[idx=ex]", 1177, 1),
+    _case("slice:1[begin=i.maxid,end=const] > cond[pred=f.ymean] > "
+          "broadcast_to[shape=const] > W", 1077, 1),
+    _case("cond[pred=f.row0] > W > where3:1[cond=ex]", 368, 0),
+    _case("W > cond[pred=f.mean]", 0, 0),
+    _case("cond[pred=i.maxid] > W > gather:1[idx=ex]", 280, 0),
+    _case("W > unary:2 > cond[pred=i.maxid]", 179, 3),
+    _case("while_loop[n=f.row0,step=ex] > W", 241, 1),
+    _case("W > cond[pred=f.hmean]", 1920, 0),
+    _case("W > while_loop[n=f.hmean,step=ex] > pad[paddings=const,"
+          "value=const]", 797, 1),
     # XLA's stateless normal sampler is not TensorFlow's (a generator
     # artefact, fixed in the generator: the model is not mode-invariant).
     _case("W > random:1[seed=const,lo=const]", 1040, 0),
