@@ -115,9 +115,10 @@ _CONST_MASK = np.array([True, False, True, True, False, True])
 class _Ctx:
   """What an op can read: the raw inputs and the current data path `h`."""
 
-  def __init__(self, x, ids, w, y=None):
+  def __init__(self, x, ids, w, y=None, pre=None):
     self.x, self.ids, self.w, self.y = x, ids, w, y
     self.h = None
+    self.pre = pre
 
   # Batch statistics (mix the examples by construction).
   def fstat(self, kind):
@@ -180,20 +181,29 @@ class _Ctx:
       return tf.math.bincount(ids, minlength=V, maxlength=V)[V - 1]
     raise ValueError(f"unknown integer statistic {kind!r}")
 
+  def stat(self, src):
+    """The statistic a source names: `f.<kind>` / `i.<kind>` computed
+    here, on the tape; `pf.<kind>` / `pi.<kind>` computed before the tape
+    started (`Model.prestats`)."""
+    fam, kind = src.split(".")
+    if fam.startswith("p") and self.pre is not None:
+      return self.pre[src]
+    return self.fstat(kind) if fam.endswith("f") else self.istat(kind)
+
   def flag(self, src):
     """A scalar bool statistic that flips on the extreme example."""
     fam, kind = src.split(".")
-    if fam == "f":
-      return tf.reduce_max(self.fstat(kind)) > _F_THRESHOLD[kind]
-    return self.istat(kind) > _I_THRESHOLD[kind]
+    if fam.endswith("f"):
+      return tf.reduce_max(self.stat(src)) > _F_THRESHOLD[kind]
+    return self.stat(src) > _I_THRESHOLD[kind]
 
   # Typed values for a position.
   def fscalar(self, src, const):
     if src == "const":
       return tf.constant(const, tf.float32)
-    if src.startswith("i."):
-      return tf.cast(self.istat(src[2:]), tf.float32)
-    return tf.reduce_mean(self.fstat(src[2:]))
+    if src.split(".")[0].endswith("i"):
+      return tf.cast(self.stat(src), tf.float32)
+    return tf.reduce_mean(self.stat(src))
 
   def frow(self, src, const=0.5):
     """Broadcastable to `[B, K]`."""
@@ -201,9 +211,9 @@ class _Ctx:
       return tf.sin(self.x)
     if src == "const":
       return tf.constant(const, tf.float32) * _CONST_ROW
-    if src.startswith("i."):
-      return tf.cast(self.istat(src[2:]), tf.float32)
-    return self.fstat(src[2:])
+    if src.split(".")[0].endswith("i"):
+      return tf.cast(self.stat(src), tf.float32)
+    return self.stat(src)
 
   def iscalar(self, src, lo, span, const):
     """A scalar int32 in [lo, lo + span)."""
@@ -240,11 +250,22 @@ class _Ctx:
     return self.flag(src)
 
 
-_STATS = tuple(f"f.{k}" for k in F_KINDS) + tuple(f"i.{k}" for k in I_KINDS)
+# Statistics computed before the tape starts (eagerly, a tensor the tape
+# never saw made; in a graph, ops of the same function before the tape).
+PRE_STATS = ("pf.mean", "pf.maxabs", "pf.row0", "pf.colmean", "pi.maxid",
+             "pi.count", "pi.row0", "pi.lenmax")
+_STATS = (tuple(f"f.{k}" for k in F_KINDS) +
+          tuple(f"i.{k}" for k in I_KINDS) + PRE_STATS)
 # Position kinds: which sources a position accepts.
 ALL = ("const", "ex") + _STATS          # a tensor that may be [B, ...]
 SCALAR = ("const",) + _STATS            # a scalar: no per-example value
-AXIS = ("const", "batch") + tuple(f"i.{k}" for k in I_KINDS)
+AXIS = ("const", "batch") + tuple(f"i.{k}" for k in I_KINDS) + tuple(
+    s for s in PRE_STATS if s.startswith("pi."))
+
+
+def is_stat(src: str) -> bool:
+  """Whether a source is a batch statistic (on the tape or before it)."""
+  return src.split(".")[0] in ("f", "i", "pf", "pi")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,8 +388,8 @@ def _one_hot(h, ctx, f, v, r):
   """`h * logsumexp(2 * one_hot(idx, depth), -1)`: the depth counts."""
   depth = ctx.iscalar(f["depth"], 2, V, V) if f["depth"] != "const" else (
       tf.constant(V))
-  if f["depth"].startswith("i.maxid"):
-    depth = ctx.istat("maxid") + 1        # the issue's one-hot
+  if f["depth"] in ("i.maxid", "pi.maxid"):
+    depth = ctx.stat(f["depth"]) + 1      # the issue's one-hot
   oh = tf.one_hot(ctx.iex(f["idx"], V), depth)
   return h * 0.5 * tf.reduce_logsumexp(2.0 * oh, axis=-1)
 
@@ -387,8 +408,8 @@ def _sequence_mask(h, ctx, f, v, r):
     lengths = tf.fill([n], ctx.iscalar(src, 1, 3, 2))
   maxlen = (tf.constant(K) if f["maxlen"] == "const" else
             ctx.iscalar(f["maxlen"], 2, 3, K))
-  if f["maxlen"] == "i.lenmax":
-    maxlen = ctx.istat("lenmax")
+  if f["maxlen"] in ("i.lenmax", "pi.lenmax"):
+    maxlen = ctx.stat(f["maxlen"])
   m = tf.cast(tf.sequence_mask(lengths, maxlen), tf.float32)
   return h * (1.0 + tf.reduce_mean(m, axis=1, keepdims=True))
 
@@ -426,8 +447,8 @@ def _slice(h, ctx, f, v, r):
   the batch trimmed to its longest sequence)."""
   begin = ctx.iscalar(f["begin"], 0, 2, 0)
   end = ctx.iscalar(f["end"], 2, K - 1, 3)
-  if f["end"] == "i.lenmax":
-    end = ctx.istat("lenmax")
+  if f["end"] in ("i.lenmax", "pi.lenmax"):
+    end = ctx.stat(f["end"])
   if v == 1:
     t = h[:, :end]
     t = tf.pad(t, tf.stack([[0, 0], [0, K - tf.shape(t)[1]]]))
@@ -483,7 +504,7 @@ def _where1(h, ctx, f, v, r):
   """`tf.where(cond)` (coordinates): 0 scatters ones back as a mask, 1 uses
   the count of true elements, 2 gathers and scatters the selected values."""
   src = f["cond"]
-  if src.startswith(("f.", "i.")):
+  if is_stat(src):
     cond = ctx.x > ctx.fscalar(src, 0.0) * 0.1
   else:
     cond = ctx.cond(src)
@@ -752,8 +773,20 @@ class Model:
     for v in self.state_variables:
       v.assign(tf.zeros_like(v))
 
-  def __call__(self, x, ids, y=None):
+  def prestats(self, x, ids, y=None):
+    """The statistics the composition reads from before the tape (its
+    `pf.` / `pi.` sources), computed from the batch now."""
     ctx = _Ctx(x, ids, self.w, tf.zeros_like(x) if y is None else y)
+    ctx.h = x
+    wanted = {src for s in self.composition.steps for _, src in s.feeds
+              if src.split(".")[0] in ("pf", "pi")}
+    return {src: (ctx.fstat if src.startswith("pf.") else ctx.istat)(
+        src.split(".")[1]) for src in sorted(wanted)}
+
+  def __call__(self, x, ids, y=None, pre=None):
+    y = tf.zeros_like(x) if y is None else y
+    ctx = _Ctx(x, ids, self.w, y,
+               self.prestats(x, ids, y) if pre is None else pre)
     h = x
     for step, res in zip(self.composition.steps, self.resources):
       ctx.h = h
@@ -764,8 +797,8 @@ class Model:
         h = spec.apply(h, ctx, dict(step.feeds), step.variant, res)
     return h
 
-  def losses(self, x, ids, y):
-    h = self(x, ids, y)
+  def losses(self, x, ids, y, pre=None):
+    h = self(x, ids, y, pre)
     return 0.5 * tf.reduce_sum(tf.square(h - y), axis=1)
 
 
@@ -829,9 +862,10 @@ def _forward(model: Model, data):
   train step's refusal of a data-dependent state write."""
   from tf_pxg.gradient_tape import GradientTape  # noqa: PLC0415
   model.reset_state()
+  pre = model.prestats(*data)            # before the tape records
   tape = GradientTape(persistent=True)
   with tape:
-    losses = model.losses(*data)
+    losses = model.losses(*data, pre=pre)
   writes = tape.data_dependent_writes(data, model.state_variables)
   if writes:
     raise _Refusal(f"{writes[0][0].describe()} writes state from the data")
