@@ -310,7 +310,7 @@ class PrivacyCallback(keras.callbacks.Callback):
       return None
     ledger = self._ledger()
     key = (self.noise_multiplier, self.min_separation, id(self._sampler()),
-           self.accountant, _history_key(ledger, self.steps()))
+           self.accountant, _history_key(ledger, self))
     if self._max_steps_cache.get("key") != key:
       within = lambda s: self.epsilon(s) <= self.target_epsilon  # noqa: E731
       lo, hi = 0, 1
@@ -410,12 +410,13 @@ class PrivacyCallback(keras.callbacks.Callback):
       logs[self._log_key] = eps if math.isfinite(eps) else float("inf")
 
 
-def _history_key(ledger, steps_now: int):
-  """What the budget's step count depends on in `ledger`: its closed runs
-  and where its open run started on the current counter (unchanged while
-  `fit` trains it, so the bisection runs once per fit)."""
+def _history_key(ledger, callback):
+  """What the budget's step count depends on in `ledger` (None: no model
+  ledger): its closed runs and where its open run started on the
+  callback's counter (unchanged while `fit` trains it, so the bisection
+  runs once per fit)."""
   if ledger is None:
     return None
   start = None if ledger.open is None else (
-      ledger.open["id"], steps_now - ledger.open["steps"])
+      ledger.open["id"], callback.steps() - ledger.open["steps"])
   return (json.dumps(ledger.closed, sort_keys=True), start)
