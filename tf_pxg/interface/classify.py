@@ -235,9 +235,11 @@ class Classifier:
           st = DATA
           if tid not in self._fills:  # Identical rows: any layout agrees.
             layouts[i] = self.layout(tid)
-          carries = (_is_float(t.dtype) or tid in self._values or
-                     i in INTEGER_DATA_INPUTS.get(entry.op_type, ()) or
-                     (tid not in self.status and self._external_values(t)))
+          carries = tid not in self._fills and (
+              tid in self._values or
+              i in INTEGER_DATA_INPUTS.get(entry.op_type, ()) or
+              (tid not in self.status and (_is_float(t.dtype) or
+                                           self._external_values(t))))
           values = values or carries
           if carries and i not in rows and tid not in self._fills:
             data_args.append(i)
@@ -359,6 +361,9 @@ class Classifier:
     return memo[recording.tensor_id(t)] is not False
 
   def _interval(self, tid: int, t) -> tuple:
+    """`(lo, hi)` bounds of an integer tensor: numbers, or `_B` for a
+    tensor proven to be the number of examples (a string split's row
+    count); `(-inf, inf)` if unknown."""
     if tid in self._bounds:
       return self._bounds[tid]
     if self.status.get(tid, CONST) != DATA:
@@ -366,28 +371,33 @@ class Classifier:
       if v is not None and np.size(v) == 1:
         v = float(np.ravel(v)[0])
         return v, v
+    elif self._split_part(t, 2):
+      return _B, _B
     return -np.inf, np.inf
 
   def _clamped_to_constant(self, entry: Entry) -> bool:
     """Whether an integer `Maximum`/`Minimum` of data and constants has one
     possible value: interval arithmetic over clamps, e.g. `tf.math.bincount`'s
     size `min(maxlength, max(minlength, max(ids) + 1))` with `minlength ==
-    maxlength` (Keras' CategoryEncoding) is `maxlength` whatever the data.
-    Records the bounds of any other clamp of data for later ones."""
+    maxlength` (Keras' CategoryEncoding; `RaggedTensor.from_value_rowids`
+    with the batch's row count as both) is `maxlength` whatever the
+    values. Records the bounds of any other clamp of data for later ones."""
     if entry.op_type not in ("Maximum", "Minimum", "Cast", "Identity") or not (
         entry.outputs and entry.outputs[0].dtype.is_integer):
       return False
     bounds = [self._interval(tid, t)
               for tid, t in zip(entry.input_ids, entry.inputs)]
-    if entry.op_type == "Maximum":
-      lo, hi = max(b[0] for b in bounds), max(b[1] for b in bounds)
-    elif entry.op_type == "Minimum":
-      lo, hi = min(b[0] for b in bounds), min(b[1] for b in bounds)
-    else:
-      lo, hi = bounds[0]
+    lo, hi = bounds[0]
+    for b_lo, b_hi in bounds[1:]:
+      if entry.op_type == "Maximum":
+        lo = _bound(lo, b_lo, max, neutral=-np.inf, unknown=-np.inf)
+        hi = _bound(hi, b_hi, max, neutral=None, unknown=np.inf)
+      else:
+        lo = _bound(lo, b_lo, min, neutral=None, unknown=-np.inf)
+        hi = _bound(hi, b_hi, min, neutral=np.inf, unknown=np.inf)
     if lo == hi:
       return True
-    if np.isfinite(lo) or np.isfinite(hi):
+    if lo != -np.inf or hi != np.inf:
       self._bounds.update((o, (lo, hi)) for o in entry.output_ids)
     return False
 
@@ -457,8 +467,7 @@ class Classifier:
     tape, is one of the step's inputs (`_external_values`)."""
     if tid not in self.status:  # Made outside the tape: an input?
       return self._external_values(t) and self._external(t) == DATA
-    return self.status[tid] == DATA and tid not in self._fills and (
-        _is_float(t.dtype) or tid in self._values)
+    return self.status[tid] == DATA and tid in self._values
 
   def _value_shape_creator(self, entry: Entry,
                            data_args: Sequence[int] = ()) -> Optional[Entry]:
@@ -505,7 +514,7 @@ class Classifier:
     if tid in self._sources:
       return PARAM
     status = self.status.get(tid)
-    if status is not None and (_is_float(t.dtype) or tid in self._values):
+    if status is not None and tid in self._values:
       return status  # Provenance: data at every input, whatever it sets.
     if status is None and self._external_values(t):
       return self._external(t)
@@ -591,6 +600,25 @@ class Classifier:
   def param_ids(self) -> set:
     return {t for t, s in self.status.items() if s == PARAM} | self._sources
 
+
+
+# A bound that is the number of examples (`Classifier._interval`).
+_B = "B"
+
+
+def _bound(a, b, pick, neutral, unknown):
+  """`pick(a, b)` for bounds that may be `_B`: exact where both are numbers
+  or equal, `a`/`b` where the other is `neutral` (the identity of `pick`
+  on that side), otherwise `unknown` (infinite, on the safe side)."""
+  if a == b:
+    return a
+  if neutral is not None and a == neutral:
+    return b
+  if neutral is not None and b == neutral:
+    return a
+  if a != _B and b != _B:
+    return pick(a, b)
+  return unknown
 
 
 # Ops whose output is a literal, never the step's data.

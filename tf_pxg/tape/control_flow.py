@@ -52,6 +52,8 @@ References:
 from __future__ import annotations
 
 import functools
+import inspect
+import os
 import threading
 from typing import Optional, Sequence
 
@@ -195,11 +197,49 @@ def _record_custom_gradient(name, outputs, inputs, backward_function) -> None:
 # Values read in Python, eagerly ------------------------------------------------
 
 
+_TF_PATH = os.sep.join(("", "tensorflow", "python", ""))
+_TENSOR_UTIL = os.sep.join(("framework", "tensor_util.py"))
+# TF modules that read an eager value through `tensor_util.constant_value`
+# only to give a result its static shape (a SparseTensor's dense shape, a
+# ragged partition's row count), never to choose what to compute. `tf.cond`
+# and `tf.while_loop` read their predicates the same way: not listed.
+_SHAPE_INFERENCE_CALLERS = frozenset({
+    "sparse_tensor.py", "row_partition.py", "ragged_tensor.py",
+    "ragged_string_ops.py", "ragged_util.py", "dynamic_ragged_shape.py",
+    "string_ops.py", "array_ops.py", "tensor_shape.py"})
+
+
+def _tf_shape_inference() -> bool:
+  """Whether TensorFlow itself reads the value to infer a static shape
+  while it builds an eager result (`tensor_util.constant_value` called
+  from one of `_SHAPE_INFERENCE_CALLERS`): the value is then not handed to
+  user code. Eager shapes are covered by the value-shape check
+  (`classify.data_path`)."""
+  frame = inspect.currentframe()
+  try:
+    f, last_util = frame, None
+    while f is not None:  # The outermost tensor_util frame of the read.
+      if f.f_code.co_filename.endswith(_TENSOR_UTIL):
+        last_util = f
+      elif last_util is not None:
+        break
+      f = f.f_back
+    if last_util is None or last_util.f_back is None:
+      return False
+    caller = last_util.f_back.f_code.co_filename
+    return _TF_PATH in caller and (
+        os.path.basename(caller) in _SHAPE_INFERENCE_CALLERS)
+  finally:
+    del frame
+
+
 def _record_host_read(tensor) -> None:
   """Hands a Python read of an eager tensor's value (`.numpy()`, `bool()`,
   an eager `tf.cond` predicate) to every eager recorder recording on this
   thread (`Recorder.host_reads`); the engine refuses the read if the value
   was computed from the examples (`classify.check_no_host_reads`)."""
+  if _tf_shape_inference():
+    return
   for recorder in _recorders():
     if not recorder.paused and recorder.graph is None:
       recorder.host_reads.append(tensor)
