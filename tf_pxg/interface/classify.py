@@ -23,10 +23,25 @@ arithmetic never does — unless the shape they read depends on the values of
 examples (`tf.where(cond)`, `tf.boolean_mask`, `tf.unique`, `tf.zeros([n])`
 of a data `n`: `tf_pxg.interface.batch_axis.VALUE_SHAPED`): such a shape is a count
 over the whole batch, so its read is data that mixes examples, checked on
-the data path like any other value. A non-floating input made outside the tape (a
-placeholder of token ids, say) counts as data only at the positions listed in
-`INTEGER_DATA_INPUTS` (gather and one-hot indices, casts, lookup keys), so a
-constant shape vector never passes for a batch of examples.
+the data path like any other value.
+
+**Provenance, not positions.** Whatever the data touches is data: a recorded
+tensor computed from values of examples (`_values`: float, integer, bool or
+string) is DATA at every input of every op, whatever that input sets (a
+size, depth, seed, condition, bound or index). A tensor made outside the
+tape is the step's data unless it is a literal (`_external_values`: in a
+graph, only constants, shape reads and variable reads lie behind it;
+eagerly, it existed before the tape and has a row per example); a literal
+made outside the tape counts as data only where its shape says so and, if
+non-floating, at the positions of `INTEGER_DATA_INPUTS` (gather and one-hot
+indices, casts, lookup keys), so a constant shape vector never passes for a
+batch of examples. Data at an argument (`batch_axis.ROW_INPUTS`) is refused
+(`argument_from_data`) unless interval arithmetic proves it one value
+(`_clamped_to_constant`); a ragged partition of data rows must be proven
+to follow example boundaries (`_unproven_partition`); writes and eager host
+reads of data are refused (`check_no_data_writes`, `check_no_host_reads`).
+The attacks this closes and their measured influence: docs/threat_model.md,
+"Provenance".
 """
 
 from __future__ import annotations
