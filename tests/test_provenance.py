@@ -299,3 +299,43 @@ def test_an_eager_branch_on_a_constant_still_trains():
   want = 2 * (2.0 * x[:B] @ w.numpy() + 1.0)  # d/dw of ||2 x w + 1||^2
   want = np.einsum("bt,bk->btk", 2.0 * x[:B], want)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_statistic_computed_before_the_tape_is_data():
+  # Found by the generated adversary: a batch statistic computed inside
+  # the tf.function but before the tape started (`where3[cond=pi.maxid]`:
+  # influence 10.5 against 2C = 7.2) was taken for a constant, having no
+  # row per example. Its provenance (the function's arguments) makes it a
+  # statistic of the batch: refused where it meets each example's rows.
+  x, _ = _data()
+  w = tf.Variable(tf.ones([T, 2]) * 0.1)
+
+  @tf.function
+  def step(xb):
+    longest = tf.reduce_max(tf.abs(xb))
+    with tf_pxg.GradientTape() as tape:
+      h = xb @ w
+      h = tf.where(longest > 6.0, h, -h)
+      losses = tf.reduce_sum(tf.square(h - 1.0), 1)
+    return tape.clipped_gradient_sum(losses, [w], 1.0)
+
+  with pytest.raises(ValueError, match="op 'SelectV2'.*statistic"):
+    step(tf.constant(x[:B]))
+
+
+def test_a_constant_captured_by_the_function_is_not_data():
+  x, _ = _data()
+  w = tf.Variable(tf.ones([T, 2]) * 0.1)
+  scale = tf.constant(np.linspace(1.0, 2.0, T).astype("float32"))
+
+  @tf.function
+  def per_example(xb):
+    top = tf.reduce_max(scale)  # a statistic of a captured constant
+    with tf_pxg.GradientTape() as tape:
+      losses = tf.reduce_sum(tf.square((xb * scale / top) @ w), 1)
+    return tape.per_example_gradient(losses, [w])[0]
+
+  got = per_example(tf.constant(x[:B]))
+  z = (x[:B] * scale.numpy() / 2.0)
+  want = np.einsum("bt,bk->btk", z, 2.0 * (z @ w.numpy()))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -219,6 +219,7 @@ class Classifier:
     self._producer = recorder.producer
     self._start_uid = getattr(recorder, "start_uid", None)
     self._graph_values_memo: Dict[int, bool] = {}
+    self._captures: Dict[int, set] = {}
     # Integer data proven to lie in [lo, hi] (clamps by constants).
     self._bounds: Dict[int, tuple] = {}
     self.status: Dict[int, str] = {}
@@ -351,6 +352,31 @@ class Classifier:
     tid = recording.tensor_id(t)
     return self._start_uid is not None and tid < self._start_uid
 
+  def _captured(self, graph) -> set:
+    """Ids of `graph`'s placeholders that stand for captured values (a
+    tensor closed over from outside the function: a constant of the step,
+    as `tf.function` treats it; the step's data are its arguments)."""
+    key = id(graph)
+    if key not in self._captures:
+      self._captures[key] = {recording.tensor_id(t) for t in getattr(
+          graph, "internal_captures", ())}
+    return self._captures[key]
+
+  def _pre_tape_statistic(self, tid: int, t) -> bool:
+    """Whether `t`, made in the graph before the tape started, comes from
+    the step's data but holds no row per example (a batch maximum, a
+    count, column means computed before the tape): a statistic of the
+    batch, data that mixes examples (`_batch_stats`)."""
+    if tid in self._batch_stats:
+      return True
+    if not (tf.is_symbolic_tensor(t) and self._external_values(t) and
+            self._external(t) == CONST):
+      return False
+    self._batch_stats.add(tid)
+    self._values.add(tid)
+    self.layouts[tid] = None
+    return True
+
   def _graph_values(self, t) -> bool:
     memo = self._graph_values_memo
     stack, order = [t], []
@@ -360,8 +386,9 @@ class Classifier:
       if key in memo:
         continue
       op = u.op
-      if op.type in _LITERAL_OPS or u.dtype in _NON_DATA_DTYPES:
-        memo[key] = False
+      if (op.type in _LITERAL_OPS or u.dtype in _NON_DATA_DTYPES or
+          key in self._captured(u.graph)):
+        memo[key] = False  # A literal, a variable, a captured constant.
         continue
       inputs = [v for v in op.inputs if v.dtype not in _NON_DATA_DTYPES]
       if not inputs or len(order) > 500:
@@ -481,7 +508,8 @@ class Classifier:
     provenance, not a fill of the batch's shape), or, made outside the
     tape, is one of the step's inputs (`_external_values`)."""
     if tid not in self.status:  # Made outside the tape: an input?
-      return self._external_values(t) and self._external(t) == DATA
+      return self._external_values(t) and (
+          self._external(t) == DATA or tf.is_symbolic_tensor(t))
     return self.status[tid] == DATA and tid in self._values
 
   def _value_shape_creator(self, entry: Entry,
@@ -532,6 +560,8 @@ class Classifier:
     if status is not None and tid in self._values:
       return status  # Provenance: data at every input, whatever it sets.
     if status is None and self._external_values(t):
+      if self._pre_tape_statistic(tid, t):
+        return DATA
       return self._external(t)
     if (not _is_float(t.dtype) and entry.outputs and
         _is_float(entry.outputs[0].dtype) and tid not in self._values and
