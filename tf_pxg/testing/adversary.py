@@ -187,7 +187,9 @@ class _Ctx:
     started (`Model.prestats`)."""
     fam, kind = src.split(".")
     if fam.startswith("p") and self.pre is not None:
-      return self.pre[src]
+      value = self.pre[src]
+      return (value.read_value() if isinstance(value, tf.Variable)
+              else value)
     return self.fstat(kind) if fam.endswith("f") else self.istat(kind)
 
   def flag(self, src):
@@ -253,7 +255,9 @@ class _Ctx:
 # Statistics computed before the tape starts (eagerly, a tensor the tape
 # never saw made; in a graph, ops of the same function before the tape).
 PRE_STATS = ("pf.mean", "pf.maxabs", "pf.row0", "pf.colmean", "pi.maxid",
-             "pi.count", "pi.row0", "pi.lenmax")
+             "pi.count", "pi.row0", "pi.lenmax",
+             # assigned to a variable before the tape, read inside it
+             "pvf.mean", "pvf.colmean", "pvi.maxid", "pvi.count")
 _STATS = (tuple(f"f.{k}" for k in F_KINDS) +
           tuple(f"i.{k}" for k in I_KINDS) + PRE_STATS)
 # Position kinds: which sources a position accepts.
@@ -265,7 +269,7 @@ AXIS = ("const", "batch") + tuple(f"i.{k}" for k in I_KINDS) + tuple(
 
 def is_stat(src: str) -> bool:
   """Whether a source is a batch statistic (on the tape or before it)."""
-  return src.split(".")[0] in ("f", "i", "pf", "pi")
+  return src.split(".")[0] in ("f", "i", "pf", "pi", "pvf", "pvi")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -588,6 +592,31 @@ def _while_loop(h, ctx, f, v, r):
   return out
 
 
+@_op("tensor_array", {"shift": SCALAR})
+def _tensor_array(h, ctx, f, v, r):
+  """Rows written to a `tf.TensorArray` in a loop over the batch, row b at
+  index `(b + shift) % B`, then stacked: shift 0 keeps each example's row
+  (const), a statistic's flag moves rows across the batch."""
+  n = tf.shape(h)[0]
+  shift = (tf.constant(0) if f["shift"] == "const" else
+           ctx.iscalar(f["shift"], 0, 2, 0))
+  ta = tf.TensorArray(tf.float32, size=n, element_shape=[K])
+
+  def body(b, ta):
+    return b + 1, ta.write(tf.math.floormod(b + shift, n), h[b])
+
+  _, ta = tf.while_loop(lambda b, ta: b < n, body, (tf.constant(0), ta))
+  return ta.stack()
+
+
+@_op("map_fn", {"c": SCALAR})
+def _map_fn(h, ctx, f, v, r):
+  """`tf.map_fn(lambda row: tanh(row) * c, h)`: a loop over the examples,
+  each row on its own (c a constant or a statistic)."""
+  c = ctx.fscalar(f["c"], 1.5)
+  return tf.map_fn(lambda row: tf.tanh(row) * c, h)
+
+
 def _build_state(index):
   return {"row": tf.Variable(tf.zeros([K]), trainable=False,
                              name=f"adversary_state_{index}"),
@@ -757,6 +786,12 @@ class Model:
     rng = np.random.RandomState(seed)
     self.w = tf.Variable((rng.standard_normal((K, K)) * 0.5).astype(
         np.float32), name="kernel")
+    self.pre_vars = {
+        src: tf.Variable(tf.zeros([K] if kind == "colmean" else [],
+                                  tf.float32 if fam == "pvf" else tf.int32),
+                         trainable=False, name=f"adversary_pre_{kind}")
+        for s in composition.steps for _, src in s.feeds
+        for fam, _, kind in [src.partition(".")] if fam in ("pvf", "pvi")}
     self.resources = [VOCABULARY[s.op].build(i)
                       if s is not PARAM and VOCABULARY[s.op].build else None
                       for i, s in enumerate(composition.steps)]
@@ -779,9 +814,16 @@ class Model:
     ctx = _Ctx(x, ids, self.w, tf.zeros_like(x) if y is None else y)
     ctx.h = x
     wanted = {src for s in self.composition.steps for _, src in s.feeds
-              if src.split(".")[0] in ("pf", "pi")}
-    return {src: (ctx.fstat if src.startswith("pf.") else ctx.istat)(
-        src.split(".")[1]) for src in sorted(wanted)}
+              if src.split(".")[0].startswith("p")}
+    pre = {}
+    for src in sorted(wanted):
+      fam, kind = src.split(".")
+      value = (ctx.fstat if fam.endswith("f") else ctx.istat)(kind)
+      if fam.startswith("pv"):          # laundered through a variable
+        self.pre_vars[src].assign(value)
+        value = self.pre_vars[src]
+      pre[src] = value
+    return pre
 
   def __call__(self, x, ids, y=None, pre=None):
     y = tf.zeros_like(x) if y is None else y
