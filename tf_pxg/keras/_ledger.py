@@ -203,7 +203,7 @@ def reconcile(model, check: bool = True) -> None:
   a registered value brings its ledger; another change since the last
   settle warns when the model has a history and took no DP step since
   (steps since explain the change). Then the current values are vouched
-  for; those DP training wrote (the trainable ones after steps, the
+  for; those DP training wrote (the trainable ones the steps changed, the
   adopted ones) are registered with the ledger."""
   state = state_of(model)
   steps = state.settle(dp_optimizer(getattr(model, "optimizer", None)))
@@ -211,8 +211,12 @@ def reconcile(model, check: bool = True) -> None:
   digests = [digest(v) for v in weights]
   written = state.written & set(digests)
   if steps:
+    # What the steps wrote: the trainable values they changed (a value
+    # they left as it was, e.g. at learning rate 0, carries nothing of
+    # them, and would match every model built from the same seed).
     trainable = {id(v) for v in model.trainable_weights}
-    written |= {d for v, d in zip(weights, digests) if id(v) in trainable}
+    written |= {d for v, d in zip(weights, digests)
+                if id(v) in trainable and d not in state.vouched}
   if check and not state.in_fit:
     changed = []
     for v, d in zip(weights, digests):
