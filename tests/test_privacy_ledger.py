@@ -167,11 +167,13 @@ def test_ledger_survives_saving_and_resuming(tmp_path, path):
   assert _steps(fresh) == steps
   ledger = fresh.privacy_ledger
   assert ledger.epsilon(DELTA) == pytest.approx(want, rel=1e-9)
-  # Resuming with the last fit's settings continues its run.
+  # Resuming with the last fit's settings continues its run (t3 counts the
+  # steps `fit` completes after Keras' loop, when a logical step straddled
+  # its end; the logged ε is read at the last epoch's end, before them).
   t3, logged = _fit(fresh, 4)
-  assert logged == pytest.approx(
-      _rdp(_poisson(16 / N, 1.0, 4), _poisson(4 / N, 1.0, 16 + t3)),
-      rel=1e-9)
+  want = _rdp(_poisson(16 / N, 1.0, 4), _poisson(4 / N, 1.0, 16 + t3))
+  assert fresh.epsilon(DELTA) == pytest.approx(want, rel=1e-9)
+  assert logged <= want * (1 + 1e-9)
 
 
 def test_backup_and_restore_resume_counts_every_step(tmp_path):

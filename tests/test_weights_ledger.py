@@ -269,3 +269,17 @@ def test_custom_loop_steps_claim_no_epsilon():
   assert model.epsilon(DELTA) == math.inf
   assert [(r["steps"], r["claimed"])
           for r in model.privacy_ledger.runs()] == [(2, False)]
+
+
+def test_steps_fit_completes_after_keras_loop_are_its_runs():
+  # Physical batches of 2 rows for logical steps of ~8: steps overflow and
+  # straddle Keras' loop end; fit completes the open one with the run's
+  # own batches, which are sampled steps (not an unsampled run).
+  keras.utils.set_random_seed(5)
+  model = _private(_plain())
+  x, y = _data()
+  model.fit(x, y, batch_size=8, epochs=2, verbose=0, physical_batch_size=2,
+            sampling_seed=0)  # this seed straddles: fit completes 1 step
+  steps = int(model.optimizer.iterations.numpy())
+  assert [r["claimed"] for r in model.privacy_ledger.runs()] == [True]
+  assert model.epsilon(DELTA) == pytest.approx(_true(steps), rel=1e-9)

@@ -708,9 +708,11 @@ class _DPTrainingMixin:
           epochs=epochs, verbose=verbose, validation_freq=validation_freq,
           initial_epoch=initial_epoch, validation_steps=validation_steps,
           **run.keras_args)
+      # A logical step still open when Keras' loop ended is completed here
+      # with the run's own batches: its steps are the run's.
+      run.finish(self)
     finally:
       _ledger.end_fit(self)
-    run.finish(self)
     return history
 
   @property
