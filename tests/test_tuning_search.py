@@ -374,11 +374,23 @@ _MIRRORED = textwrap.dedent("""
           loss="sparse_categorical_crossentropy")
       return model
 
+    # A strategy object cannot reach the runs' processes: refused by name;
+    # the winner is rebuilt in the caller's strategy scope.
+    try:
+      tuning.DPTuner(
+          build_model,
+          num_runs=tuning.TruncatedNegativeBinomial(1.0, mean=2.0),
+          score=tuning.NoisyTrainingLoss(), noise_multiplier=1.5, seed=1,
+          distribution_strategy=strategy).search(x, y, batch_size=16,
+                                                 epochs=1)
+      raise SystemExit("distribution_strategy= was not refused")
+    except ValueError as e:
+      assert "distribution_strategy" in str(e)
     tuner = tuning.DPTuner(
         build_model, num_runs=tuning.TruncatedNegativeBinomial(1.0, mean=2.0),
-        score=tuning.NoisyTrainingLoss(), noise_multiplier=1.5, seed=1,
-        distribution_strategy=strategy)
-    tuner.search(x, y, batch_size=16, epochs=1)
+        score=tuning.NoisyTrainingLoss(), noise_multiplier=1.5, seed=1)
+    with strategy.scope():
+      tuner.search(x, y, batch_size=16, epochs=1)
     model = tuner.get_best_models()[0]
     print("TUNER", model.distribute_strategy is strategy,
           model.epsilon(1e-5) == tuner.epsilon)

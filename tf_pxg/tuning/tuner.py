@@ -27,7 +27,9 @@ runs, each of hyperparameters drawn independently from the space's prior
 space's own prior, with replacement, unlike keras-tuner's RandomSearch,
 which skips values already tried and so makes runs depend on each other).
 
-Each run: `keras.backend.clear_session()`, `build_model(hp)`; a plain
+Each run, in its own process (`tf_pxg.tuning.isolation`; a
+`distribution_strategy` is made inside `build_model`, refused here):
+`build_model(hp)`; a plain
 compiled model is made private (`tf_pxg.keras.make_private`) with the
 trial's clip (`hp` "l2_norm_clip", else the tuner's `l2_norm_clip`), the
 run's calibrated σ, `NoisyLoss` when the score is the noised training
@@ -63,7 +65,6 @@ from typing import Any, Dict, Optional
 import keras_tuner
 from keras_tuner.engine import hyperparameters as kt_hp
 from keras_tuner.engine import trial as kt_trial
-from keras_tuner.engine import tuner as kt_tuner
 
 from tf_pxg.tuning import distributions
 from tf_pxg.tuning import scores as scores_lib
@@ -269,10 +270,19 @@ class DPTuner(keras_tuner.Tuner):
       values["noise_multiplier"] = base.noise_multiplier
       return search_lib.RunPlan(values, base.noise_multiplier, base.event)
 
-    def train(plan):
-      hp = self.oracle.get_space()
-      hp.values = dict(plan.config)
-      return self._train(hp, plan, x, y, fit_kwargs)
+    if self.distribution_strategy is not None:
+      raise ValueError(
+          "DPTuner: distribution_strategy= cannot reach the runs: each run "
+          "is its own process (tf_pxg.tuning.isolation) and a strategy "
+          "object does not cross processes. Create the strategy (and its "
+          "logical devices) inside build_model and build the model in its "
+          "scope; call search inside the caller's strategy scope to get a "
+          "distributed winner.")
+    # What each run's process gets (not this tuner: its generator of K and
+    # the draws stay here).
+    train = _TunerRun(self.hypermodel, self.oracle.get_space(), self.score,
+                      self.l2_norm_clip, self.dp_options, x, y,
+                      dict(fit_kwargs))
 
     self.result = None
     self.oracle.trials = {}
@@ -288,35 +298,6 @@ class DPTuner(keras_tuner.Tuner):
       trial.score = result.score
       self.oracle.trials = {"winner": trial}
     return result
-
-  def _train(self, hp, plan, x, y, fit_kwargs):
-    with kt_tuner.maybe_distribute(
-        self.distribution_strategy):
-      model = self.hypermodel.build(hp)
-      if not hasattr(model, "privacy_ledger"):
-        model = self._make_private(model, hp, plan.noise_multiplier)
-    self.hypermodel.fit(hp, model, x, y, epochs=hp.values["epochs"],
-                        batch_size=hp.values["batch_size"], verbose=0,
-                        **fit_kwargs)
-    search_lib.check_released(model, plan)
-    return model
-
-  def _make_private(self, model, hp, sigma):
-    from tf_pxg import keras as dpk  # noqa: PLC0415
-    if getattr(model, "optimizer", None) is None or model.loss is None:
-      raise ValueError("DPTuner: build_model(hp) must return a compiled "
-                       "model (optimizer and loss).")
-    config = model.get_compile_config()
-    noisy_loss = None
-    if isinstance(self.score, scores_lib.NoisyTrainingLoss):
-      noisy_loss = dpk.NoisyLoss(self.score.bound,
-                                 self.score.noise_factor * sigma)
-    clip = hp.values.get("l2_norm_clip", self.l2_norm_clip)
-    private = dpk.make_private(model, l2_norm_clip=float(clip),
-                               noise_multiplier=sigma, noisy_loss=noisy_loss,
-                               **self.dp_options)
-    private.compile_from_config(config)
-    return private
 
   # keras-tuner's API, on the winner only -------------------------------------
 
@@ -352,3 +333,45 @@ class DPTuner(keras_tuner.Tuner):
   def load_model(self, trial):
     raise ValueError("DPTuner keeps no checkpoints: get_best_models() "
                      "returns the winner held in memory.")
+
+
+class _TunerRun:
+  """One run of a `DPTuner` search, sent to the run's own process
+  (`tf_pxg.tuning.isolation`): what it needs and nothing of the tuner."""
+
+  def __init__(self, hypermodel, space, score, l2_norm_clip, dp_options, x,
+               y, fit_kwargs):
+    self.hypermodel, self.space, self.score = hypermodel, space, score
+    self.l2_norm_clip, self.dp_options = l2_norm_clip, dp_options
+    self.x, self.y, self.fit_kwargs = x, y, fit_kwargs
+
+  def __call__(self, plan):
+    hp = self.space
+    hp.values = dict(plan.config)
+    model = self.hypermodel.build(hp)
+    if not hasattr(model, "privacy_ledger"):
+      model = self._make_private(model, hp, plan.noise_multiplier)
+    self.hypermodel.fit(hp, model, self.x, self.y,
+                        epochs=hp.values["epochs"],
+                        batch_size=hp.values["batch_size"], verbose=0,
+                        **self.fit_kwargs)
+    search_lib.check_released(model, plan)
+    return model
+
+  def _make_private(self, model, hp, sigma):
+    from tf_pxg import keras as dpk  # noqa: PLC0415
+    if getattr(model, "optimizer", None) is None or model.loss is None:
+      raise ValueError("DPTuner: build_model(hp) must return a compiled "
+                       "model (optimizer and loss).")
+    config = model.get_compile_config()
+    noisy_loss = None
+    if isinstance(self.score, scores_lib.NoisyTrainingLoss):
+      noisy_loss = dpk.NoisyLoss(self.score.bound,
+                                 self.score.noise_factor * sigma)
+    clip = hp.values.get("l2_norm_clip", self.l2_norm_clip)
+    private = dpk.make_private(model, l2_norm_clip=float(clip),
+                               noise_multiplier=sigma, noisy_loss=noisy_loss,
+                               **self.dp_options)
+    private.compile_from_config(config)
+    return private
+
