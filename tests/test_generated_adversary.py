@@ -192,6 +192,15 @@ REGRESSIONS = sum([
     _leaky("W > binary:1[y=pvf.colmean]", reason=_LAUNDERED),
     _leaky("W > tile[multiples=pvi.count]", leaks=("eager", "function"),
            reason=_LAUNDERED),
+    # The largest influences of the final 2,000-model run (08:55 UTC).
+    _leaky("assign[value=pvf.colmean,pred=const] > W", 50, 2,
+           reason=_LAUNDERED),
+    _leaky("W > matmul[m=pvi.count] > reduce:1[axis=const] > "
+           "broadcast_to[shape=const]", 686, 2, reason=_LAUNDERED),
+    _leaky("while_loop[n=const,step=const] > binary:1[y=pi.maxid] > "
+           "roll[shift=pi.maxid,axis=const] > W", 893, 1, leaks=("eager",)),
+    _leaky("while_loop[n=const,step=pf.colmean] > W", 999, 3,
+           leaks=("eager",)),
     # Found by the generator (K = 4, before df52507): eager only, a
     # tf.cond / tf.while_loop predicate read on the host; graph and XLA
     # refused them. Leaks (influence above 2C) first, then inexact ones.
