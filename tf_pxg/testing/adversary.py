@@ -1084,6 +1084,13 @@ class _Case:
   def kw(self):
     return dict(seed=self.seed, data_seed=self.data_seed)
 
+  def take_reference(self, d, d2) -> None:
+    """Computes the single-example reference, or keeps why it failed."""
+    try:
+      self.ref = reference(self.model, d, d2)
+    except Exception as err:  # noqa: BLE001  (a generator bug)
+      self.ref_error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
 
 class _Chunk:
   """A chunk of models traced in one `tf.function` (graph or XLA): each
@@ -1195,10 +1202,7 @@ def check_models(compositions: Sequence, modes: Sequence[str] = MODES,
       wanted = c.index in eager_first or any(
           ch[k // chunk].accepted(k % chunk) for ch in chunks.values())
       if wanted:
-        try:
-          c.ref = reference(c.model, d, d2)
-        except Exception as err:  # noqa: BLE001  (a generator bug)
-          c.ref_error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        c.take_reference(d, d2)
   outcomes = {}
   with _timed("eager"):
     for c in cases:
