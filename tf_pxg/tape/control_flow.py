@@ -60,6 +60,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tf_pxg import _compat
+from tf_pxg.tape import side_effects
 
 _local = threading.local()
 _install_lock = threading.Lock()
@@ -250,19 +251,8 @@ def _record_host_read(tensor) -> None:
 
 def function_name(entry) -> str:
   """The function an opaque op runs (its body for loops), for messages."""
-  op = entry.op
-  names = []
-  for attr in ("f", "body", "then_branch", "branches"):
-    try:
-      value = op.get_attr(attr) if op is not None else None
-    except (ValueError, AttributeError):
-      continue
-    for v in value if isinstance(value, list) else [value]:
-      name = getattr(v, "name", v)
-      if isinstance(name, bytes):
-        name = name.decode()
-      if name:
-        names.append(str(name))
+  names = (side_effects.function_names(entry.op)
+           if entry.op is not None else [])
   return ", ".join(names) or entry.op_type
 
 

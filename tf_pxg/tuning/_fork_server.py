@@ -20,36 +20,9 @@ import os
 # Python's documented exit of a forked child without the parent's cleanup
 # (atexit handlers, buffered streams): os._exit.
 from os import _exit as exit_forked_child
-import pickle
-import struct
 import sys
 
-
-def read_message(fd: int):
-  """One framed pickle from `fd` (None at end of file)."""
-  head = _read_exactly(fd, 8)
-  if head is None:
-    return None
-  body = _read_exactly(fd, struct.unpack(">Q", head)[0])
-  return None if body is None else pickle.loads(body)
-
-
-def write_message(fd: int, obj) -> None:
-  data = pickle.dumps(obj)
-  view = memoryview(struct.pack(">Q", len(data)) + data)
-  while view:
-    view = view[os.write(fd, view):]
-
-
-def _read_exactly(fd: int, n: int):
-  chunks, left = [], n
-  while left:
-    chunk = os.read(fd, min(left, 1 << 20))
-    if not chunk:
-      return None
-    chunks.append(chunk)
-    left -= len(chunk)
-  return b"".join(chunks)
+from tf_pxg.tuning._wire import read_message, write_message
 
 
 def _serve(requests: int, answers: int) -> None:

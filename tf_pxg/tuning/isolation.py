@@ -47,7 +47,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-from tf_pxg.tuning import _fork_server
+from tf_pxg.tuning import _wire
 
 __all__ = ["IsolationError", "run_isolated"]
 
@@ -79,13 +79,13 @@ class _Server:
             [sys.executable, "-m", "tf_pxg.tuning._fork_server"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, cwd=os.sep)
-        _fork_server.write_message(process.stdin.fileno(), list(sys.path))
+        _wire.write_message(process.stdin.fileno(), list(sys.path))
         cls._process = process
         atexit.register(cls.close)
       try:
-        _fork_server.write_message(process.stdin.fileno(),
+        _wire.write_message(process.stdin.fileno(),
                                    (payload, workdir))
-        answer = _fork_server.read_message(process.stdout.fileno())
+        answer = _wire.read_message(process.stdout.fileno())
       except OSError:
         answer = None
       if answer is None:
