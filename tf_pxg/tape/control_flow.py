@@ -60,7 +60,6 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tf_pxg import _compat
-from tf_pxg.tape import side_effects
 
 _local = threading.local()
 _install_lock = threading.Lock()
@@ -249,10 +248,27 @@ def _record_host_read(tensor) -> None:
 # Opaque ops ------------------------------------------------------------------
 
 
+def function_names(op) -> list:
+  """The functions a function-calling op runs (branches, body, cond, f)."""
+  names = []
+  for attr in ("f", "then_branch", "else_branch", "branches", "body",
+               "cond"):
+    try:
+      value = op.get_attr(attr)
+    except (ValueError, AttributeError):
+      continue
+    for v in value if isinstance(value, list) else [value]:
+      name = getattr(v, "name", v)
+      if isinstance(name, bytes):
+        name = name.decode()
+      if name:
+        names.append(str(name))
+  return names
+
+
 def function_name(entry) -> str:
   """The function an opaque op runs (its body for loops), for messages."""
-  names = (side_effects.function_names(entry.op)
-           if entry.op is not None else [])
+  names = function_names(entry.op) if entry.op is not None else []
   return ", ".join(names) or entry.op_type
 
 

@@ -31,6 +31,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, List, Optional, Sequence
 
+from tf_pxg.tape import control_flow
+
+# Function-calling ops whose bodies the tape does not record op by op.
+FUNCTION_OPS = frozenset(control_flow.OPAQUE_OPS)
+
 # Every op that takes a resource (a variable, a lookup table, a TensorArray,
 # a stack, a queue, an iterator, a random generator's state) either only
 # reads it or may change it. The readers are listed; every other op with a
@@ -51,11 +56,6 @@ PURE_RESOURCE_READS = frozenset({
 # dependencies) and `Assert` (a failed assertion stops the step; XLA drops
 # it: docs/threat_model.md lists this as not covered).
 _HARMLESS_WITHOUT_OUTPUTS = frozenset({"NoOp", "Assert"})
-
-# Function-calling ops whose bodies the tape does not record op by op.
-FUNCTION_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase",
-                          "While", "StatelessWhile", "PartitionedCall",
-                          "StatefulPartitionedCall"})
 
 _RESOURCE_DTYPES = ("resource",)
 
@@ -156,9 +156,9 @@ def data_dependent_writes(writes: Sequence, dependent,
   """The writes whose value depends on the data.
 
   Args:
-    writes: the recorded ops without outputs (`Recorder.writes`).
-    dependent: ids of the data-dependent tensors (a set, or a predicate on
-      ids).
+    writes: the recorded ops without outputs that may write
+      (`Recorder.writes`, filtered by `is_write`).
+    dependent: ids of the data-dependent tensors.
     entries: the recorded ops with outputs; those that may change a
       resource (`is_resource_writer`) and function calls whose bodies may
       (`body_writes`) count too.
@@ -168,45 +168,15 @@ def data_dependent_writes(writes: Sequence, dependent,
     The write entries (in recording order within each kind) with a
     data-dependent input other than a resource handle.
   """
-  if not callable(dependent):
-    dependent = dependent.__contains__
-  ids = _Ids(dependent)
-  found = [w for w in writes if is_write(w.op_type) and _written_from(w, ids)]
+  found = [w for w in writes if _written_from(w, dependent)]
   for entry in entries:
-    if not _written_from(entry, ids):
+    if not _written_from(entry, dependent):
       continue
     if is_resource_writer(entry):
       found.append(entry)
     elif (entry.op_type in FUNCTION_OPS and entry.op is not None and
           body is not None and body_writes(entry.op.graph,
-                                           function_names(entry.op), body)):
+                                           control_flow.function_names(
+                                               entry.op), body)):
       found.append(entry)
   return found
-
-
-class _Ids:
-  """A predicate on ids as a container (`in`)."""
-
-  def __init__(self, predicate):
-    self._predicate = predicate
-
-  def __contains__(self, i) -> bool:
-    return bool(self._predicate(i))
-
-
-def function_names(op) -> List[str]:
-  """The functions a function-calling op runs (branches, body, cond, f)."""
-  names = []
-  for attr in ("f", "then_branch", "else_branch", "branches", "body",
-               "cond"):
-    try:
-      value = op.get_attr(attr)
-    except (ValueError, AttributeError):
-      continue
-    for v in value if isinstance(value, list) else [value]:
-      name = getattr(v, "name", v)
-      if isinstance(name, bytes):
-        name = name.decode()
-      if name:
-        names.append(str(name))
-  return names
