@@ -251,11 +251,15 @@ class Classifier:
           st = DATA
           if tid not in self._fills:  # Identical rows: any layout agrees.
             layouts[i] = self.layout(tid)
+          # On the tape, provenance alone says whether a tensor carries
+          # examples' values; the positions of `INTEGER_DATA_INPUTS` only
+          # judge tensors made outside it (a shape slice whose spec is
+          # DATA by shape at B = 1 carries none).
           carries = tid not in self._fills and (
               tid in self._values or
-              i in INTEGER_DATA_INPUTS.get(entry.op_type, ()) or
-              (tid not in self.status and (_is_float(t.dtype) or
-                                           self._external_values(t))))
+              (tid not in self.status and (
+                  i in INTEGER_DATA_INPUTS.get(entry.op_type, ()) or
+                  _is_float(t.dtype) or self._external_values(t))))
           values = values or carries
           if carries and i not in rows and tid not in self._fills:
             data_args.append(i)
