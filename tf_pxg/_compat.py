@@ -129,6 +129,18 @@ def function_body(graph, name: str) -> Optional[list]:
   return nodes
 
 
+def captured_from(graph, internal):
+  # The tensor of an enclosing graph that `internal` (a placeholder of the
+  # `tf.function` graph `graph`) captures, or None. No public API maps a
+  # function's placeholders to what they close over (`FuncGraph.captures`).
+  for external, placeholder in getattr(graph, "captures", ()):
+    if placeholder is internal or (
+        placeholder.graph is internal.graph and
+        placeholder.name == internal.name):
+      return external
+  return None
+
+
 def is_resource_variable(v) -> bool:
   # isinstance(v, tf.Variable) also admits non-resource variables, and
   # misses objects that act as one (distributed values): TF's own test.
@@ -680,6 +692,16 @@ def _probe_function_op():
   return g, op.get_attr("then_branch").name
 
 
+def _probe_capture():
+  """A `tf.function` graph and the placeholder of a variable's handle it
+  captures."""
+  v = tf.Variable(1.0)
+  graph = tf.function(lambda: v.read_value() * 2.0).get_concrete_function(
+  ).graph
+  read = next(o for o in graph.get_operations() if o.type == "ReadVariableOp")
+  return graph, read.inputs[0]
+
+
 ACCESSES: Dict[str, Callable[[], Any]] = {
     "op_callbacks": lambda: (add_op_callback(_noop_callback),
                              remove_op_callback(_noop_callback)),
@@ -692,6 +714,8 @@ ACCESSES: Dict[str, Callable[[], Any]] = {
     "EagerTensor._numpy": lambda: callable(_eager_tensor_base()._numpy)  # pylint: disable=protected-access
         or _fail(),
     "ops.uid": lambda: next_tensor_id() < tensor_id(tf.constant(1)) or _fail(),
+    "FuncGraph.captures": lambda: captured_from(*_probe_capture()) is not None
+        or _fail(),
     "Graph._get_function": lambda: any(
         t == "Mul" for t, _ in function_body(*_probe_function_op())) or _fail(),
     "is_resource_variable":

@@ -26,6 +26,7 @@ from tf_pxg import _compat
 from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.dp.clipping import clip_factors
+from tf_pxg.interface import pre_tape
 from tf_pxg.per_example.backward import PerExampleBackprop
 from tf_pxg.tape import side_effects
 from tf_pxg.tape.recording import Recorder, tensor_id
@@ -56,13 +57,20 @@ class GradientTape:
     persistent: allow several gradient computations (per-example ones
       included) from one recording.
     watch_accessed_variables: watch trainable variables read while recording.
+    examples: optional, a nest of the eager tensors that hold the batch
+      (inputs, labels). Eagerly, the per-example methods then refuse any
+      tensor the recorded ops take that was computed after these and before
+      the tape started (a batch statistic computed outside the record:
+      `tf_pxg.interface.pre_tape`). Inside `tf.function` the whole step's
+      graph is analysed and this is not needed.
   """
 
   def __init__(self, persistent: bool = False,
-               watch_accessed_variables: bool = True):
+               watch_accessed_variables: bool = True, examples=None):
     self._persistent = persistent
     self._watch_accessed_variables = watch_accessed_variables
-    self._recorder = Recorder()
+    self._recorder = Recorder(None if examples is None else
+                              pre_tape.ExampleWindow(examples))
     self._watched_tensors: dict = {}
     self._watched_vars: dict = {}
     self._variable_watcher = None

@@ -55,6 +55,7 @@ import tensorflow as tf
 from tf_pxg import _compat
 from tf_pxg.interface import batch_axis
 from tf_pxg.interface import batch_copies
+from tf_pxg.interface import written_state
 from tf_pxg.tape import library_constants
 from tf_pxg.tape import recording
 from tf_pxg.tape import side_effects
@@ -219,6 +220,8 @@ class Classifier:
     self._producer = recorder.producer
     self._start_uid = getattr(recorder, "start_uid", None)
     self._graph_values_memo: Dict[int, bool] = {}
+    # Resource reads in a graph that see state the data wrote.
+    self._written = written_state.WrittenState(self._graph_values)
     self._captures: Dict[int, set] = {}
     # Integer data proven to lie in [lo, hi] (clamps by constants).
     self._bounds: Dict[int, tuple] = {}
@@ -268,7 +271,12 @@ class Classifier:
       if st == DATA and self._clamped_to_constant(entry):
         st, values, layouts, data_args = CONST, False, {}, []
       shape_of = self._value_shape_read(entry)
-      if shape_of is not None:
+      writer = self._state_writer(entry)
+      if writer is not None:
+        # State written from the data (before the tape): the statistic
+        # itself, with no rows of examples.
+        st, values = DATA, True
+      elif shape_of is not None:
         # A shape that counts the examples' values: data of the whole batch.
         st, values = DATA, True
       elif entry.op_type in _SHAPE_OPS:
@@ -290,7 +298,12 @@ class Classifier:
         # (for a parameter, the op is the interface).
         st, values = DATA, True
         out_layouts = [copy] * len(entry.outputs)
-      if shape_of is not None:
+      if writer is not None:
+        out_layouts = [None] * len(entry.outputs)  # No rows of examples.
+        if batch_size != 1:  # One example cannot mix with another.
+          self.mixing[id(entry)] = batch_axis.Mixing(
+              batch_axis.MIXES, _written_why(writer))
+      elif shape_of is not None:
         out_layouts = [None] * len(entry.outputs)  # No rows of examples.
         if batch_size != 1:  # One example cannot mix with another.
           self.mixing[id(entry)] = batch_axis.Mixing(
@@ -390,9 +403,15 @@ class Classifier:
       if key in memo:
         continue
       op = u.op
-      if (op.type in _LITERAL_OPS or u.dtype in _NON_DATA_DTYPES or
-          key in self._captured(u.graph)):
-        memo[key] = False  # A literal, a variable, a captured constant.
+      if u.dtype in _NON_DATA_DTYPES or key in self._captured(u.graph):
+        memo[key] = False  # A handle, a captured constant.
+        continue
+      if (op.type in side_effects.PURE_RESOURCE_READS and
+          self._written.writer_from_data(op) is not None):
+        memo[key] = True  # State the data wrote: written_state's doc.
+        continue
+      if op.type in _LITERAL_OPS:
+        memo[key] = False  # A literal, a shape, an unwritten variable.
         continue
       inputs = [v for v in op.inputs if v.dtype not in _NON_DATA_DTYPES]
       if not inputs or len(order) > 500:
@@ -405,6 +424,14 @@ class Classifier:
       memo[key] = any(memo.get(recording.tensor_id(v)) is not False
                       for v in inputs)
     return memo[recording.tensor_id(t)] is not False
+
+  def _state_writer(self, entry: Entry):
+    """For a resource read recorded in a graph (a variable or table read):
+    the op that wrote its state from the examples' values before it
+    (`tf_pxg.interface.written_state`); None otherwise."""
+    if entry.op is None or entry.op_type not in side_effects.PURE_RESOURCE_READS:
+      return None
+    return self._written.writer_from_data(entry.op)
 
   def _interval(self, tid: int, t) -> tuple:
     """`(lo, hi)` bounds of an integer tensor: numbers, or `_B` for a
@@ -673,6 +700,13 @@ def _bound(a, b, pick, neutral, unknown):
 # Ops whose output is a literal, never the step's data.
 _LITERAL_OPS = ("Const", "ReadVariableOp", "VarHandleOp", "Shape", "ShapeN",
                 "Size", "Rank", "VariableShape")
+
+
+def _written_why(writer) -> str:
+  return (f"reads state that op '{writer.type}' ('{writer.name}') wrote "
+          "from the examples' values before the tape read it: a statistic of "
+          "the batch laundered through a variable or table (write such state "
+          "from public data or constants, outside the DP step)")
 
 
 def _argument_name(entry: Entry, i: int) -> str:

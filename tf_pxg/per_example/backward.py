@@ -50,6 +50,7 @@ from tf_pxg.interface.classify import (DATA, PARAM, Classifier, Interface,
                               check_examples_independent,
                               check_no_data_writes, check_no_host_reads,
                               data_path)
+from tf_pxg.interface import pre_tape
 from tf_pxg.rules import base
 from tf_pxg.rules import factors
 from tf_pxg.tape.recording import Entry, Recorder, tensor_id
@@ -152,6 +153,9 @@ class PerExampleBackprop:
     check_examples_independent(path, classifier, self.vector_target)
     check_no_data_writes(self._recorder, classifier)
     check_no_host_reads(self._recorder, classifier)
+    pre_tape.check_no_pre_tape_values(
+        self._recorder.entries, classifier.status, self._recorder.examples,
+        self._recorder.start_uid)
     imperative_grad(self._producer, {target_id: [output_gradient]}, param_ids,
                     backward)
     for itf in found:  # The rule says where it takes the examples.

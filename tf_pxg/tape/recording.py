@@ -107,8 +107,11 @@ class Recorder:
   backward pass, so those ops are never recorded by the tape that builds them.
   """
 
-  def __init__(self):
+  def __init__(self, examples=None):
     self.entries: list[Entry] = []
+    # The examples declared to the tape (`tf_pxg.interface.pre_tape`), or
+    # None.
+    self.examples = examples
     self.producer: dict[int, Entry] = {}
     # Ops with no outputs that write state (`side_effects.WRITE_OPS`):
     # not on any gradient path, kept for the data-dependence check.

@@ -905,7 +905,7 @@ def _forward(model: Model, data):
   from tf_pxg.gradient_tape import GradientTape  # noqa: PLC0415
   model.reset_state()
   pre = model.prestats(*data)            # before the tape records
-  tape = GradientTape(persistent=True)
+  tape = GradientTape(persistent=True, examples=data)
   with tape:
     losses = model.losses(*data, pre=pre)
   writes = tape.data_dependent_writes(data, model.state_variables)
