@@ -929,14 +929,14 @@ def _pxg_rest(model: Model, tape, losses, d2, clip):
   return cs, cs2
 
 
-def _pxg_sums(model: Model, d, d2, clip):
-  """The graph and XLA modes' questions: `clipped_gradient_sum` on D and on
-  D' (one backward pass each; the engine's refusal comes from the first).
-  Per-example gradients are compared eagerly; here a wrong one shows in
-  the clipped sums (the clip, at the median norm, is active for half the
-  examples)."""
+def _pxg_sum(model: Model, d, clip):
+  """The graph and XLA modes' question: `clipped_gradient_sum` on one
+  batch (asked of D and of D' by two calls of one traced function, so each
+  model traces once per mode). Per-example gradients are compared eagerly;
+  here a wrong one shows in the clipped sums (the clip, at the median norm,
+  is active for half the examples)."""
   tape, losses = _forward(model, d)
-  return _pxg_rest(model, tape, losses, d2, clip)
+  return tape.clipped_gradient_sum(losses, [model.w], clip)[0][0]
 
 
 def _pxg(model: Model, d, d2, clip):
@@ -1117,13 +1117,14 @@ class _Chunk:
   def _fn(self, x, ids, y, x2, ids2, y2, clips):
     out = {}
     def model_fn(model):
-      return tf.function(lambda x, ids, y, x2, ids2, y2, clip: _pxg_sums(
-          model, (x, ids, y), (x2, ids2, y2), clip), autograph=False)
+      return tf.function(lambda x, ids, y, clip: _pxg_sum(
+          model, (x, ids, y), clip), autograph=False)
 
     for i, c in enumerate(self.cases):
       inner = model_fn(c.model)
-      try:
-        out[str(i)] = inner(x, ids, y, x2, ids2, y2, clips[i])
+      try:  # One trace; D and D' are two calls of it.
+        out[str(i)] = (inner(x, ids, y, clips[i]),
+                       inner(x2, ids2, y2, clips[i]))
       except Exception as err:  # noqa: BLE001
         self.trace_errors[i] = err
     return out
