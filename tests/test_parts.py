@@ -219,14 +219,23 @@ def test_one_register_idiom(kind, monkeypatch):
 
 
 def test_rules_register_the_same_way():
-  """The rules' `@tf_pxg.register("OpType")` has the same shape: a name,
-  `override=`, a taken name raises."""
+  """The rules' `tf_pxg.register("OpType", rule=None, *, override=False)`
+  has the same shape as every kind's: a name, the part (None: a
+  decorator), keyword-only `override=`; a taken name raises."""
   import inspect  # pylint: disable=import-outside-toplevel
-  params = inspect.signature(tf_pxg.register).parameters
-  assert list(params)[:1] == ["op_type"] and "override" in params
+
+  def shape(fn):
+    params = list(inspect.signature(fn).parameters.values())
+    return ([p.kind for p in params], params[1].default,
+            params[2].name, params[2].default)
+
+  want = shape(tf_pxg.register)
+  assert list(inspect.signature(tf_pxg.register).parameters)[0] == "op_type"
+  assert want == ([inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2 +
+                  [inspect.Parameter.KEYWORD_ONLY], None, "override", False)
   for module, _, _ in _KINDS.values():
-    params = inspect.signature(module.register).parameters
-    assert list(params)[0] == "name" and "override" in params
+    assert list(inspect.signature(module.register).parameters)[0] == "name"
+    assert shape(module.register) == want, module.__name__
 
 
 # The protocols declare every member ---------------------------------------

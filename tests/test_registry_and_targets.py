@@ -60,6 +60,28 @@ def test_register_rejects_non_rules():
   assert "NotAnOp" not in tf_pxg.registered_op_types()
 
 
+def test_the_call_form_registers_and_a_flag_in_its_place_raises():
+  # docs/extending.md's call form, `tf_pxg.register("MyOp", MyRule)`, once
+  # took the rule for `override`, returned a decorator and registered
+  # nothing. It registers now; a bool where the rule goes is no rule.
+  class TanhRule(base.Rule):
+    def per_example(self, ctx):
+      return base.vectorized_per_example(ctx)
+
+  try:
+    assert tf_pxg.register("PxgTestOp", TanhRule) is TanhRule
+    assert isinstance(registry.lookup("PxgTestOp"), TanhRule)
+    with pytest.raises(ValueError, match="'PxgTestOp' is already registered"):
+      tf_pxg.register("PxgTestOp", TanhRule())
+    with pytest.raises(TypeError, match="Cannot register True"):
+      tf_pxg.register("PxgOtherOp", True)
+    assert "PxgOtherOp" not in tf_pxg.registered_op_types()
+    with pytest.raises(ValueError, match="non-empty string"):
+      tf_pxg.register(TanhRule)
+  finally:
+    registry.unregister("PxgTestOp")
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_scalar_target_is_a_sum_over_examples(w, mode):
   # The batch is a tf.function argument (a captured eager tensor would be a

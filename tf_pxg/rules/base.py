@@ -631,12 +631,14 @@ def as_rule(rule_like) -> Rule:
                   "expected a Rule subclass, instance, or function(ctx).")
 
 
-def register(op_type: str, override: bool = False) -> Callable:
+def register(op_type: str, rule=None, *, override: bool = False):
   """Registers a per-example rule for TF op type `op_type` (`tf_pxg.register`).
 
-  Use as a decorator on a `Rule` subclass (instantiated with no arguments),
-  a `Rule` instance, or a plain function `per_example(ctx)` (wrapped so
-  `sq_norm` and `weighted_sum` take the defaults):
+  The one register idiom of every plug point (docs/extending.md): a call,
+  `tf_pxg.register("MyOp", MyOpRule)`, or a decorator on a `Rule` subclass
+  (instantiated with no arguments), a `Rule` instance, or a plain function
+  `per_example(ctx)` (wrapped so `sq_norm` and `weighted_sum` take the
+  defaults):
 
       @tf_pxg.register("MyOp")
       class MyOpRule(tf_pxg.rules.base.Rule):
@@ -645,12 +647,23 @@ def register(op_type: str, override: bool = False) -> Callable:
 
   Args:
     op_type: the op's type as in `tf.Operation.type`, e.g. "MatMul".
-    override: replace an existing rule instead of raising.
+    rule: the rule (class, instance or function); None: return a decorator.
+    override: replace an existing rule instead of raising (keyword only).
+
+  Returns:
+    `rule` as given (the call form), or the decorator (which returns its
+    argument).
 
   Raises:
-    ValueError: if `op_type` already has a rule and `override` is False.
+    ValueError: `op_type` is not a non-empty string, or already has a rule
+      and `override` is False.
+    TypeError: `rule` is not a Rule subclass, instance or function.
   """
+  if not isinstance(op_type, str) or not op_type:
+    raise ValueError(f"tf_pxg.register: the op type must be a non-empty "
+                     f"string such as 'MatMul'; got {op_type!r}.")
+
   def decorator(rule_like):
     registry.add(op_type, as_rule(rule_like), override)
     return rule_like
-  return decorator
+  return decorator if rule is None else decorator(rule)
