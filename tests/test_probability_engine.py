@@ -185,3 +185,53 @@ def test_beta_cdf_through_betainc_custom_gradient(mode):
       check()
     return
   assert check() <= 1e-4
+
+
+_WITHOUT_IMPORT = r"""
+import sys
+import numpy as np, tensorflow as tf, keras
+import tensorflow_probability as tfp
+import tf_pxg
+assert "tf_pxg.probability.constants" not in sys.modules
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
+rng = np.random.default_rng(6)
+x = tf.constant(rng.normal(size=(6, 3)), tf.float32)
+y = tf.constant(rng.normal(size=(6,)), tf.float32)
+with tf_pxg.GradientTape() as tape:
+  p = model(x)
+  losses = -tfp.distributions.StudentT(
+      1.0 + tf.nn.softplus(p[:, 2]), p[:, 0],
+      tf.nn.softplus(p[:, 1]) + 1e-3).log_prob(y)
+g = tape.per_example_gradient(losses, model.trainable_variables)
+assert "tf_pxg.probability.constants" in sys.modules
+print("SHAPES", [tuple(t.shape) for t in g])
+"""
+
+
+def test_tfp_under_the_tape_needs_no_extra_import():
+  """Issue 52: TFP used directly under the tape (StudentT at B = 6, the
+  length of lbeta's table) was refused, naming StridedSlice, unless
+  `tf_pxg.probability` was imported first. The engine now loads the module
+  that registers TFP's literals once TFP itself is loaded
+  (`library_constants.LIBRARY_LITERALS`). A fresh process, so nothing was
+  imported before."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  proc = subprocess.run([sys.executable, "-c", _WITHOUT_IMPORT],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "SHAPES [(6, 3, 3), (6, 3)]" in proc.stdout, proc.stdout
+
+
+def test_a_failed_literal_import_is_named_in_the_refusal(monkeypatch):
+  """Where the registering module cannot import (a TFP that does not match
+  TensorFlow, here a module that does not exist), the refusal says which
+  import failed and why, instead of blaming the op alone."""
+  monkeypatch.setitem(library_constants.LIBRARY_LITERALS, "numpy",
+                      "tf_pxg.no_such_literals_module")
+  monkeypatch.setattr(library_constants, "_FAILED", {})
+  with pytest.raises(ValueError, match="numpy is loaded, but importing "
+                     "tf_pxg.no_such_literals_module .*ModuleNotFoundError"):
+    _picks_row_five(lambda: tf.constant(np.arange(6.0, dtype=np.float32)),
+                    "eager")

@@ -215,6 +215,7 @@ class Classifier:
 
   def __init__(self, recorder: Recorder, source_ids: Sequence[int],
                batch_size: Optional[int]):
+    library_constants.load_for_loaded_libraries()  # TFP's tables, say.
     self._sources = set(source_ids)
     self._batch_size = batch_size
     self._producer = recorder.producer
@@ -861,7 +862,8 @@ def check_examples_independent(entries: Sequence[Entry],
         f"{entry.describe()} mixes examples: it {mixing.why}, so an "
         "example's loss and gradient would depend on the other examples of "
         "the batch and clipping its gradient would not bound its influence "
-        f"(no per-example gradient, no DP guarantee).{_hint(entry, mixing)}")
+        f"(no per-example gradient, no DP guarantee).{_hint(entry, mixing)}"
+        f"{library_constants.missing_literals_hint()}")
 
 
 def check_no_data_writes(recorder: Recorder, classifier: Classifier) -> None:

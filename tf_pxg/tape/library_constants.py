@@ -67,6 +67,8 @@ of that shape stays refused.
 
 from __future__ import annotations
 
+import importlib
+import sys
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -191,3 +193,42 @@ def is_library_constant(t) -> bool:
   value = np.asarray(value)
   return any(np.array_equal(k.view(np.uint8), value.view(np.uint8))
              for k in known if k.dtype == value.dtype)
+
+
+# Libraries whose literal tables tf_pxg registers, and the module that does
+# it (each registers at import). `load_for_loaded_libraries` imports it the
+# first time the engine classifies a recording after the library itself was
+# imported, so TFP used directly under the tape needs no extra import.
+LIBRARY_LITERALS = {"tensorflow_probability": "tf_pxg.probability.constants"}
+
+# module -> why importing it failed (a TFP that does not match TensorFlow):
+# the refusal that follows names it (`missing_literals_hint`).
+_FAILED: Dict[str, str] = {}
+
+
+def load_for_loaded_libraries() -> None:
+  """Imports the literal-registering module of each library in
+  `LIBRARY_LITERALS` that is loaded (in `sys.modules`) and whose module is
+  not yet: one dict lookup per library once done. A module that fails to
+  import is remembered, not raised: the engine then treats that library's
+  literals as possible data, and its refusal says why
+  (`missing_literals_hint`)."""
+  for library, module in LIBRARY_LITERALS.items():
+    if (library in sys.modules and module not in sys.modules and
+        module not in _FAILED):
+      try:
+        importlib.import_module(module)
+      except ImportError as err:
+        _FAILED[module] = f"{type(err).__name__}: {err}"
+
+
+def missing_literals_hint() -> str:
+  """For an error message: the libraries that are loaded but whose literals
+  could not be registered, with the import that failed and why ("" if
+  none)."""
+  hints = [f" {library} is loaded, but importing {module} (which registers "
+           f"its literal tables) failed ({why}); until it imports, the "
+           "library's constant tables look like rows of examples."
+           for library, module in LIBRARY_LITERALS.items()
+           for why in [_FAILED.get(module)] if why]
+  return "".join(hints)
