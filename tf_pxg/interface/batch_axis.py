@@ -21,7 +21,7 @@ the operand order of contractions...) and when it mixes examples (reduces,
 contracts, sorts, reverses, rolls, gathers or slices along the batch axis,
 pairs the examples of two operands, normalises with batch statistics).
 An op type that is not on the list mixes by definition: `propagate` reports
-it, and the engine (`tf_pxg.interface.classify.check_examples_independent`) refuses
+it, and the engine (`tf_pxg.interface.refusals.check_examples_independent`) refuses
 it with an error naming the op and its Keras layer. A rule that cannot
 prove where the examples go (a permutation that is not static, say) reports
 that too, rather than guessing. Users add their own row-wise ops with

@@ -244,110 +244,145 @@ class Classifier:
     # Entries with data at an argument (`argument_from_data`).
     self.argument_creators: set = set()
     for entry in recorder.entries:
-      st = CONST
-      layouts = {}
-      values = False
-      data_args = []  # Arguments (not rows) that hold values of examples.
-      rows = batch_axis.row_inputs(entry)
-      for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs)):
-        s = self.input_status(entry, i, tid, t)
-        if s == DATA:
-          st = DATA
-          if tid not in self._fills:  # Identical rows: any layout agrees.
-            layouts[i] = self.layout(tid)
-          # On the tape, provenance alone says whether a tensor carries
-          # examples' values; the positions of `INTEGER_DATA_INPUTS` only
-          # judge tensors made outside it (a shape slice whose spec is
-          # DATA by shape at B = 1 carries none).
-          carries = tid not in self._fills and (
-              tid in self._values or
-              (tid not in self.status and (
-                  i in INTEGER_DATA_INPUTS.get(entry.op_type, ()) or
-                  _is_float(t.dtype) or self._external_values(t))))
-          values = values or carries
-          if carries and i not in rows and tid not in self._fills:
-            data_args.append(i)
-        elif s == PARAM and st != DATA:
-          st = PARAM
-      if st == DATA and self._clamped_to_constant(entry):
-        st, values, layouts, data_args = CONST, False, {}, []
-      shape_of = self._value_shape_read(entry)
-      writer = self._state_writer(entry)
-      if writer is not None:
-        # State written from the data (before the tape): the statistic
-        # itself, with no rows of examples.
-        st, values = DATA, True
-      elif shape_of is not None:
-        # A shape that counts the examples' values: data of the whole batch.
-        st, values = DATA, True
-      elif entry.op_type in _SHAPE_OPS:
-        st = CONST
-      elif entry.op_type == "Const" and entry.outputs and not _is_float(
-          entry.outputs[0].dtype):
-        st = CONST  # A shape vector or indices, not token ids of examples.
-      elif (entry.op_type in _FILLS or not entry.inputs) and st == CONST:
-        st = self._external(entry.outputs[0])  # A zero state [B, units]?
-        if st == DATA and _uniform(entry):
-          self._fills.update(entry.output_ids)
-      out_layouts = [batch_axis.AXIS0] * len(entry.outputs)
-      copy = batch_copies.copy_layout(entry, batch_size,
+      self._classify(entry)
+
+  # The stages of one entry's classification, in order -----------------------
+
+  def _classify(self, entry: Entry) -> None:
+    """Classifies `entry`'s outputs from its inputs (entries come in
+    program order, so every recorded input is classified already)."""
+    st, values, layouts, data_args = self._read_inputs(entry)
+    st, values, writer, shape_of = self._own_status(entry, st, values)
+    out_layouts = [batch_axis.AXIS0] * len(entry.outputs)
+    copy = batch_copies.copy_layout(entry, self._batch_size,
                                     self._layout_of_tensor) if (
                                         st in (PARAM, CONST)) else None
-      if copy is not None:
-        # A parameter (or a constant: a frozen weight) copied along the
-        # batch axis: example b's rows are its own copy, data from here on
-        # (for a parameter, the op is the interface).
-        st, values = DATA, True
-        out_layouts = [copy] * len(entry.outputs)
-      if writer is not None:
-        out_layouts = [None] * len(entry.outputs)  # No rows of examples.
-        if batch_size != 1:  # One example cannot mix with another.
-          self.mixing[id(entry)] = batch_axis.Mixing(
-              batch_axis.MIXES, _written_why(writer))
-      elif shape_of is not None:
-        out_layouts = [None] * len(entry.outputs)  # No rows of examples.
-        if batch_size != 1:  # One example cannot mix with another.
-          self.mixing[id(entry)] = batch_axis.Mixing(
-              batch_axis.MIXES, batch_axis.value_shape_why(
-                  shape_of.describe()))
-      elif st == DATA and layouts:
-        out_layouts, why = batch_axis.propagate(entry, layouts,
-                                                 batch_size,
-                                                 self._layout_of_tensor)
-        if why is None and batch_size != 1:
-          why = (argument_from_data(entry, data_args) or
-                 self._unproven_partition(entry))
-        if batch_size == 1:
-          # One example cannot mix with another; where a rule loses the
-          # batch axis (a squeeze of every size-1 axis, say) it is axis 0.
-          out_layouts = [batch_axis.AXIS0 if l is None else l
-                         for l in out_layouts]
-        elif why:
-          self.mixing[id(entry)] = why
-        stats = [i for i in layouts if entry.input_ids[i] in self._batch_stats]
-        if batch_size != 1 and stats:
-          if any(l is not None for l in layouts.values()) and not why:
-            # E.g. x - mean(x, 0): refused for a scalar target too.
-            self.mixing[id(entry)] = batch_axis.Mixing(
-                batch_axis.MIXES, "combines a statistic of the whole batch "
-                "with each example's rows")
-          self._batch_stats.update(entry.output_ids)
-        elif why is not None and why.kind == batch_axis.REDUCES:
-          self._batch_stats.update(entry.output_ids)
-      creator = self._value_shape_creator(entry, data_args)
-      if creator is not None:
-        self.value_shaped.update(
-            (tid, creator) for tid, t, lay in zip(
-                entry.output_ids, entry.outputs, out_layouts)
-            if _shape_may_vary(t, lay if (
-                st == DATA and
-                entry.op_type in batch_axis.ONE_ROW_PER_EXAMPLE) else None))
-      for tid, lay in zip(entry.output_ids, out_layouts):
-        self.status[tid] = PARAM if tid in self._sources else st
-        if st == DATA:
-          self.layouts[tid] = lay
-          if values:
-            self._values.add(tid)
+    if copy is not None:
+      # A parameter (or a constant: a frozen weight) copied along the
+      # batch axis: example b's rows are its own copy, data from here on
+      # (for a parameter, the op is the interface).
+      st, values = DATA, True
+      out_layouts = [copy] * len(entry.outputs)
+    if writer is not None or shape_of is not None:
+      out_layouts = self._no_rows(entry, writer, shape_of)
+    elif st == DATA and layouts:
+      out_layouts = self._propagate(entry, layouts, data_args)
+    self._note_value_shapes(entry, st, data_args, out_layouts)
+    for tid, lay in zip(entry.output_ids, out_layouts):
+      self.status[tid] = PARAM if tid in self._sources else st
+      if st == DATA:
+        self.layouts[tid] = lay
+        if values:
+          self._values.add(tid)
+
+  def _read_inputs(self, entry: Entry) -> tuple:
+    """Stage 1: `(status, carries values, {input index: layout}, argument
+    indices holding values)` from the inputs' provenance."""
+    st = CONST
+    layouts = {}
+    values = False
+    data_args = []  # Arguments (not rows) that hold values of examples.
+    rows = batch_axis.row_inputs(entry)
+    for i, (tid, t) in enumerate(zip(entry.input_ids, entry.inputs)):
+      s = self.input_status(entry, i, tid, t)
+      if s == DATA:
+        st = DATA
+        if tid not in self._fills:  # Identical rows: any layout agrees.
+          layouts[i] = self.layout(tid)
+        # On the tape, provenance alone says whether a tensor carries
+        # examples' values; the positions of `INTEGER_DATA_INPUTS` only
+        # judge tensors made outside it (a shape slice whose spec is
+        # DATA by shape at B = 1 carries none).
+        carries = tid not in self._fills and (
+            tid in self._values or
+            (tid not in self.status and (
+                i in INTEGER_DATA_INPUTS.get(entry.op_type, ()) or
+                _is_float(t.dtype) or self._external_values(t))))
+        values = values or carries
+        if carries and i not in rows:
+          data_args.append(i)
+      elif s == PARAM and st != DATA:
+        st = PARAM
+    if st == DATA and self._clamped_to_constant(entry):
+      return CONST, False, {}, []
+    return st, values, layouts, data_args
+
+  def _own_status(self, entry: Entry, st: str, values: bool) -> tuple:
+    """Stage 2: what the op itself makes of its inputs' status: a read of
+    state the data wrote, a shape that counts examples' values, a shape or
+    integer literal, a fill of the batch's shape. Returns `(status,
+    values, writer, shape_of)` (the last two: the entries behind the first
+    two cases, else None)."""
+    shape_of = self._value_shape_read(entry)
+    writer = self._state_writer(entry)
+    if writer is not None:
+      # State written from the data (before the tape): the statistic
+      # itself, with no rows of examples.
+      st, values = DATA, True
+    elif shape_of is not None:
+      # A shape that counts the examples' values: data of the whole batch.
+      st, values = DATA, True
+    elif entry.op_type in _SHAPE_OPS:
+      st = CONST
+    elif entry.op_type == "Const" and entry.outputs and not _is_float(
+        entry.outputs[0].dtype):
+      st = CONST  # A shape vector or indices, not token ids of examples.
+    elif (entry.op_type in _FILLS or not entry.inputs) and st == CONST:
+      st = self._external(entry.outputs[0])  # A zero state [B, units]?
+      if st == DATA and _uniform(entry):
+        self._fills.update(entry.output_ids)
+    return st, values, writer, shape_of
+
+  def _no_rows(self, entry: Entry, writer, shape_of) -> list:
+    """Stage 3a: outputs with no rows of examples (state the data wrote, a
+    shape counting values): a statistic of the whole batch, which mixes
+    examples unless there is only one."""
+    if self._batch_size != 1:  # One example cannot mix with another.
+      why = (written_state.why(writer) if writer is not None else
+             batch_axis.value_shape_why(shape_of.describe()))
+      self.mixing[id(entry)] = batch_axis.Mixing(batch_axis.MIXES, why)
+    return [None] * len(entry.outputs)
+
+  def _propagate(self, entry: Entry, layouts: dict, data_args) -> list:
+    """Stage 3b: the outputs' layouts from the inputs' by the op's rule
+    (`batch_axis.propagate`), noting why it mixes examples, if it does, and
+    the batch statistics it makes or consumes."""
+    batch_size = self._batch_size
+    out_layouts, why = batch_axis.propagate(entry, layouts, batch_size,
+                                            self._layout_of_tensor)
+    if why is None and batch_size != 1:
+      why = (argument_from_data(entry, data_args) or
+             self._unproven_partition(entry))
+    if batch_size == 1:
+      # One example cannot mix with another; where a rule loses the
+      # batch axis (a squeeze of every size-1 axis, say) it is axis 0.
+      out_layouts = [batch_axis.AXIS0 if l is None else l
+                     for l in out_layouts]
+    elif why:
+      self.mixing[id(entry)] = why
+    stats = [i for i in layouts if entry.input_ids[i] in self._batch_stats]
+    if batch_size != 1 and stats:
+      if any(l is not None for l in layouts.values()) and not why:
+        # E.g. x - mean(x, 0): refused for a scalar target too.
+        self.mixing[id(entry)] = batch_axis.Mixing(
+            batch_axis.MIXES, "combines a statistic of the whole batch "
+            "with each example's rows")
+      self._batch_stats.update(entry.output_ids)
+    elif why is not None and why.kind == batch_axis.REDUCES:
+      self._batch_stats.update(entry.output_ids)
+    return out_layouts
+
+  def _note_value_shapes(self, entry: Entry, st: str, data_args,
+                         out_layouts) -> None:
+    """Stage 4: outputs whose shape depends on the examples' values."""
+    creator = self._value_shape_creator(entry, data_args)
+    if creator is not None:
+      self.value_shaped.update(
+          (tid, creator) for tid, t, lay in zip(
+              entry.output_ids, entry.outputs, out_layouts)
+          if _shape_may_vary(t, lay if (
+              st == DATA and
+              entry.op_type in batch_axis.ONE_ROW_PER_EXAMPLE) else None))
 
   def _external_values(self, t) -> bool:
     """Whether a tensor made outside the tape holds values of examples
@@ -703,13 +738,6 @@ _LITERAL_OPS = ("Const", "ReadVariableOp", "VarHandleOp", "Shape", "ShapeN",
                 "Size", "Rank", "VariableShape")
 
 
-def _written_why(writer) -> str:
-  return (f"reads state that op '{writer.type}' ('{writer.name}') wrote "
-          "from the examples' values before the tape read it: a statistic of "
-          "the batch laundered through a variable or table (write such state "
-          "from public data or constants, outside the DP step)")
-
-
 def _argument_name(entry: Entry, i: int) -> str:
   op_def = _compat.op_def(entry.op_type)
   args = list(op_def.input_arg) if op_def is not None else []
@@ -737,9 +765,6 @@ def argument_from_data(entry: Entry, data_args: Sequence[int]):
 
 
 # Examples never mix ----------------------------------------------------------
-
-_BATCH_NORMS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
-
 
 def data_path(recorder: Recorder, target_id: int,
               classifier: Classifier) -> List[Entry]:
@@ -769,164 +794,3 @@ def data_path(recorder: Recorder, target_id: int,
                  if classifier.input_status(entry, i, tid, t) == DATA)
   return [e for e in recorder.entries if id(e) in seen and any(
       classifier.status.get(t) == DATA for t in e.output_ids)]
-
-
-def _mixing(entry: Entry, classifier: Classifier):
-  if entry.op_type in _BATCH_NORMS:
-    try:
-      training = recording.get_attr(entry, "is_training")
-    except (ValueError, KeyError):
-      training = True
-    if training:
-      return batch_axis.Mixing(
-          batch_axis.MIXES, "normalises with statistics of the whole batch")
-  return classifier.mixing.get(id(entry))
-
-
-def _hint(entry: Entry, mixing) -> str:
-  why = mixing.why
-  if entry.op_type.startswith("TensorList"):
-    return (" A tf.TensorArray in a tf.function (a TensorList) must hold "
-            "the whole batch in each element: write one [B, ...] step per "
-            "index, and unstack or scatter time-major [T, B, ...] tensors, "
-            "not batch-major ones.")
-  if "shape" in why and "values" in why:
-    return (" A shape, size or count of elements selected by value "
-            "(tf.where(cond) with one argument, tf.boolean_mask, tf.unique, "
-            "tf.dynamic_partition, ragged filters) counts over the whole "
-            "batch. Keep shapes static and per example instead: mask "
-            "elementwise with tf.where(cond, x, 0) (three arguments), count "
-            "per example with tf.reduce_sum(tf.cast(cond, x.dtype), axis=-1), "
-            "or pad to a fixed size. Shapes "
-            "that depend only on the batch size (tf.shape(x)[0], "
-            "tf.reshape(x, [-1, d])) are fine.")
-  if "takes its argument" in why:
-    return (" Whatever the data touches is data, at every input of every op. "
-            "Give the argument a value that does not depend on the examples: "
-            "a constant (the vocabulary size as one_hot's depth, a fixed "
-            "sequence length to slice or pad to, a seed from the layer's "
-            "keras.random.SeedGenerator), or a shape that depends only on "
-            "the batch size (tf.shape(x)[0]). Per-example choices belong in "
-            "the rows: mask with tf.where(cond, x, y) where cond has one row "
-            "per example.")
-  if "row partition" in why:
-    return (" Split strings with tf.strings.split on a [B] batch, or pad each "
-            "example to a fixed length instead of packing sequences.")
-  if "statistics" in why:
-    return (" BatchNormalization in training does this; use "
-            "keras.layers.GroupNormalization or "
-            "keras.layers.LayerNormalization instead (or freeze the layer "
-            "and call it with training=False); standardise each example "
-            "with its own statistics, or with constants computed beforehand.")
-  if "allowlist" in why:
-    return (" If this op acts on each example's rows alone, add it with "
-            f"tf_pxg.register_row_wise('{entry.op_type}') (a rule says how "
-            "it moves the batch axis; see tf_pxg.interface.batch_axis).")
-  if "gathers along the batch axis" in why or "rows" in why:
-    return (" Augmentations that combine examples (keras.layers.MixUp, "
-            "keras.layers.CutMix) and ops that permute, sort, roll, reverse "
-            "or select examples make an example's loss depend on others; "
-            "use per-example augmentations (RandomFlip, RandomCrop, "
-            "RandomRotation, ...) and per-example computations.")
-  if "pairs" in why or "contracts" in why:
-    return (" A loss that compares an example with the other examples of "
-            "its batch (in-batch negatives, logits z_a @ z_b^T, contrastive "
-            "losses) is not a per-example loss; use fixed or per-example "
-            "negatives.")
-  return (" Check which axis holds the examples: tf_pxg follows the batch "
-          "axis through transposes, reshapes and contractions, and an op "
-          "may reduce or contract any other axis.")
-
-
-def check_examples_independent(entries: Sequence[Entry],
-                               classifier: Classifier,
-                               vector_target: bool) -> None:
-  """Raises at the first of `entries` that mixes examples.
-
-  `entries` should be `data_path(...)`: the allowlist contract of
-  `tf_pxg.interface.batch_axis` is checked on every op from the inputs to the target.
-  A reduction over the batch axis is allowed only for a scalar target
-  (which is a sum over examples); everything else that mixes, or may (an
-  op off the allowlist), raises whatever the target.
-
-  Raises:
-    ValueError: naming the op, its name scope (the Keras layer), why it
-      mixes examples and what to do instead.
-  """
-  for entry in entries:
-    mixing = _mixing(entry, classifier)
-    if mixing is None or (mixing.kind == batch_axis.REDUCES and
-                          not vector_target):
-      continue
-    raise ValueError(
-        f"{entry.describe()} mixes examples: it {mixing.why}, so an "
-        "example's loss and gradient would depend on the other examples of "
-        "the batch and clipping its gradient would not bound its influence "
-        f"(no per-example gradient, no DP guarantee).{_hint(entry, mixing)}"
-        f"{library_constants.missing_literals_hint()}")
-
-
-def check_no_data_writes(recorder: Recorder, classifier: Classifier) -> None:
-  """Raises if the recording changes state from the data: an op without
-  outputs (a variable assignment, a table insert, a summary or print), an
-  op that may change a resource it takes (`side_effects.is_resource_writer`),
-  or a `tf.cond`/`tf.while_loop`/function call whose body does
-  (`side_effects.body_writes`), with an input that holds values of examples.
-
-  Such state is read back later in the step or in later steps, saved with
-  the model or printed: an exit of the data besides the clipped, noised sum
-  (invariant 4 of docs/design.md's guarantee). The Keras step checks the
-  same with its declared data (`tf_pxg.keras._validation`); this check
-  serves the tape used directly.
-
-  Raises:
-    ValueError: naming the op, its scope and what to do instead.
-  """
-  values = set()
-  for e in list(recorder.entries) + list(recorder.writes):
-    values.update(tid for tid, t in zip(e.input_ids, e.inputs)
-                  if classifier.carries_values(tid, t))
-  writes = side_effects.data_dependent_writes(
-      recorder.writes, values, recorder.entries, _compat.function_body)
-  if writes:
-    raise ValueError(
-        f"{writes[0].describe()} changes state (a variable, a lookup table, "
-        "a TensorArray, a summary or print, or a write inside a tf.cond, "
-        "tf.while_loop or function body) from values computed from the "
-        "examples. State read back later in the step or in later steps, "
-        "saved with the model, or printed carries the data out other than "
-        "through the clipped, noised gradient sum (no DP guarantee). "
-        "Compute such state outside the DP step from public data, or make "
-        "it depend only on the weights and constants.")
-
-
-def check_no_host_reads(recorder: Recorder, classifier: Classifier) -> None:
-  """Raises if Python read, while an eager tape recorded, the value of a
-  tensor computed from the examples (`Recorder.host_reads`): an `if` on a
-  tensor, an eager `tf.cond` or `tf.while_loop` predicate, `.numpy()`,
-  `int()`. The value leaves the recorded computation, and what Python does
-  with it (which branch runs, how many iterations, a size) steers every
-  example's computation unseen: with a predicate `tf.reduce_max(x) > 10`,
-  one outlier flips every other example's branch. Inside `tf.function`
-  such reads are trace-time errors or recorded ops (`tf.cond` builds an
-  `If`), and `fit` always traces the DP step.
-
-  Raises:
-    ValueError: naming the op that computed the value and what to do.
-  """
-  for t in recorder.host_reads:
-    tid = tensor_id(t)
-    if not classifier.carries_values(tid, t):
-      continue
-    producer = recorder.producer.get(tid)
-    what = producer.describe() if producer is not None else "an input"
-    raise ValueError(
-        f"Python read the value of a tensor computed from the examples "
-        f"({what} made it) while the tape recorded eagerly: an if on a "
-        "tensor, an eager tf.cond or tf.while_loop predicate, .numpy() or "
-        "int(). That value steers the computation outside the recording, "
-        "so one example could change how every other example is computed "
-        "(no per-example gradient, no DP guarantee). Run the forward pass "
-        "in tf.function (tf.cond and tf.while_loop become recorded ops), "
-        "select per example with tf.where(cond, x, y), or decide the branch "
-        "from constants.")

@@ -2,7 +2,7 @@
 
 A variable is a constant of the step only if no data-dependent op wrote it
 (issue 49, docs/threat_model.md "Provenance"). The tape refuses writes it
-records (`tf_pxg.interface.classify.check_no_data_writes`); this module
+records (`tf_pxg.interface.refusals.check_no_data_writes`); this module
 finds the ones made *before* the tape started, in the graph the step is
 traced into: a batch statistic assigned to a variable, or inserted into a
 lookup table, then read inside the tape, is the statistic itself
@@ -119,3 +119,11 @@ class WrittenState:
         break
     self._memo[name] = found
     return found
+
+
+def why(writer) -> str:
+  """Completes "<read> ..." in a refusal: which op wrote the state."""
+  return (f"reads state that op '{writer.type}' ('{writer.name}') wrote "
+          "from the examples' values before the tape read it: a statistic of "
+          "the batch laundered through a variable or table (write such state "
+          "from public data or constants, outside the DP step)")

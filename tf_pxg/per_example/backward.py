@@ -47,9 +47,9 @@ from tf_pxg.backprop import gradient_functions
 from tf_pxg.backprop import rule_trace
 from tf_pxg.backprop.imperative_grad import imperative_grad
 from tf_pxg.interface.classify import (DATA, PARAM, Classifier, Interface,
-                              check_examples_independent,
-                              check_no_data_writes, check_no_host_reads,
                               data_path)
+from tf_pxg.interface.refusals import (check_examples_independent,
+                              check_no_data_writes, check_no_host_reads)
 from tf_pxg.interface import pre_tape
 from tf_pxg.rules import base
 from tf_pxg.rules import factors

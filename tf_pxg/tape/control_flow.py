@@ -237,7 +237,7 @@ def _record_host_read(tensor) -> None:
   """Hands a Python read of an eager tensor's value (`.numpy()`, `bool()`,
   an eager `tf.cond` predicate) to every eager recorder recording on this
   thread (`Recorder.host_reads`); the engine refuses the read if the value
-  was computed from the examples (`classify.check_no_host_reads`)."""
+  was computed from the examples (`refusals.check_no_host_reads`)."""
   if _tf_shape_inference():
     return
   for recorder in _recorders():
