@@ -48,6 +48,7 @@ import pytest
 import tensorflow as tf
 
 from tf_pxg.testing import adversary as A
+from tf_pxg.testing import adversary_models
 
 PER_SHARD = 50
 DEFAULT_MODELS = 2000
@@ -286,7 +287,7 @@ def test_every_statistic_moves_when_one_example_is_replaced():
     fam = "f" if kind in A.F_KINDS else "i"
     values, flags = [], []
     for x, ids, y in (d, d2):
-      ctx = A._Ctx(x, ids, tf.eye(A.K), y)  # pylint: disable=protected-access
+      ctx = adversary_models._Ctx(x, ids, tf.eye(A.K), y)  # pylint: disable=protected-access
       ctx.h = x
       stat = ctx.fstat(kind) if fam == "f" else ctx.istat(kind)
       values.append(np.asarray(stat))
