@@ -4,7 +4,9 @@ Public API: `GradientTape`, `register`, `registered_op_types`,
 `register_row_wise` and `row_wise_op_types` (the allowlist of ops that keep
 examples apart, `tf_pxg.interface.batch_axis`), and the
 submodules `tf_pxg.keras`, `tf_pxg.data` (Poisson sampling), `tf_pxg.dp`,
-`tf_pxg.accounting`, `tf_pxg.testing`, `tf_pxg.rules`, `tf_pxg.audit`,
+`tf_pxg.accounting`, `tf_pxg.risk` (μ-GDP and the best attack's TPR at
+a low FPR of a run's events), `tf_pxg.testing`, `tf_pxg.rules`,
+`tf_pxg.audit`,
 `tf_pxg.clipping` (flat, automatic and quantile-adaptive clipping),
 `tf_pxg.mf` (BandMF correlated-noise strategies) and `tf_pxg.parts` (how
 samplers, noise mechanisms and clipping policies are registered by name,
@@ -35,8 +37,8 @@ def __getattr__(name):
   if name in _LAZY:
     module, attr = _LAZY[name]
     return getattr(importlib.import_module(module), attr)
-  if name in ("keras", "accounting", "testing", "rules", "dp", "data",
-              "audit", "mf", "parts", "tuning", "probability"):
+  if name in ("keras", "accounting", "risk", "testing", "rules", "dp",
+              "data", "audit", "mf", "parts", "tuning", "probability"):
     return importlib.import_module(f"tf_pxg.{name}")
   if name == "batch_axis":  # the row-wise allowlist (the engine's layer)
     return importlib.import_module("tf_pxg.interface.batch_axis")

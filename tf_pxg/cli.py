@@ -2,7 +2,7 @@
 
     tf-pxg epsilon --num_examples=60000 --batch_size=256 \\
         --noise_multiplier=1.1 --epochs=60 [--delta=1e-5] [--accountant=rdp] \\
-        [--min_separation=1]
+        [--min_separation=1] [--risk]
     tf-pxg noise --target_epsilon=3 --num_examples=60000 --batch_size=256 \\
         --epochs=60 [--delta=1e-5] [--accountant=rdp] [--tolerance=1e-4] \\
         [--min_separation=1]
@@ -19,6 +19,12 @@ ceil(steps / b) compositions at rate B * b / N
 (`docs/correlated_noise.md`); b must be <= N // B. `--num_bands` is its
 deprecated name (still accepted; errors then name it). The result
 is printed alone on stdout, at full precision, so scripts can capture it.
+`epsilon --risk` prints three more lines after ε, `mu_gdp=...`,
+`tpr_at_fpr_0.001=...` and `tpr_at_fpr_0.01=...`: the same run's μ-GDP
+(the dominating Gaussian fit at --delta; exact for unsampled Gaussians)
+and the best membership attack's TPR at those FPRs, from dp-accounting's
+PLD whatever --accountant says (`tf_pxg.risk`; docs/threat_model.md,
+"Reading the risk"). The first line stays ε alone.
 Bad input prints one line `tf-pxg <command>: error: ...` on stderr and
 exits with status 2.
 `python -m tf_pxg.cli ...` works the same.
@@ -39,12 +45,13 @@ importing this module defines no global flags.
 
 import dataclasses
 import sys
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from absl import app
 from absl import flags
 
 from tf_pxg import accounting
+from tf_pxg import risk
 
 _PROG = "tf-pxg"
 # The old name of --min_separation, still accepted.
@@ -99,6 +106,11 @@ def _epsilon_flags() -> flags.FlagValues:
       "noise_multiplier", None,
       "Noise std divided by the clipping norm (sigma).", flag_values=fv)
   flags.mark_flag_as_required("noise_multiplier", flag_values=fv)
+  flags.DEFINE_bool(
+      "risk", False,
+      "Also print the run's mu-GDP (mu_gdp=...) and the best membership "
+      "attack's TPR at FPR 1e-3 and 1e-2 (tpr_at_fpr_...=...), from "
+      "dp-accounting's PLD, after epsilon.", flag_values=fv)
   return fv
 
 
@@ -114,16 +126,22 @@ def _noise_flags() -> flags.FlagValues:
   return fv
 
 
-def _run_epsilon(fv: flags.FlagValues) -> float:
-  return accounting.compute_epsilon(
-      num_examples=fv.num_examples,
-      batch_size=fv.batch_size,
-      noise_multiplier=fv.noise_multiplier,
-      epochs=fv.epochs,
-      steps=fv.steps,
-      delta=fv.delta,
-      accountant=fv.accountant,
-      **_separation(fv))
+def _run_epsilon(fv: flags.FlagValues) -> Union[float, str]:
+  run = dict(num_examples=fv.num_examples, batch_size=fv.batch_size,
+             noise_multiplier=fv.noise_multiplier, epochs=fv.epochs,
+             steps=fv.steps, **_separation(fv))
+  epsilon = accounting.compute_epsilon(delta=fv.delta,
+                                       accountant=fv.accountant, **run)
+  if not fv.risk:
+    return epsilon
+  # The same event compute_epsilon composes (tf_pxg.accounting.dp_event).
+  found = risk.event_risk(accounting.dp_event(**run), fv.delta)
+  how = ("exact" if found.exact else
+         f"dominating Gaussian fit at delta={fv.delta:g}")
+  lines = [repr(epsilon), f"mu_gdp={found.mu!r} ({how})"]
+  lines += [f"{key}={value!r}" for key, value in found.logs().items()
+            if key != "mu_gdp"]
+  return "\n".join(lines)
 
 
 def _separation(fv: flags.FlagValues) -> dict:
@@ -151,7 +169,8 @@ def _run_noise(fv: flags.FlagValues) -> float:
 class _Command:
   summary: str
   make_flags: Callable[[], flags.FlagValues]
-  run: Callable[[flags.FlagValues], float]
+  # The result: a number (printed with repr) or the lines to print.
+  run: Callable[[flags.FlagValues], Union[float, str]]
 
 
 _COMMANDS: Dict[str, _Command] = {
@@ -295,7 +314,7 @@ def main(argv: Sequence[str]) -> int:
     where = f"{_PROG} {name}" if name else _PROG
     print(f"{where}: error: {_one_line(str(e))}", file=sys.stderr)
     return 2
-  print(repr(result))
+  print(result if isinstance(result, str) else repr(result))
   return 0
 
 

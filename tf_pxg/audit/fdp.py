@@ -65,7 +65,8 @@ import math
 import numpy as np
 from scipy import optimize
 from scipy import special
-from scipy import stats
+
+from tf_pxg.risk import gaussian_delta  # the μ-GDP profile, one place
 
 __all__ = ["gaussian_mu", "gaussian_delta", "fdp_slack", "fdp_refutes",
            "one_run_epsilon_fdp", "gdp_covers"]
@@ -86,16 +87,6 @@ def gaussian_mu(epsilon: float, delta: float) -> float:
   import dp_accounting  # noqa: PLC0415  (imported when first needed)
   sigma = dp_accounting.get_sigma_gaussian(epsilon, delta)
   return math.inf if sigma == 0 else 1.0 / sigma
-
-
-def gaussian_delta(mu: float, epsilon) -> np.ndarray:
-  """The privacy profile of μ-GDP: `Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2)`
-  (Dong, Roth and Su, Corollary 2.13), elementwise over `epsilon`."""
-  eps = np.asarray(epsilon, dtype=np.float64)
-  a = stats.norm.logcdf(-eps / mu + mu / 2)
-  b = eps + stats.norm.logcdf(-eps / mu - mu / 2)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    return np.where(b < a, np.exp(a) * -np.expm1(b - a), 0.0)
 
 
 def _wrong_for_right(mu: float):

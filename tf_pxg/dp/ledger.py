@@ -63,6 +63,7 @@ import attr
 import dp_accounting
 
 from tf_pxg import accounting
+from tf_pxg import risk as risk_lib
 
 __all__ = ["ComposeError", "PrivacyLedger", "Run", "UNSAMPLED",
            "event_from_json", "event_to_json"]
@@ -352,6 +353,15 @@ class PrivacyLedger:
       return math.inf
     return accounting.event_epsilon(event, delta, accountant)
 
+  def risk(self, delta: float = 1e-5,
+           extra_steps: int = 0) -> risk_lib.PrivacyRisk:
+    """The same composition, `event(extra_steps)`, in attack terms
+    (`tf_pxg.risk.event_risk`): μ of μ-GDP (exact for Gaussian
+    compositions, else the dominating fit at `delta`) and the best
+    attack's TPR at FPR 1e-3 and 1e-2 (μ = inf, TPR = 1 if a run claims
+    no ε; μ = 0, TPR = FPR with nothing released)."""
+    return risk_lib.event_risk(self.event(extra_steps), delta)
+
   @property
   def current_run(self) -> Optional[Run]:
     """The open run's `Run` in this process (None: none, or restored)."""
@@ -371,8 +381,10 @@ class PrivacyLedger:
     its stored event)."""
     return PrivacyLedger(self.to_json())
 
-  def summary(self, steps_now: Optional[int] = None) -> str:
-    """One line per run: its settings, steps and whether ε is claimed."""
+  def summary(self, steps_now: Optional[int] = None,
+              delta: Optional[float] = None) -> str:
+    """One line per run: its settings, steps and whether ε is claimed;
+    with `delta`, a last line with the whole history's `risk(delta)`."""
     lines = [f"weights declared public: {note}" for note in self.public]
     for i, r in enumerate(self.runs(steps_now)):
       settings = ", ".join(f"{k}={v}" for k, v in sorted(
@@ -382,6 +394,8 @@ class PrivacyLedger:
       lines.append(f"run {i}{state}: {r['steps']} steps, {settings}{claim}")
     if not self.runs():
       lines.append("no noised release yet")
+    if delta is not None:
+      lines.append(self.risk(delta).describe())
     return "\n".join(lines)
 
 

@@ -7,10 +7,12 @@ import math
 import warnings
 from typing import Optional
 
+import dp_accounting
 import keras
 
 from tf_pxg import _renamed
 from tf_pxg import accounting
+from tf_pxg import risk as risk_lib
 
 
 # Where a DP model's value of each argument is set (the error's hint).
@@ -57,7 +59,14 @@ class PrivacyCallback(keras.callbacks.Callback):
   `certified` (shuffled batches) is refused or labelled (`allow_shuffled`).
 
   At each epoch end `logs["epsilon"]` is set (progress bar, `History`,
-  TensorBoard show it).
+  TensorBoard show it). With `log_risk=True` the same events are also
+  logged in attack terms (`risk()`, `tf_pxg.risk`): `logs["mu_gdp"]` (μ
+  of μ-GDP: exact for Gaussian compositions, else the dominating fit at
+  `delta`) and `logs["tpr_at_fpr_0.001"]`, `logs["tpr_at_fpr_0.01"]` (the
+  best membership attack's TPR at that FPR), with the ε key's suffix
+  (`_user_level`, `_if_poisson`). They are computed with dp-accounting's
+  PLD (a second or so per epoch for a run of ten thousand steps), so
+  they are off by default.
 
   Budget. With `target_epsilon`, `on_train_begin` sets the model's step
   limit (`set_step_limit`) to `max_steps()`, the most logical steps whose ε
@@ -115,6 +124,8 @@ class PrivacyCallback(keras.callbacks.Callback):
       under the key `epsilon_if_poisson` (not `epsilon`), because it is
       not a guarantee for shuffled batches (Chua et al., ICML 2024, show
       such batches can be much less private), and warns once.
+    log_risk: also log μ-GDP and the best attack's TPR at FPR 1e-3 and
+      1e-2 at each epoch end (above). Default False.
 
   Raises:
     ValueError: when `noise_multiplier`, `min_separation` or `accountant`
@@ -136,8 +147,13 @@ class PrivacyCallback(keras.callbacks.Callback):
                allow_shuffled: bool = False, *,
                num_users: Optional[int] = None,
                min_separation: Optional[int] = None,
-               num_bands=_renamed.NOT_GIVEN):
+               num_bands=_renamed.NOT_GIVEN,
+               log_risk: bool = False):
     super().__init__()
+    if not isinstance(log_risk, bool):
+      raise TypeError(f"PrivacyCallback: log_risk must be True or False; "
+                      f"got {log_risk!r}.")
+    self.log_risk = log_risk
     # The name the caller gave b by, for the messages.
     min_separation, self._separation_arg = _renamed.argument(
         min_separation, num_bands, new="min_separation", old="num_bands",
@@ -275,30 +291,46 @@ class PrivacyCallback(keras.callbacks.Callback):
     sampler's event composed with the mechanism's and nothing else
     (`sampler.dp_event(mechanism, ...)` for the sampler `fit` used, else
     cyclic Poisson at this callback's rate,
-    `tf_pxg.accounting.mechanism_epsilon`)."""
+    `tf_pxg.accounting.mechanism_dp_event`; with a model's privacy
+    ledger, its whole history): `_event(steps)`'s ε (0 for no steps, inf
+    without noise)."""
     steps = self.steps() if steps is None else steps
+    ledger = self._ledger()
+    if ledger is not None and ledger.open is not None:
+      return ledger.epsilon(self.delta, self.accountant,
+                            extra_steps=steps - self.steps())
+    if steps == 0:
+      return 0.0
+    if self.noise_multiplier == 0.0:
+      return math.inf
+    return accounting.event_epsilon(self._event(steps), self.delta,
+                                    self.accountant)
+
+  def risk(self, steps: Optional[int] = None) -> risk_lib.PrivacyRisk:
+    """The events of `epsilon(steps)` in attack terms
+    (`tf_pxg.risk.event_risk` at this callback's δ): μ-GDP and the best
+    attack's TPR at FPR 1e-3 and 1e-2."""
+    steps = self.steps() if steps is None else steps
+    return risk_lib.event_risk(self._event(steps), self.delta)
+
+  def _event(self, steps: int):
+    """The composed DP event after `steps` steps (None: no ε claimed)."""
     ledger = self._ledger()
     if ledger is not None and ledger.open is not None:
       # The whole history behind the weights (tf_pxg.dp.ledger, settled
       # at the current count): every run's event, the open one's with the
       # steps up to `steps` of the current optimizer.
-      return ledger.epsilon(self.delta, self.accountant,
-                            extra_steps=steps - self.steps())
+      return ledger.event(extra_steps=steps - self.steps())
+    if steps == 0:
+      return dp_accounting.NoOpDpEvent()
     mechanism, sampler = self._mechanism(), self._sampler()
     if sampler is None or not sampler.certified:
       # No sampler known yet (or shuffled batches, `epsilon_if_poisson`):
       # the Poisson sampler at this callback's rate.
-      return accounting.mechanism_epsilon(
+      return accounting.mechanism_dp_event(
           mechanism, self.num_examples, self.batch_size,
-          self.noise_multiplier, steps, delta=self.delta,
-          accountant=self.accountant)
-    if steps == 0:
-      return 0.0
-    if self.noise_multiplier == 0.0:
-      return math.inf
-    return accounting.event_epsilon(
-        sampler.dp_event(mechanism, self.noise_multiplier, steps),
-        self.delta, self.accountant)
+          self.noise_multiplier, steps)
+    return sampler.dp_event(mechanism, self.noise_multiplier, steps)
 
   def max_steps(self) -> Optional[int]:
     """The most steps whose ε stays within `target_epsilon` (None: no target).
@@ -408,6 +440,9 @@ class PrivacyCallback(keras.callbacks.Callback):
     if logs is not None:
       eps = self.epsilon()
       logs[self._log_key] = eps if math.isfinite(eps) else float("inf")
+      if self.log_risk:
+        logs.update(self.risk().logs(
+            suffix=self._log_key[len("epsilon"):]))
 
 
 def _history_key(ledger, callback):

@@ -733,10 +733,14 @@ class _DPTrainingMixin:
     return self.privacy_ledger.epsilon(
         delta, accountant or self.dp_plan.accountant or "rdp")
 
-  def privacy_summary(self) -> str:
+  def privacy_summary(self, delta: float = 1e-5) -> str:
     """What the training released so far, one line per run of the privacy
-    ledger (settings, steps, whether an ε is claimed)."""
-    return self.privacy_ledger.summary()
+    ledger (settings, steps, whether an ε is claimed), then a line with
+    the risk of the whole history in attack terms
+    (`PrivacyLedger.risk(delta)`: μ-GDP, exact or the dominating fit at
+    `delta`, and the best membership attack's TPR at FPR 1e-3 and 1e-2;
+    docs/threat_model.md, "Reading the risk")."""
+    return self.privacy_ledger.summary(delta=delta)
 
   def declare_public_weights(self, note: str = "declared public by the "
                              "user") -> None:
