@@ -133,6 +133,9 @@ import dp_accounting
 from scipy import optimize
 
 from tf_pxg import _renamed
+# The noise's shares among releases of one step (re-exported: `__all__`).
+from tf_pxg.noise_shares import combined_noise_multiplier
+from tf_pxg.noise_shares import split_noise_multipliers
 
 __all__ = [
     "ACCOUNTANTS",
@@ -768,90 +771,3 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
     else:
       lo = mid
   return hi
-
-
-# ---------------------------------------------------------------------------
-# Adaptive (quantile) clipping: the count's share of the budget.
-# ---------------------------------------------------------------------------
-
-
-def _check_positive_real(name: str, value) -> float:
-  if not _is_real(value) or not math.isfinite(value) or value <= 0:
-    raise ValueError(f"{name} must be a finite number > 0; got {value!r}.")
-  return float(value)
-
-
-def split_noise_multipliers(noise_multiplier: float,
-                            count_noise_multiplier: float) -> float:
-  """The gradient noise multiplier σ_g left after the clipped count's share.
-
-  Quantile-adaptive clipping (Andrew et al. 2021) releases at every step,
-  for the same sampled batch, (1) the sum of gradients clipped to R plus
-  Gaussian noise of std σ_g R (sensitivity R) and (2) the count of examples
-  with ‖g‖ <= R, each contributing 1[‖g‖ <= R] - 1/2 (sensitivity 1/2
-  under adding or removing one example), plus Gaussian noise of std σ_b =
-  `count_noise_multiplier`. Scaling (1) by 1/R and (2) by 2 gives two
-  Gaussian mechanisms of sensitivity 1 with noise multipliers σ_g and 2σ_b
-  on disjoint coordinates; together they are one Gaussian mechanism with
-  sensitivity 1 and noise multiplier σ,
-
-      σ⁻² = σ_g⁻² + (2 σ_b)⁻²     (Andrew et al. 2021, Theorem 1),
-
-  exactly (the Rényi divergences of Gaussians add in 1/σ², and both parts
-  see the same sampled batch, so Poisson subsampling and BandMF rounds
-  apply to the pair as to a single Gaussian: account the run with σ). So
-  for the σ that the accounting gives (e.g. `noise_multiplier_for_epsilon`)
-  and a chosen σ_b, the gradient gets
-
-      σ_g = (σ⁻² - (2 σ_b)⁻²)^(-1/2)  >  σ.
-
-  TensorFlow Federated's `adaptive_clip_noise_params` computes the same
-  σ_g and also rejects σ >= 2 σ_b; Andrew et al. recommend σ_b = B / 20
-  (as quoted in TF Privacy's `QuantileAdaptiveClipSumQuery`).
-
-  Args:
-    noise_multiplier: σ, the accounted noise multiplier; finite, > 0.
-    count_noise_multiplier: σ_b, the std of the noise added to the clipped
-      count (in count units, i.e. examples; TF Privacy's
-      `clipped_count_stddev`); must be > σ / 2, finite.
-
-  Returns:
-    σ_g as a Python float, the noise multiplier to add to the gradient sum.
-
-  Raises:
-    ValueError: If an argument is not a finite number > 0, or if
-      2 σ_b <= σ (the count alone would use the whole budget); the message
-      gives the minimum σ_b.
-  """
-  sigma = _check_positive_real("noise_multiplier", noise_multiplier)
-  sigma_b = _check_positive_real("count_noise_multiplier",
-                                 count_noise_multiplier)
-  if not 2.0 * sigma_b > sigma:
-    raise ValueError(
-        f"count_noise_multiplier={sigma_b!r} is too small for "
-        f"noise_multiplier={sigma!r}: the count's noise multiplier "
-        f"2 * count_noise_multiplier must exceed noise_multiplier, else the "
-        f"count uses the whole privacy budget and no gradient noise is "
-        f"enough. Use count_noise_multiplier > {sigma / 2!r} (noise_multiplier"
-        f" / 2); a few times that leaves most of the budget to the gradient.")
-  remainder = sigma**-2 - (2.0 * sigma_b)**-2
-  return float(remainder**-0.5)
-
-
-def combined_noise_multiplier(gradient_noise_multiplier: float,
-                              count_noise_multiplier: float) -> float:
-  """σ = (σ_g⁻² + (2 σ_b)⁻²)^(-1/2): the inverse of `split_noise_multipliers`.
-
-  The noise multiplier to account a quantile-clipping run with when the
-  gradient gets σ_g = `gradient_noise_multiplier` and the count σ_b =
-  `count_noise_multiplier` (Andrew et al. 2021, Theorem 1; see
-  `split_noise_multipliers`). σ < min(σ_g, 2 σ_b).
-
-  Raises:
-    ValueError: If an argument is not a finite number > 0.
-  """
-  sigma_g = _check_positive_real("gradient_noise_multiplier",
-                                 gradient_noise_multiplier)
-  sigma_b = _check_positive_real("count_noise_multiplier",
-                                 count_noise_multiplier)
-  return float((sigma_g**-2 + (2.0 * sigma_b)**-2)**-0.5)
