@@ -145,7 +145,8 @@ FPRS = (1e-3, 1e-2)
 # Grid of ε for the supremum of μ(ε) (item 3 of the module docstring).
 _FIT_GRID_POINTS = 33
 # The ε step of the scan of an RDP profile (no grid of its own), and the
-# largest ε a scan looks at.
+# largest ε a scan or bisection looks at (a branch of (*) still rising
+# there is e^-ε (1 - δ - α) < 0 of an almost non-private run: f = 0).
 _RDP_EPSILON_STEP = 1e-2
 _SCAN_EPSILON_CAP = 100.0
 
@@ -260,14 +261,17 @@ class _Profile:
     return self._grid[k]
 
 
-def _branch_max(value: Callable[[int], float]) -> float:
-  """max over k >= 0 of a unimodal sequence (rises, then does not): the
-  first k with value(k + 1) <= value(k), by doubling then bisection."""
+def _branch_max(value: Callable[[int], float], limit: int) -> float:
+  """max over 0 <= k <= `limit` of a unimodal sequence (rises, then does
+  not): the first k with value(k + 1) <= value(k), by doubling then
+  bisection."""
   if value(1) <= value(0):
     return value(0)
   lo, hi = 0, 1  # value rises after lo
   while value(hi + 1) > value(hi):
-    lo, hi = hi, 2 * hi
+    if hi >= limit:  # still rising at the limit: its maximum up to it
+      return value(hi)
+    lo, hi = hi, min(2 * hi, limit)
   while hi - lo > 1:
     mid = (lo + hi) // 2
     if value(mid + 1) > value(mid):
@@ -303,7 +307,8 @@ def _tradeoff(profile: _Profile, fpr: float) -> float:
     return math.exp(-k * step) * (one_minus_delta(k) - fpr)
 
   if profile.unimodal:
-    found = (_branch_max(first), _branch_max(second))
+    limit = int(_SCAN_EPSILON_CAP / step)
+    found = (_branch_max(first, limit), _branch_max(second, limit))
   else:
     found = (_scan_max(first, step, lambda k: 1 - math.exp(k * step) * fpr),
              _scan_max(second, step,
