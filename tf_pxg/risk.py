@@ -86,9 +86,10 @@ ones ε is computed from (`tf_pxg.accounting`, the privacy ledger
 
        μ_δ = inf { μ : δ_run(ε) <= δ_μ(ε) for every ε >= 0 with
                         δ_run(ε) > δ }
-           = sup_{0 <= ε <= ε_run(δ)} μ(ε),   δ_μ(ε)(ε) = δ_run(ε),
+           = sup_{0 <= ε <= ε_run(δ)} μ(ε),
 
-   (δ_μ(ε) grows with μ, so μ(ε) is the one root): the smallest μ such
+   μ(ε) the μ with δ_μ(ε) = δ_run(ε) (δ_μ(ε) grows with μ, so there is
+   one): the smallest μ such
    that the run keeps every (ε', δ')-DP guarantee of μ-GDP with δ' >= δ,
    the δ its ε is reported at (Dong, Roth and Su, Cor. 2.13, restricted
    to δ' >= δ). Conservative: δ_run is the PLD's upper bound, so μ(ε) and
@@ -104,8 +105,9 @@ ones ε is computed from (`tf_pxg.accounting`, the privacy ledger
    increases and the maximum is the end point, μ_δ =
    μ(ε_run(δ)), the μ of the Gaussian mechanism that is exactly
    (ε_run(δ), δ)-DP. For an exact μ (1.) μ(ε) is that μ at every ε; for
-   a q = 1 Gaussian through the PLD (`closed_form=False`) the fit
-   recovers sqrt(T)/σ to about 1e-9 (tests/test_privacy_risk.py).
+   a q = 1 Gaussian through the PLD (`closed_form=False`, Δ = 1e-4) the
+   fit recovers sqrt(T)/σ to about 1e-9, 5e-8 where the PLD composes the
+   T steps by FFT (Poisson sampling at q = 1; tests/test_privacy_risk.py).
 
 The TPRs never go through the fit: they are 1 - f(α) of (*) (or TPR_μ for
 an exact μ). No TensorFlow is imported here.
