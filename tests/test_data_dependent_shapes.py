@@ -225,18 +225,18 @@ def test_shape_of_an_allowlisted_ragged_op_is_refused(mode):
 def test_value_shaped_table_is_one_place():
   """The op kinds whose output shape is set by values: one table, with the
   selectors refused by a rule that says why."""
-  from tf_pxg.interface import batch_axis
+  from tf_pxg.interface import batch_axis, value_shapes
   for op in ("Where", "Unique", "UniqueWithCounts", "DynamicPartition",
              "ListDiff", "NonMaxSuppressionV3", "SparseSegmentSum",
              "SegmentSum", "RaggedRange", "StringSplitV2", "Fill", "Range",
              "Reshape"):
-    assert batch_axis.value_shape_inputs(op), op
+    assert value_shapes.value_shape_inputs(op), op
   for op in ("Where", "Unique", "DynamicPartition", "ListDiff",
              "SparseSegmentMean"):
     assert op not in batch_axis.row_wise_op_types(), op
-    assert op in batch_axis._VALUE_SELECTORS, op
+    assert op in value_shapes._VALUE_SELECTORS, op
   for op in ("Shape", "Size", "ShapeN", "Rank", "TensorListLength"):
-    assert op in batch_axis.SHAPE_READS
+    assert op in value_shapes.SHAPE_READS
 
 
 # py_function / numpy_function stay refused -------------------------------------

@@ -21,7 +21,7 @@ differentiability: it flows through casts to integer, gathers, one-hot and
 table lookups. Shape ops (`Shape`, `Size`...) give constants, so shape
 arithmetic never does — unless the shape they read depends on the values of
 examples (`tf.where(cond)`, `tf.boolean_mask`, `tf.unique`, `tf.zeros([n])`
-of a data `n`: `tf_pxg.interface.batch_axis.VALUE_SHAPED`): such a shape is a count
+of a data `n`: `tf_pxg.interface.value_shapes.VALUE_SHAPED`): such a shape is a count
 over the whole batch, so its read is data that mixes examples, checked on
 the data path like any other value.
 
@@ -55,6 +55,7 @@ import tensorflow as tf
 from tf_pxg import _compat
 from tf_pxg.interface import batch_axis
 from tf_pxg.interface import batch_copies
+from tf_pxg.interface import value_shapes
 from tf_pxg.interface import written_state
 from tf_pxg.tape import library_constants
 from tf_pxg.tape import recording
@@ -239,7 +240,7 @@ class Classifier:
     # sums over examples) and what is computed from them alone.
     self._batch_stats: set = set()
     # Tensors whose shape depends on the values of examples -> the entry
-    # that made it so (`tf_pxg.interface.batch_axis.VALUE_SHAPED`).
+    # that made it so (`tf_pxg.interface.value_shapes.VALUE_SHAPED`).
     self.value_shaped: Dict[int, Entry] = {}
     # Entries with data at an argument (`argument_from_data`).
     self.argument_creators: set = set()
@@ -339,7 +340,7 @@ class Classifier:
     examples unless there is only one."""
     if self._batch_size != 1:  # One example cannot mix with another.
       why = (written_state.why(writer) if writer is not None else
-             batch_axis.value_shape_why(shape_of.describe()))
+             value_shapes.value_shape_why(shape_of.describe()))
       self.mixing[id(entry)] = batch_axis.Mixing(batch_axis.MIXES, why)
     return [None] * len(entry.outputs)
 
@@ -382,7 +383,7 @@ class Classifier:
               entry.output_ids, entry.outputs, out_layouts)
           if _shape_may_vary(t, lay if (
               st == DATA and
-              entry.op_type in batch_axis.ONE_ROW_PER_EXAMPLE) else None))
+              entry.op_type in value_shapes.ONE_ROW_PER_EXAMPLE) else None))
 
   def _external_values(self, t) -> bool:
     """Whether a tensor made outside the tape holds values of examples
@@ -584,7 +585,7 @@ class Classifier:
     """The entry that made the shape of `entry`'s outputs depend on the
     values of examples: the creator behind an input with such a shape, or
     `entry` itself if an input that sets its output shape
-    (`batch_axis.VALUE_SHAPED`) or any argument (`data_args`, e.g. a
+    (`value_shapes.VALUE_SHAPED`) or any argument (`data_args`, e.g. a
     bincount's width) carries examples. None otherwise."""
     if entry.op_type in _SHAPE_OPS:
       return None  # A shape vector's own shape is its rank: static.
@@ -594,7 +595,7 @@ class Classifier:
     for tid in entry.input_ids:
       if tid in self.value_shaped:
         return self.value_shaped[tid]
-    for i in batch_axis.value_shape_inputs(entry.op_type):
+    for i in value_shapes.value_shape_inputs(entry.op_type):
       if i < len(entry.inputs) and self.input_status(
           entry, i, entry.input_ids[i], entry.inputs[i]) == DATA:
         return entry
@@ -605,7 +606,7 @@ class Classifier:
     `TensorListLength`) of a tensor whose shape depends on the values of
     examples: the entry that made it so. None for every other entry and for
     static ranks."""
-    if entry.op_type not in batch_axis.SHAPE_READS:
+    if entry.op_type not in value_shapes.SHAPE_READS:
       return None
     for tid, t in zip(entry.input_ids, entry.inputs):
       if tid in self.value_shaped and not (
@@ -775,12 +776,12 @@ def data_path(recorder: Recorder, target_id: int,
   Eagerly, Python reads a shape without an op (`tf.size`, `x.shape`,
   `keras.ops.shape`, `len`), so the target may depend on a value-dependent
   shape through no recorded edge: there, every op that selects elements of
-  examples by their values (`batch_axis.is_value_selector`: `tf.where(c)`,
+  examples by their values (`value_shapes.is_value_selector`: `tf.where(c)`,
   `tf.boolean_mask`, `tf.unique`...) is on the path."""
   producer = recorder.producer
   seen, stack = set(), [target_id]
   stack.extend(tid for tid, creator in classifier.value_shaped.items()
-               if (batch_axis.is_value_selector(creator.op_type) or
+               if (value_shapes.is_value_selector(creator.op_type) or
                    id(creator) in classifier.argument_creators) and
                creator.outputs and
                not tf.is_symbolic_tensor(creator.outputs[0]))

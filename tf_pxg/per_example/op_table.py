@@ -42,6 +42,7 @@ import tensorflow as tf
 from tf_pxg import registry
 from tf_pxg import rules  # noqa: F401  (registers the built-in rules)
 from tf_pxg.interface import batch_axis
+from tf_pxg.interface import value_shapes
 from tf_pxg.tape import control_flow
 from tf_pxg.tape import side_effects
 
@@ -76,13 +77,13 @@ def op_types() -> List[str]:
 
 def classify(op_type: str) -> str:
   """The class of `op_type` (one of `CLASSES`)."""
-  if op_type in _MIXING or batch_axis.is_value_selector(op_type):
+  if op_type in _MIXING or value_shapes.is_value_selector(op_type):
     return MIXING
   if registry.lookup(op_type) is not None:
     return RULE
   if op_type in batch_axis.row_wise_op_types():
     return ROW_WISE
-  if op_type in batch_axis.SHAPE_READS or op_type in ("VariableShape",
+  if op_type in value_shapes.SHAPE_READS or op_type in ("VariableShape",
                                                       "TensorListLength"):
     return SHAPE_READ
   if op_type in side_effects.PURE_RESOURCE_READS:

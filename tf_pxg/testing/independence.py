@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_pxg import _compat
-from tf_pxg.interface import batch_axis
+from tf_pxg.interface import value_shapes
 from tf_pxg.testing import independence_changes as changes_lib
 from tf_pxg.testing import independence_runs as runs
 from tf_pxg.testing.reference import _batch_size, _per_example_loss
@@ -199,7 +199,7 @@ def _shape_exits(forward, variables, inputs, labels) -> Tuple[str, ...]:
     tf.function(norms, autograph=False).get_concrete_function(inputs, labels)
   except ValueError as e:
     text = " ".join(str(e).split())
-    if any(phrase in text for phrase in batch_axis.VALUE_SHAPE_PHRASES):
+    if any(phrase in text for phrase in value_shapes.VALUE_SHAPE_PHRASES):
       return (f"exit: a shape counts the examples' values ({text[:400]}); "
               "DP training refuses it",)
   except Exception:  # pylint: disable=broad-except
