@@ -78,8 +78,12 @@ def check_inclusion(counts, steps, q):
   assert abs(freq.mean() - q) < 4 * sd / math.sqrt(len(counts))
   # Every example: within 5 sd of q (N = 1000 tests, two-sided 5.7e-7 each).
   assert np.all(np.abs(freq - q) < 5 * sd), np.abs(freq - q).max() / sd
-  # The counts' spread is Binomial(T, q)'s.
-  assert abs(counts.var(ddof=1) / (steps * q * (1 - q)) - 1) < 0.15
+  # The counts' spread is Binomial(T, q)'s: within 5 standard errors of the
+  # sample variance, sqrt(2 / (N - 1)) relative (0.15 was 3.4 of them at
+  # N = 1000: a secure sampler, drawing from OS entropy, failed it once in
+  # CI-sized runs, 0.1504).
+  var_tol = max(0.15, 5 * math.sqrt(2 / (len(counts) - 1)))
+  assert abs(counts.var(ddof=1) / (steps * q * (1 - q)) - 1) < var_tol
 
 
 def test_realised_batch_sizes_follow_binomial():

@@ -432,35 +432,53 @@ class Classifier:
     return True
 
   def _graph_values(self, t) -> bool:
+    """Whether graph tensor `t` carries the step's data: a post-order walk
+    over its producers (literals, shapes, handles and captured constants
+    carry none; a placeholder or an iterator's element does), where a read
+    of state also depends on the inputs of the writes before it
+    (`written_state.WrittenState.write_inputs`). Bounded: a walk past
+    2,000 tensors counts what is left as data."""
     memo = self._graph_values_memo
-    stack, order = [t], []
-    while stack:  # Depth-first over producers, bounded.
-      u = stack.pop()
+    stack = [(t, False)]
+    visited = 0
+    while stack:
+      u, expanded = stack.pop()
       key = recording.tensor_id(u)
+      if expanded:
+        memo[key] = any(memo.get(recording.tensor_id(v)) is not False
+                        for v in self._dependencies(u))
+        continue
       if key in memo:
         continue
-      op = u.op
-      if u.dtype in _NON_DATA_DTYPES or key in self._captured(u.graph):
-        memo[key] = False  # A handle, a captured constant.
+      leaf = self._leaf_value(u, key)
+      if leaf is not None or visited > 2000:
+        memo[key] = True if leaf is None else leaf
         continue
-      if (op.type in side_effects.PURE_RESOURCE_READS and
-          self._written.writer_from_data(op) is not None):
-        memo[key] = True  # State the data wrote: written_state's doc.
-        continue
-      if op.type in _LITERAL_OPS:
-        memo[key] = False  # A literal, a shape, an unwritten variable.
-        continue
-      inputs = [v for v in op.inputs if v.dtype not in _NON_DATA_DTYPES]
-      if not inputs or len(order) > 500:
-        memo[key] = True  # A placeholder, an iterator: the step's data.
-        continue
-      order.append((key, inputs))
-      memo[key] = None  # In progress.
-      stack.extend(inputs)
-    for key, inputs in reversed(order):
-      memo[key] = any(memo.get(recording.tensor_id(v)) is not False
-                      for v in inputs)
+      visited += 1
+      memo[key] = None  # In progress: a cycle counts as data.
+      stack.append((u, True))
+      stack.extend((v, False) for v in self._dependencies(u))
     return memo[recording.tensor_id(t)] is not False
+
+  def _leaf_value(self, u, key) -> Optional[bool]:
+    """The value of `_graph_values` for a tensor that needs no walk, or None."""
+    op = u.op
+    if u.dtype in _NON_DATA_DTYPES or key in self._captured(u.graph):
+      return False  # A handle, a captured constant.
+    if op.type in side_effects.PURE_RESOURCE_READS:
+      return None  # Depends on its inputs and the writes before it.
+    if op.type in _LITERAL_OPS:
+      return False  # A literal, a shape.
+    if not any(v.dtype not in _NON_DATA_DTYPES for v in op.inputs):
+      return True  # A placeholder, an iterator: the step's data.
+    return None
+
+  def _dependencies(self, u) -> list:
+    op = u.op
+    deps = [v for v in op.inputs if v.dtype not in _NON_DATA_DTYPES]
+    if op.type in side_effects.PURE_RESOURCE_READS:
+      deps += self._written.write_inputs(op)
+    return deps
 
   def _state_writer(self, entry: Entry):
     """For a resource read recorded in a graph (a variable or table read):

@@ -57,15 +57,14 @@ class WrittenState:
 
   Args:
     values: whether a graph tensor carries the examples' values (the
-      classifier's provenance walk); it may call back into `writer_from_data`
-      for reads it meets (the memo breaks cycles).
+      classifier's provenance walk, which takes a read's `write_inputs` as
+      its dependencies).
   """
 
   def __init__(self, values: Callable[..., bool]):
     self._values = values
     # id(graph) -> (op name -> position, handle tensor id -> [(pos, op)]).
     self._index: Dict[int, Tuple[dict, dict]] = {}
-    self._memo: Dict[str, Optional[object]] = {}
 
   def _graph_index(self, graph) -> Tuple[dict, dict]:
     key = id(graph)
@@ -98,27 +97,27 @@ class WrittenState:
       graph, before = getattr(graph, "outer_graph", None), None
     return found
 
+  def write_inputs(self, op) -> list:
+    """The inputs other than resources of every op that may write, before
+    resource read `op` (a `tf.Operation` in a graph), a resource `op` reads:
+    what the state it returns was computed from."""
+    position, _ = self._graph_index(op.graph)
+    at = position.get(op.name)
+    return [t for h in _resources(op) for w in self._writers(h, at)
+            for t in w.inputs if t.dtype.name != "resource"]
+
   def writer_from_data(self, op) -> Optional[object]:
     """The first op that wrote, from the examples' values, the state that
     resource read `op` (a `tf.Operation` in a graph) returns; None if every
     write before it depends on constants and weights alone."""
-    name = f"{id(op.graph)}:{op.name}"
-    if name in self._memo:
-      return self._memo[name]
-    self._memo[name] = None  # In progress: a cycle adds nothing.
     position, _ = self._graph_index(op.graph)
     at = position.get(op.name)
-    found = None
     for h in _resources(op):
       for w in self._writers(h, at):
         if any(self._values(t) for t in w.inputs
                if t.dtype.name != "resource"):
-          found = w
-          break
-      if found is not None:
-        break
-    self._memo[name] = found
-    return found
+          return w
+    return None
 
 
 def why(writer) -> str:
