@@ -752,9 +752,10 @@ def _bound(a, b, pick, neutral, unknown):
   return unknown
 
 
-# Ops whose output is a literal, never the step's data.
-_LITERAL_OPS = ("Const", "ReadVariableOp", "VarHandleOp", "Shape", "ShapeN",
-                "Size", "Rank", "VariableShape")
+# Ops whose output is a literal, never the step's data (a handle is no data
+# by dtype; a variable's read or shape depends on the writes before it:
+# `_leaf_value`).
+_LITERAL_OPS = ("Const", "Shape", "ShapeN", "Size", "Rank")
 
 
 def _argument_name(entry: Entry, i: int) -> str:

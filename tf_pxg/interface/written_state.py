@@ -97,26 +97,28 @@ class WrittenState:
       graph, before = getattr(graph, "outer_graph", None), None
     return found
 
-  def write_inputs(self, op) -> list:
-    """The inputs other than resources of every op that may write, before
-    resource read `op` (a `tf.Operation` in a graph), a resource `op` reads:
-    what the state it returns was computed from."""
+  def _writes_before(self, op):
+    """`(writer, its inputs other than resources)` for every op that may
+    write, before resource read `op` (a `tf.Operation` in a graph), a
+    resource `op` reads."""
     position, _ = self._graph_index(op.graph)
     at = position.get(op.name)
-    return [t for h in _resources(op) for w in self._writers(h, at)
-            for t in w.inputs if t.dtype.name != "resource"]
+    for h in _resources(op):
+      for w in self._writers(h, at):
+        yield w, [t for t in w.inputs if t.dtype.name != "resource"]
+
+  def write_inputs(self, op) -> list:
+    """What the state read `op` returns was computed from: the inputs of
+    the writes before it (`_writes_before`)."""
+    return [t for _, inputs in self._writes_before(op) for t in inputs]
 
   def writer_from_data(self, op) -> Optional[object]:
     """The first op that wrote, from the examples' values, the state that
     resource read `op` (a `tf.Operation` in a graph) returns; None if every
     write before it depends on constants and weights alone."""
-    position, _ = self._graph_index(op.graph)
-    at = position.get(op.name)
-    for h in _resources(op):
-      for w in self._writers(h, at):
-        if any(self._values(t) for t in w.inputs
-               if t.dtype.name != "resource"):
-          return w
+    for w, inputs in self._writes_before(op):
+      if any(self._values(t) for t in inputs):
+        return w
     return None
 
 
