@@ -377,7 +377,9 @@ class GradientTape:
         adaptive clip's variable: no retracing when it changes).
       clipping: a `tf_pxg.clipping` policy (default `Flat()`, the factors
         above); `Automatic()` uses `c_b = C / (||g_b|| + gamma)`. Either
-        way `c_b ||g_b|| <= C`.
+        way `c_b ||g_b|| <= C`. A grouped policy (`PerLayer`) scales each
+        group g of the sources by its own `c_{b,g}` with
+        `||c_{b,g} g_{b,g}|| <= C_g`, `sum_g C_g^2 = C^2`.
       gradient_scale: None, or the scalar S that `target` was multiplied by
         (a loss scale, so that float16 backward passes do not underflow):
         the norms are divided by S before the clip factors, and the factors
@@ -389,10 +391,17 @@ class GradientTape:
     Returns:
       `(sums, norms)`: the structure of `sources` with `sum_b c_b g_b` each
       (None for unconnected sources), and the `[B]` unclipped norms (NaN or
-      inf for a non-finite example; its factor was 0).
+      inf for a non-finite example; its factor was 0); for a grouped
+      policy, the sums of each group's clipped gradients and the `[B]`
+      global norms (the root of the groups' squared norms).
     """
     with self._computing():
       flat_sources, engine = self._per_example(target, sources)
+      if getattr(clipping, "grouped", False):
+        sums, norms = self._group_clipped_sums(
+            engine, target, flat_sources, l2_norm_clip, clipping,
+            gradient_scale)
+        return tf.nest.pack_sequence_as(sources, sums), norms
       norms = tf.sqrt(engine.sq_norms())
       if gradient_scale is not None:
         norms = norms / tf.cast(gradient_scale, norms.dtype)
@@ -406,3 +415,25 @@ class GradientTape:
         c = c / tf.cast(gradient_scale, c.dtype)
       sums = engine.weighted_sums(c)
     return tf.nest.pack_sequence_as(sources, sums), norms
+
+  def _group_clipped_sums(self, engine, target, flat_sources, l2_norm_clip,
+                          clipping, gradient_scale):
+    """`clipped_gradient_sum` for a grouped policy (`tf_pxg.clipping.PerLayer`):
+    `[G, B]` group norms in the one backward pass, `[G, B]` factors, one
+    weighted pass with each source's group's factors."""
+    index, names = clipping.assign(flat_sources)
+    ids = engine._source_ids  # noqa: SLF001  (one per flat source)
+    group_of = {i: g for i, g in zip(ids, index) if i is not None}
+    norms = tf.sqrt(engine.group_sq_norms(group_of, len(names)))
+    if gradient_scale is not None:
+      norms = norms / tf.cast(gradient_scale, norms.dtype)
+    c = clipping.group_factors(norms, clipping.group_bounds(
+        names, l2_norm_clip))
+    target = tf.convert_to_tensor(target)
+    if engine.vector_target and target.dtype.is_floating:
+      c = tf.where(tf.math.is_finite(target)[None, :], c, tf.zeros_like(c))
+    if gradient_scale is not None:
+      c = c / tf.cast(gradient_scale, c.dtype)
+    sums = engine.group_weighted_sums(tf.unstack(c, num=len(names)),
+                                      group_of)
+    return sums, tf.sqrt(tf.reduce_sum(tf.square(norms), axis=0))

@@ -1,6 +1,7 @@
 """Per-example clipping: flat L2 clipping (Abadi et al. 2016) and the
-clipping policies `Flat`, `Automatic` (Bu et al. 2022) and
-`QuantileAdaptive` (Andrew et al. 2021), public as `tf_pxg.clipping`.
+clipping policies `Flat`, `Automatic` (Bu et al. 2022),
+`QuantileAdaptive` (Andrew et al. 2021) and `PerLayer` (a bound per group
+of variables, McMahan et al. 2018), public as `tf_pxg.clipping`.
 
 Non-finite examples. An example whose gradient norm (or, in
 `tf_pxg.GradientTape.clipped_gradient_sum`, whose per-example target, e.g.
@@ -17,7 +18,7 @@ planted NaN-producing record reveals whether it was sampled), a change of
 unbounded size that no noise covers.
 
 Policies by name. `POLICIES` maps names to policy classes ("flat",
-"automatic", "quantile_adaptive"); `register(name, cls)` (or
+"automatic", "quantile_adaptive", "per_layer"); `register(name, cls)` (or
 `@register(name)`) adds one, with the idiom and the errors of every part
 (`tf_pxg.parts.add`), and `get(name)` builds it with its defaults (the
 built-in policies' modules, `tf_pxg.parts.BUILTIN_MODULES`, are imported
@@ -300,6 +301,202 @@ class QuantileAdaptive(ClippingPolicy):
     return {"target_quantile": self.target_quantile,
             "learning_rate": self.learning_rate,
             "count_stddev": self.count_stddev}
+
+
+def _source_path(source, index: int) -> str:
+  """A source's name for grouping: a Keras variable's `path`
+  ("sequential/dense/kernel"), else a `tf.Variable`'s name without ":0",
+  else `source_<index>`."""
+  for attr in ("path", "name"):
+    value = getattr(source, attr, None)
+    if isinstance(value, str) and value:
+      return value.split(":")[0]
+  return f"source_{index}"
+
+
+@register("per_layer")
+class PerLayer(ClippingPolicy):
+  """Per-layer (group-wise) clipping: each group of variables is clipped to
+  its own bound C_g (McMahan et al. 2018; Opacus' "per_layer" clipping).
+
+  The sources (the trainable variables) are split into G groups:
+  `groups="layer"` (the default: variables whose paths agree up to the last
+  "/" — a Keras layer's kernel and bias), `"variable"` (each variable its
+  own group) or a callable `groups(variable) -> key` (variables with equal
+  keys form one group; for `.keras` saving, a function registered with
+  `keras.saving.register_keras_serializable`). Example b's gradient
+  restricted to group g, `g_{b,g}`, is scaled by
+
+    c_{b,g} = min(1, C_g / ||g_{b,g}||)     (0 for every g when any group's
+                                            norm of b is NaN or inf),
+
+  so `||c_{b,g} g_{b,g}|| <= C_g`. The G norms come from the engine's one
+  backward pass (`PerExampleBackprop.group_sq_norms`, the same ghost-norm
+  terms as flat clipping's, summed per group) and the sums from one
+  weighted pass with each interface's group's factors
+  (`PerExampleBackprop.group_weighted_sums`; a parameter tensor that feeds
+  sources of several groups is materialised per example).
+
+  Bounds. `bounds` gives relative weights w_g (None: all equal; a dict
+  from group key to weight, where a key may also be the end of a group's
+  path after a "/", e.g. "dense" for "sequential/dense"). They are scaled
+  so that the plan's `l2_norm_clip` C is the total:
+
+    C_g = C w_g / sqrt(sum_h w_h^2),   hence   sqrt(sum_g C_g^2) = C.
+
+  Sensitivity. Adding or removing one example moves group g's clipped sum
+  by at most C_g, on disjoint coordinates, so the whole clipped sum moves
+  by at most sqrt(sum_g C_g^2) = C in L2: the flat clipping's sensitivity,
+  and everything downstream (accounting, accumulation, replicas, side
+  releases' split of sigma) is unchanged.
+
+  Noise (`noise_allocation`):
+
+  * "isotropic" (default; Opacus' choice): std sigma C on every
+    coordinate, one Gaussian mechanism of sensitivity C and multiplier
+    sigma, exactly as flat clipping's noise (the same program);
+  * "per_group": std sigma_g = sigma C_g sqrt(G) on group g's coordinates
+    (noise proportional to the group's bound, as in McMahan et al.'s
+    per-layer DP-FedAvg). Scaling group g by 1/sigma_g gives noise of std
+    1 and a sensitivity of C_g / sigma_g = 1 / (sigma sqrt(G)) per group,
+    so the total sensitivity is sqrt(sum_g C_g^2 / sigma_g^2) =
+    sqrt(G / (sigma^2 G)) = 1 / sigma: one Gaussian mechanism with noise
+    multiplier sigma (sum_g C_g^2 / sigma_g^2 = 1 / sigma^2), accounted as
+    the flat step. The step adds it through the plan's noise mechanism by
+    scaling group g's sum by a_g = C / (C_g sqrt(G)) before the mechanism
+    adds sigma C and by 1 / a_g after (`noise_scales`); with equal bounds
+    a_g = 1 and the two allocations coincide.
+
+  A noise mechanism that acts on the sums' values beyond adding noise
+  (sparse selection's thresholds) sees group g scaled by a_g under
+  "per_group".
+
+  Args:
+    groups: "layer", "variable" or a callable (above).
+    bounds: None or a dict of relative weights (above), each finite > 0.
+    noise_allocation: "isotropic" or "per_group".
+
+  References:
+    McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private
+    Recurrent Language Models", ICLR 2018 (per-layer clipping, Sec. 3).
+  """
+
+  grouped = True
+
+  def __init__(self, groups="layer", bounds=None,
+               noise_allocation: str = "isotropic"):
+    if isinstance(groups, dict):  # a serialised callable
+      import keras  # noqa: PLC0415  (only for a saved function)
+      groups = keras.saving.deserialize_keras_object(groups)
+    if not (groups in ("layer", "variable") or callable(groups)):
+      raise ValueError(f"PerLayer: groups must be 'layer', 'variable' or a "
+                       f"callable variable -> key; got {groups!r}.")
+    if bounds is not None:
+      if not isinstance(bounds, dict):
+        raise ValueError(f"PerLayer: bounds must be None or a dict of "
+                         f"group -> relative weight; got {bounds!r}.")
+      checked = {}
+      for key, w in bounds.items():
+        w = float(w)
+        if not (math.isfinite(w) and w > 0):
+          raise ValueError(f"PerLayer: the weight of group {key!r} must be "
+                           f"finite and > 0; got {w!r}.")
+        checked[str(key)] = w
+      bounds = checked
+    if noise_allocation not in ("isotropic", "per_group"):
+      raise ValueError(f"PerLayer: noise_allocation must be 'isotropic' or "
+                       f"'per_group'; got {noise_allocation!r}.")
+    self.groups = groups
+    self.bounds = bounds
+    self.noise_allocation = noise_allocation
+
+  # Groups ---------------------------------------------------------------
+
+  def group_keys(self, sources) -> list:
+    """One group key (a string) per source, in order."""
+    keys = []
+    for i, v in enumerate(sources):
+      if callable(self.groups):
+        keys.append(str(self.groups(v)))
+        continue
+      path = _source_path(v, i)
+      if self.groups == "variable":
+        keys.append(f"{path}#{i}" if path in keys else path)
+      else:
+        keys.append(path.rsplit("/", 1)[0] if "/" in path else path)
+    return keys
+
+  def assign(self, sources):
+    """`(group index per source, the G group keys in order)`."""
+    keys = self.group_keys(sources)
+    names = list(dict.fromkeys(keys))
+    index = {k: g for g, k in enumerate(names)}
+    return [index[k] for k in keys], names
+
+  def weights(self, names) -> list:
+    """w_g per group key (the `bounds` entry for the key or the key's
+    last "/"-separated parts; 1.0 for all when `bounds` is None)."""
+    if self.bounds is None:
+      return [1.0] * len(names)
+    out = []
+    for name in names:
+      hit = [k for k in self.bounds
+             if k == name or name.endswith("/" + k)]
+      if not hit:
+        raise ValueError(
+            f"PerLayer: no bound for the group {name!r}; bounds has "
+            f"{sorted(self.bounds)!r}, the groups are {names!r}.")
+      out.append(self.bounds[max(hit, key=len)])
+    return out
+
+  def group_bounds(self, names, clip):
+    """C_g = C w_g / sqrt(sum w^2), a `[G]` float32 tensor."""
+    w = self.weights(names)
+    total = math.sqrt(sum(x * x for x in w))
+    rel = tf.constant([x / total for x in w], tf.float32)
+    return rel * tf.cast(clip, tf.float32)
+
+  def noise_scales(self, sources):
+    """a_g = sqrt(sum w^2) / (w_g sqrt(G)) per source (Python floats) for
+    "per_group" noise; None for "isotropic" (no scaling)."""
+    if self.noise_allocation == "isotropic":
+      return None
+    index, names = self.assign(sources)
+    w = self.weights(names)
+    total = math.sqrt(sum(x * x for x in w))
+    a = [total / (x * math.sqrt(len(w))) for x in w]
+    return [a[g] for g in index]
+
+  # Factors --------------------------------------------------------------
+
+  def group_factors(self, group_norms, bounds):
+    """`[G, B]` factors `min(1, C_g / ||g_{b,g}||)` for `[G, B]` norms and
+    `[G]` bounds; example b's column is 0 where any of its norms is not
+    finite (a non-finite example is dropped from every group)."""
+    group_norms = tf.convert_to_tensor(group_norms)
+    bounds = tf.cast(bounds, group_norms.dtype)[:, None]
+    f = tf.minimum(tf.ones_like(group_norms),
+                   bounds / tf.maximum(group_norms,
+                                       tf.cast(_TINY, group_norms.dtype)))
+    finite = tf.reduce_all(tf.math.is_finite(group_norms), axis=0)
+    return tf.where(finite[None, :], f, tf.zeros_like(f))
+
+  def factors(self, norms, clip):
+    """Flat factors for a `[B]` global norm (what a statistic of a single
+    vector, e.g. a gradient canary, is clipped with: a vector within C is
+    within the total bound)."""
+    return clip_factors(norms, clip)
+
+  def get_config(self):
+    groups = self.groups
+    if callable(groups):
+      import keras  # noqa: PLC0415  (only for a saved function)
+      groups = keras.saving.serialize_keras_object(groups)
+    return {"groups": groups, "bounds": self.bounds,
+            "noise_allocation": self.noise_allocation}
+
+  def __hash__(self):
+    return hash((type(self).__name__, repr(self.get_config())))
 
 
 class QuantileCount(releases.SideRelease):

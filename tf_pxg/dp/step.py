@@ -191,7 +191,8 @@ def accumulate(clipped: Clipped, info, variables, parts: StepParts, *,
 
 
 def privatize(parts: StepParts, totals: list, info, generator, *,
-              write=None, num_replicas: int = 1, xla: bool = False):
+              write=None, num_replicas: int = 1, xla: bool = False,
+              variables=None):
   """Stage 3: the noise, drawn once per logical step (at its end, or at
   every physical batch under XLA, used only at the end): `noise.add` on
   the gradient sums with σ_g, and each side release's Gaussian on its
@@ -214,6 +215,11 @@ def privatize(parts: StepParts, totals: list, info, generator, *,
       mechanism writes its state only then; data-independent), or None.
     num_replicas: R.
     xla: the step is compiled with XLA (selects instead of conditionals).
+    variables: the trainable variables of `totals`' sums, which a
+      policy's noise allocation reads (`tf_pxg.clipping.PerLayer`'s
+      "per_group" noise: the mechanism adds σ_g·C to `a_v` times each sum,
+      divided by `a_v` after, so variable v gets σ_g·C / a_v); unused
+      otherwise.
 
   Returns:
     `(noisy sums, the divisor left to the caller or None, the noisy side
@@ -232,12 +238,26 @@ def privatize(parts: StepParts, totals: list, info, generator, *,
                                              num_replicas == 1)
   normalizer = info.normalizer if divide else None
 
+  allocation = getattr(parts.clipping, "noise_scales", None)
+  scales = None
+  if allocation is not None and parts.noise_multiplier:
+    if variables is None and parts.clipping.noise_allocation != "isotropic":
+      raise ValueError(
+          f"privatize: {parts.clipping!r} allocates the noise per group of "
+          "variables; pass variables= (the variables of the sums).")
+    scales = allocation(variables) if variables is not None else None
+
   def noisy():
-    return parts.noise.add(
-        sums, parts.noise_state, parts.step_index,
+    scaled = sums if scales is None else [
+        _scaled(g, a) for g, a in zip(sums, scales)]
+    out = parts.noise.add(
+        scaled, parts.noise_state, parts.step_index,
         noise_multiplier=parts.gradient_noise_multiplier,
         l2_norm_clip=clip_value, num_replicas=num_replicas, source=source,
         normalizer=normalizer, write=write)[0]
+    if scales is None:
+      return out
+    return [_scaled(g, 1.0 / a) for g, a in zip(out, scales)]
 
   if draw is None:
     out = noisy()
@@ -246,6 +266,16 @@ def privatize(parts: StepParts, totals: list, info, generator, *,
         tf.cast(dp_noise.densify(g), parts.noise.noise_dtype(g.dtype))
         for g in sums])
   return out, None if divide else info.normalizer, released
+
+
+def _scaled(g, a: float):
+  """`a * g` for a dense tensor or `IndexedSlices` (`g` itself if a = 1)."""
+  if a == 1.0:
+    return g
+  if isinstance(g, tf.IndexedSlices):
+    return tf.IndexedSlices(g.values * tf.cast(a, g.values.dtype), g.indices,
+                            g.dense_shape)
+  return g * tf.cast(a, g.dtype)
 
 
 def _noisy_scalar(value, stddev, generator, replicas, draw):

@@ -362,7 +362,7 @@ def dp_gradients(model: keras.Model, data, parts: dp_step.StepParts,
                         info.step_end)
   noisy, normalizer, released = dp_step.privatize(
       parts, totals, info, generator, write=write,
-      num_replicas=_num_replicas(), xla=xla)
+      num_replicas=_num_replicas(), xla=xla, variables=variables)
   # Data-independent weight regularizers: unclipped, un-noised, once per
   # logical step (divided by R: the all-reduce sums the replicas' copies).
   reg_loss, reg_grads = _regularization(model, variables)

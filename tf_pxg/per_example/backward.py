@@ -363,6 +363,39 @@ class PerExampleBackprop:
 
   def sq_norms(self):
     """`[B]` float32 squared global norms over all sources."""
+    total = [term for _, term in self._sq_norm_terms()]
+    if not total:
+      return tf.zeros([self._batch_for_zeros()], tf.float32)
+    return tf.add_n(total)
+
+  def group_sq_norms(self, group_of: Dict[int, int], num_groups: int):
+    """`[G, B]` float32: row g the squared per-example norms over the
+    sources of group g (`group_of` maps a source's tensor id to its group
+    in `range(num_groups)`), in the one backward pass of `sq_norms`.
+
+    Every term `sq_norms` adds up is one source's (a ghost norm, a merged
+    use's chunked norm, a tied matrix's uses with their cross terms, or a
+    materialised per-example gradient: a parameter tensor that reaches
+    several sources is materialised per source there), so the groups'
+    norms are sums of the same terms, no extra materialisation; a group
+    no term reaches has norms 0."""
+    rows = [[] for _ in range(num_groups)]
+    for source, term in self._sq_norm_terms():
+      rows[group_of[source]].append(term)
+    zeros = None
+    out = []
+    for terms in rows:
+      if terms:
+        out.append(tf.add_n(terms))
+      else:
+        if zeros is None:
+          zeros = tf.zeros([self._batch_for_zeros()], tf.float32)
+        out.append(zeros)
+    return tf.stack(out)
+
+  def _sq_norm_terms(self) -> list:
+    """`(source id, [B] float32 squared norms)` terms whose sum over all
+    is the squared global norm; each term is one source's."""
     uses_per_source = collections.Counter()
     for pid in self._uses:
       for s in self._origins(pid)[0]:
@@ -375,9 +408,10 @@ class PerExampleBackprop:
       alone = (simple and len(found) == 1 and
                uses_per_source[next(iter(found))] == len(itfs))
       if alone and len(itfs) == 1:
-        total.append(tf.cast(self._apply(itfs[0], "sq_norm"), tf.float32))
+        total.append((next(iter(found)),
+                      tf.cast(self._apply(itfs[0], "sq_norm"), tf.float32)))
       elif alone and _one_chunk_set(itfs):
-        total.append(self._chunked_sq_norm(itfs))
+        total.append((next(iter(found)), self._chunked_sq_norm(itfs)))
       elif (simple and len(found) == 1 and
             all(itf.chunk_set is None for itf in itfs)):
         shared[next(iter(found))].extend(itfs)
@@ -390,14 +424,13 @@ class PerExampleBackprop:
       if norms is None:
         materialize.add(s)
       else:
-        total.append(norms)
+        total.append((s, norms))
     if materialize:
-      for g in self.per_example_gradients(materialize):
+      for s, g in zip(self._source_ids,
+                      self.per_example_gradients(materialize)):
         if g is not None:
-          total.append(base.batch_sq_norm(g))
-    if not total:
-      return tf.zeros([self._batch_for_zeros()], tf.float32)
-    return tf.add_n(total)
+          total.append((s, base.batch_sq_norm(g)))
+    return total
 
   def _chunked_sq_norm(self, itfs: List[Interface]):
     """`[B]` squared norms of one parameter's per-example gradient, the sum
@@ -488,6 +521,38 @@ class PerExampleBackprop:
       for k, g in enumerate(self.per_example_gradients(behind)):
         if self._source_ids[k] in behind and g is not None:
           sums[k] = base.weighted_sum_of(g, c, g.dtype)
+    return sums
+
+  def group_weighted_sums(self, factors: Sequence[Any],
+                          group_of: Dict[int, int]) -> list:
+    """`sum_b factors[g][b] g_b` per source s of group `g = group_of[s]`
+    (`factors` one `[B]` vector per group), the shape of the source.
+
+    Each interface whose parameter tensor reaches the sources of one group
+    takes its weighted sum with that group's factors, carried through the
+    parameter-only region as in `weighted_sums`. A parameter tensor that
+    reaches sources of several groups (`W = A + B`, A and B in different
+    groups) cannot be weighted once for all of them: its sources (and the
+    sources behind a `tf.custom_gradient`, as in `weighted_sums`) get
+    `sum_b factors[g][b] g_b` of their materialised per-example gradients.
+    """
+    initial = collections.defaultdict(list)
+    mixed = set()
+    for itf in self.interfaces:
+      found = self._origins(itf.param_id)[0]
+      groups = {group_of[s] for s in found}
+      if len(groups) > 1:
+        mixed |= found
+      elif groups:
+        initial[itf.param_id].append(
+            self._apply(itf, "weighted_sum", factors[groups.pop()]))
+    sums = self._gather(self._param_backprop(initial, batched=False))
+    exact = self._behind_custom_gradients() | mixed
+    if exact:
+      for k, g in enumerate(self.per_example_gradients(exact)):
+        s = self._source_ids[k]
+        if s in exact and g is not None:
+          sums[k] = base.weighted_sum_of(g, factors[group_of[s]], g.dtype)
     return sums
 
   def _behind_custom_gradients(self) -> set:
