@@ -26,7 +26,7 @@ setuptools.setup(
         # TensorFlow a user installed first (tf_pxg.dp.noise splits seeds
         # as TFP did, without it).
         "absl-py>=1.0",
-        "dp-accounting>=0.4.4",
+        "dp-accounting>=0.6.0",
         "scipy>=1.7",  # root finding in tf_pxg.accounting
     ],
     extras_require={

@@ -74,6 +74,17 @@ def _balls_in_bins_case():
       dp_accounting.GaussianDpEvent(SIGMA), math.ceil(STEPS / 10))
 
 
+def _truncated_poisson_case():
+  sampler = samplers.resolve("truncated_poisson")(N, B, max_batch_size=12,
+                                                  seed=0)
+  event = sampler.dp_event(mechanisms.IndependentGaussian(), SIGMA, STEPS)
+  assert event == dp_accounting.SelfComposedDpEvent(
+      dp_accounting.TruncatedSubsampledGaussianDpEvent(N, B / N, 12, SIGMA),
+      STEPS)
+  assert (sampler.physical_batch_size, sampler.accumulation_steps) == (12, 1)
+  assert sampler.participation.min_separation == 1
+
+
 def _independent_gaussian_case():
   mech = mechanisms.resolve("independent_gaussian")()
   assert mech.dp_event(SIGMA) == dp_accounting.GaussianDpEvent(SIGMA)
@@ -120,6 +131,7 @@ PARTS = {
     ("sampler", "poisson"): _poisson_case,
     ("sampler", "shuffled"): _shuffled_case,
     ("sampler", "balls_in_bins"): _balls_in_bins_case,
+    ("sampler", "truncated_poisson"): _truncated_poisson_case,
     ("noise mechanism", "independent_gaussian"): _independent_gaussian_case,
     ("noise mechanism", "band_mf"): _band_mf_case,
     ("noise mechanism", "secure_gaussian"): _secure_gaussian_case,

@@ -127,7 +127,8 @@ import logging
 import math
 import numbers
 import os
-from typing import Iterator, Optional, Union
+import warnings
+from typing import Iterator, Optional, Tuple, Union
 
 import dp_accounting
 from scipy import optimize
@@ -154,6 +155,8 @@ __all__ = [
     "sampling_probability",
     "split_noise_multipliers",
     "steps_for",
+    "TruncationAccountedWithPLD",
+    "truncated_poisson_event",
 ]
 
 # The accountants `compute_epsilon` and `noise_multiplier_for_epsilon` accept.
@@ -435,7 +438,8 @@ def dp_event(num_examples: int,
              steps: Optional[int] = None,
              *,
              min_separation: int = 1,
-             num_bands: Optional[int] = _renamed.NOT_GIVEN) -> dp_accounting.DpEvent:
+             num_bands: Optional[int] = _renamed.NOT_GIVEN,
+             max_batch_size: Optional[int] = None) -> dp_accounting.DpEvent:
   """The `dp_accounting` event of a DP-SGD or BandMF run (module docstring).
 
   Args:
@@ -451,6 +455,9 @@ def dp_event(num_examples: int,
       strategy, `tf_pxg.mf`, and the number of cyclic sampling groups); 1
       (default) is DP-SGD. A positive integer <= N // B.
     num_bands: deprecated name of `min_separation`.
+    max_batch_size: B_max of truncated Poisson sampling (None: none): the
+      event is then `truncated_poisson_event(N, q, B_max, σ, T)`; only with
+      `min_separation=1`.
 
   Returns:
     `SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), R)`
@@ -467,13 +474,76 @@ def dp_event(num_examples: int,
   noise_multiplier = _check_noise_multiplier(noise_multiplier)
   b = _separation(min_separation, num_bands, "dp_event", num_examples,
                   batch_size)
+  cap = _truncation(max_batch_size, b, num_examples, "dp_event")
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
   return _make_event(batch_size * b / num_examples, noise_multiplier,
-                     _rounds(steps, b))
+                     _rounds(steps, b),
+                     None if cap is None else (num_examples, cap))
+
+
+class TruncationAccountedWithPLD(UserWarning):
+  """An RDP request for an event dp-accounting's RDP cannot analyse (the
+  truncated Poisson event), answered with PLD."""
+
+
+def truncated_poisson_event(num_examples: int, sampling_probability: float,
+                            max_batch_size: int, noise_multiplier: float,
+                            steps: int) -> dp_accounting.DpEvent:
+  """`steps` compositions of truncated Poisson sampling with the Gaussian
+  mechanism: `SelfComposedDpEvent(TruncatedSubsampledGaussianDpEvent(N, q,
+  B_max, σ), steps)` (dp-accounting >= 0.6.0; Choquette-Choo et al. 2025,
+  arXiv:2508.15089). Each step draws a Poisson sample at rate q, keeps a
+  uniformly random subset of `max_batch_size` when it is larger, and adds
+  Gaussian noise of std σC to the sum of the kept examples' gradients
+  clipped to C (`tf_pxg.data.truncated_poisson`). RDP has no analysis of
+  it: `event_epsilon` accounts it with PLD (`TruncationAccountedWithPLD`).
+
+  Raises:
+    ValueError: an argument out of range (named).
+  """
+  num_examples = _check_positive_int("num_examples", num_examples)
+  max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+  if not _is_real(sampling_probability) or not (
+      0 < sampling_probability <= 1):
+    raise ValueError(f"sampling_probability must be in (0, 1]; got "
+                     f"{sampling_probability!r}.")
+  return dp_accounting.SelfComposedDpEvent(
+      dp_accounting.TruncatedSubsampledGaussianDpEvent(
+          num_examples, float(sampling_probability), max_batch_size,
+          _check_noise_multiplier(noise_multiplier)), _check_steps(steps))
+
+
+def _truncation(max_batch_size, b: int, num_examples: int,
+                where: str) -> Optional[int]:
+  """`max_batch_size` checked (None: no truncation); only with b = 1."""
+  if max_batch_size is None:
+    return None
+  max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+  if b != 1:
+    raise ValueError(
+        f"{where}: max_batch_size (truncated Poisson sampling) is accounted "
+        f"for independent Gaussian noise only, not min_separation={b} "
+        "(cyclic participation). Drop one of them.")
+  return max_batch_size
+
+
+def _has_truncation(event) -> bool:
+  """Whether a `TruncatedSubsampledGaussianDpEvent` is inside `event`."""
+  if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
+    return True
+  if isinstance(event, dp_accounting.ComposedDpEvent):
+    return any(_has_truncation(e) for e in event.events)
+  inner = getattr(event, "event", None)
+  return isinstance(inner, dp_accounting.DpEvent) and _has_truncation(inner)
 
 
 def _make_event(sampling_probability: float, noise_multiplier: float,
-                steps: int) -> dp_accounting.DpEvent:
+                steps: int, truncation: Optional[Tuple[int, int]] = None
+                ) -> dp_accounting.DpEvent:
+  """DP-SGD's event; with `truncation=(N, B_max)` the truncated one."""
+  if truncation is not None:
+    return truncated_poisson_event(truncation[0], sampling_probability,
+                                   truncation[1], noise_multiplier, steps)
   return dp_accounting.SelfComposedDpEvent(
       dp_accounting.PoissonSampledDpEvent(
           sampling_probability,
@@ -501,18 +571,44 @@ def _pld_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
   return epsilon
 
 
-def _epsilon(sampling_probability: float, noise_multiplier: float, steps: int,
-             delta: float, accountant: str) -> float:
-  """ε for already validated inputs; `steps` counts compositions (rounds)."""
-  if steps == 0:
-    return 0.0
-  if noise_multiplier == 0.0:
-    return math.inf
-  event = _make_event(sampling_probability, noise_multiplier, steps)
+def _pld_for_truncation(accountant: str, truncated: bool) -> str:
+  """The accountant of an event with (`truncated`) or without a truncated
+  Poisson part: "pld" for one, since dp-accounting (0.6) has no RDP
+  analysis of it, warning `TruncationAccountedWithPLD` when "rdp" was
+  asked; else `accountant`."""
+  if accountant == "rdp" and truncated:
+    warnings.warn(
+        "TruncatedSubsampledGaussianDpEvent (truncated Poisson sampling) has "
+        "no RDP analysis in dp-accounting; its ε is accounted with PLD. Pass "
+        "accountant='pld' to say so and silence this warning.",
+        TruncationAccountedWithPLD, stacklevel=4)
+    return "pld"
+  return accountant
+
+
+def _composed_epsilon(event: dp_accounting.DpEvent, delta: float,
+                      accountant: str) -> float:
+  """ε of `event` by `accountant`; an event with a truncated Poisson part
+  by PLD whatever it says (`_pld_for_truncation`)."""
+  accountant = _pld_for_truncation(accountant, _has_truncation(event))
   with _quiet_dp_accounting():
     if accountant == "rdp":
       return _rdp_epsilon(event, delta)
     return _pld_epsilon(event, delta)
+
+
+def _epsilon(sampling_probability: float, noise_multiplier: float, steps: int,
+             delta: float, accountant: str,
+             truncation: Optional[Tuple[int, int]] = None) -> float:
+  """ε for already validated inputs; `steps` counts compositions (rounds);
+  `truncation`: `(N, B_max)` of truncated Poisson sampling, or None."""
+  if steps == 0:
+    return 0.0
+  if noise_multiplier == 0.0:
+    return math.inf
+  return _composed_epsilon(
+      _make_event(sampling_probability, noise_multiplier, steps, truncation),
+      delta, accountant)
 
 
 def compute_epsilon(num_examples: int,
@@ -524,7 +620,8 @@ def compute_epsilon(num_examples: int,
                     accountant: str = "rdp",
                     *,
                     min_separation: int = 1,
-                    num_bands: Optional[int] = _renamed.NOT_GIVEN) -> float:
+                    num_bands: Optional[int] = _renamed.NOT_GIVEN,
+                    max_batch_size: Optional[int] = None) -> float:
   """ε such that a DP-SGD (or BandMF) run is (ε, δ)-differentially private.
 
   The run is `steps` steps (or `epochs` epochs, i.e. `ceil(epochs *
@@ -554,6 +651,11 @@ def compute_epsilon(num_examples: int,
       exactly the DP-SGD ε.
     num_bands: deprecated name of `min_separation` (error messages then
       name `num_bands`).
+    max_batch_size: B_max of truncated Poisson sampling (None: none):
+      every step keeps a random `max_batch_size` of a larger draw
+      (`truncated_poisson_event`); accounted with PLD whatever
+      `accountant` says (RDP has no analysis of it; "rdp" warns). Only
+      with `min_separation=1`.
 
   Returns:
     ε as a Python float: 0.0 for zero steps, inf for `noise_multiplier=0`.
@@ -578,9 +680,11 @@ def compute_epsilon(num_examples: int,
   accountant = _check_accountant(accountant)
   b = _separation(min_separation, num_bands, "compute_epsilon",
                   num_examples, batch_size)
+  cap = _truncation(max_batch_size, b, num_examples, "compute_epsilon")
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
   return _epsilon(batch_size * b / num_examples, noise_multiplier,
-                  _rounds(steps, b), delta, accountant)
+                  _rounds(steps, b), delta, accountant,
+                  None if cap is None else (num_examples, cap))
 
 
 def mechanism_dp_event(mechanism, num_examples: int, batch_size: int,
@@ -633,15 +737,15 @@ def cyclic_poisson_event(mechanism, sampling_probability: float,
 
 def event_epsilon(event: Optional[dp_accounting.DpEvent], delta: float,
                   accountant: str = "rdp") -> float:
-  """ε of a composed event (None: inf, no ε claimed)."""
+  """ε of a composed event (None: inf, no ε claimed). An event holding
+  a truncated Poisson part is accounted with PLD also for "rdp" (warning
+  `TruncationAccountedWithPLD`): dp-accounting's RDP has no analysis of
+  it."""
   delta = _check_delta(delta)
   accountant = _check_accountant(accountant)
   if event is None:
     return math.inf
-  with _quiet_dp_accounting():
-    if accountant == "rdp":
-      return _rdp_epsilon(event, delta)
-    return _pld_epsilon(event, delta)
+  return _composed_epsilon(event, delta, accountant)
 
 
 def mechanism_epsilon(mechanism, num_examples: int, batch_size: int,
@@ -669,7 +773,9 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
                                  tolerance: float = 1e-4,
                                  *,
                                  min_separation: int = 1,
-                                 num_bands: Optional[int] = _renamed.NOT_GIVEN) -> float:
+                                 num_bands: Optional[int] = _renamed.NOT_GIVEN,
+                                 max_batch_size: Optional[int] = None
+                                 ) -> float:
   """The smallest noise multiplier σ whose run is (target_epsilon, δ)-DP.
 
   Keeps a bracket `ε(lo) > target_epsilon >= ε(hi)` and narrows it (Brent's
@@ -692,6 +798,8 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
     min_separation: b for amplified BandMF, as in `compute_epsilon`
       (1 = DP-SGD).
     num_bands: deprecated name of `min_separation`.
+    max_batch_size: B_max of truncated Poisson sampling, as in
+      `compute_epsilon` (PLD whatever `accountant` says).
 
   Returns:
     σ* as a Python float (0.0 if there are no steps).
@@ -717,6 +825,10 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
                               where="noise_multiplier_for_epsilon",
                               default=1)
   b = _check_min_separation(b, num_examples, batch_size, name)
+  cap = _truncation(max_batch_size, b, num_examples,
+                    "noise_multiplier_for_epsilon")
+  truncation = None if cap is None else (num_examples, cap)
+  accountant = _pld_for_truncation(accountant, truncation is not None)
   steps = _resolve_steps(num_examples, batch_size, epochs, steps)
   if steps == 0:
     return 0.0
@@ -728,7 +840,8 @@ def noise_multiplier_for_epsilon(target_epsilon: float,
   def gap(sigma: float) -> float:
     """ε(σ) - target: <= 0 means private enough. Decreasing in σ."""
     if sigma not in cache:
-      cache[sigma] = _epsilon(q, sigma, rounds, delta, accountant)
+      cache[sigma] = _epsilon(q, sigma, rounds, delta, accountant,
+                              truncation)
     return cache[sigma] - target_epsilon
 
   # Bracket: gap(lo) > 0 >= gap(hi). ε(0) = inf, so lo = 0 always qualifies.

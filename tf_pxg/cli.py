@@ -2,10 +2,10 @@
 
     tf-pxg epsilon --num_examples=60000 --batch_size=256 \\
         --noise_multiplier=1.1 --epochs=60 [--delta=1e-5] [--accountant=rdp] \\
-        [--min_separation=1] [--risk]
+        [--min_separation=1] [--max_batch_size=B_MAX] [--risk]
     tf-pxg noise --target_epsilon=3 --num_examples=60000 --batch_size=256 \\
         --epochs=60 [--delta=1e-5] [--accountant=rdp] [--tolerance=1e-4] \\
-        [--min_separation=1]
+        [--min_separation=1] [--max_batch_size=B_MAX]
 
     tf-pxg build-native [--cache_dir=DIR] [--force | --check]
 
@@ -17,7 +17,12 @@ accounts b-min-separation participation: correlated noise with a b-banded
 strategy (BandMF, `tf_pxg.mf`) and cyclic Poisson sampling over b groups,
 ceil(steps / b) compositions at rate B * b / N
 (`docs/correlated_noise.md`); b must be <= N // B. `--num_bands` is its
-deprecated name (still accepted; errors then name it). The result
+deprecated name (still accepted; errors then name it).
+`--max_batch_size=B_max` accounts truncated Poisson sampling (every step
+keeps a random B_max of a larger draw, `fit(max_batch_size=...)`):
+dp-accounting's `TruncatedSubsampledGaussianDpEvent` per step, always by
+PLD (its RDP has no analysis of it; with `--accountant=rdp` a warning on
+stderr says so); only with `--min_separation=1`. The result
 is printed alone on stdout, at full precision, so scripts can capture it.
 `epsilon --risk` prints three more lines after ε, `mu_gdp=...`,
 `tpr_at_fpr_0.001=...` and `tpr_at_fpr_0.01=...`: the same run's μ-GDP
@@ -93,6 +98,11 @@ def _define_run_flags(fv: flags.FlagValues) -> None:
       "groups (sampling rate B*b/N, ceil(steps/b) compositions); 1 is "
       "DP-SGD. At most N // B.", flag_values=fv)
   flags.DEFINE_integer(
+      "max_batch_size", None,
+      "B_max of truncated Poisson sampling: steps whose Poisson draw is "
+      "larger keep a random B_max of it (TruncatedSubsampledGaussianDpEvent, "
+      "accounted with PLD). Unset: no truncation.", flag_values=fv)
+  flags.DEFINE_integer(
       _DEPRECATED_SEPARATION, None,
       "Deprecated name of --min_separation.", flag_values=fv)
   for name in ("num_examples", "batch_size"):
@@ -145,11 +155,15 @@ def _run_epsilon(fv: flags.FlagValues) -> Union[float, str]:
 
 
 def _separation(fv: flags.FlagValues) -> dict:
-  """`min_separation=`, or `num_bands=` when the deprecated flag was given
-  (so that errors name the flag the user typed)."""
-  if fv.num_bands is None:
-    return {"min_separation": fv.min_separation}
-  return {"min_separation": fv.min_separation, "num_bands": fv.num_bands}
+  """`min_separation=` (and `num_bands=` when the deprecated flag was
+  given, so that errors name the flag the user typed), and
+  `max_batch_size=` when given."""
+  given = {"min_separation": fv.min_separation}
+  if fv.num_bands is not None:
+    given["num_bands"] = fv.num_bands
+  if fv.max_batch_size is not None:
+    given["max_batch_size"] = fv.max_batch_size
+  return given
 
 
 def _run_noise(fv: flags.FlagValues) -> float:
@@ -279,6 +293,8 @@ def _command_usage(name: str, command: _Command, fv: flags.FlagValues) -> str:
       default = "give --epochs or --steps"
     elif flag_name == _DEPRECATED_SEPARATION:
       default = "default 1, as --min_separation"
+    elif flag_name == "max_batch_size":
+      default = "default: no truncation"
     elif flag.default is None:
       default = "required"
     else:

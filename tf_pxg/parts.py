@@ -40,7 +40,8 @@ __all__ = ["BUILTIN_MODULES", "add", "load_builtins", "name_of"]
 #: The modules that register the built-in parts, per kind (see the
 #: module docstring). A new built-in part's module goes here.
 BUILTIN_MODULES: Dict[str, tuple] = {
-    "sampler": ("tf_pxg.data.samplers", "tf_pxg.data.balls_in_bins"),
+    "sampler": ("tf_pxg.data.samplers", "tf_pxg.data.balls_in_bins",
+                "tf_pxg.data.truncated_poisson"),
     "noise mechanism": ("tf_pxg.dp.mechanisms", "tf_pxg.dp.blt"),
     "clipping policy": ("tf_pxg.dp.clipping", "tf_pxg.dp.norm_tracking"),
 }

@@ -47,6 +47,10 @@ class Sampler:
       stream has none).
     group_index: the `tf_pxg.data.poisson.GroupIndex` of the cyclic
       groups (None without groups).
+    ledger_settings: more settings (a JSON-able dict) the privacy
+      ledger records for a run of this sampler, e.g. the event it states
+      when the sampler's class name does not say it (`tf_pxg.data.
+      truncated_poisson`); default none.
 
   Masked samplers (`PoissonSampler` and its subclasses, whose batches `fit`
   lays out as fixed-shape masked physical batches) also have the layout
@@ -64,6 +68,7 @@ class Sampler:
       "sampler")
   step_indices = None
   group_index = None
+  ledger_settings: dict = {}
 
   num_groups = _renamed.alias("num_groups", "min_separation")
 

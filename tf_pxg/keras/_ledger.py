@@ -283,6 +283,7 @@ def run_for(plan, sampler) -> ledger_lib.Run:
       "noise_multiplier": sigma,
       "mechanism": repr(mechanism),
       "l2_norm_clip": plan.l2_norm_clip,
+      **getattr(sampler, "ledger_settings", {}),
   }
   if plan.unprotected_training_metrics:
     # Logged un-noised on every private batch: outside every ε (the key is

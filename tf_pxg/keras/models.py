@@ -588,6 +588,7 @@ class _DPTrainingMixin:
           validation_batch_size=None, validation_freq=1, *,
           sampling=None, accumulation_steps: int = 1,
           physical_batch_size: Optional[int] = None,
+          max_batch_size: Optional[int] = None,
           sampling_seed: Optional[int] = None, augmult: int = 1,
           user_ids=None, examples_per_user: Optional[int] = None,
           unprotected_training_metrics: Optional[bool] = None):
@@ -646,6 +647,20 @@ class _DPTrainingMixin:
         keeps no second copy of the choice).
       accumulation_steps: k physical batches per logical step.
       physical_batch_size: rows per physical batch (global).
+      max_batch_size: B_max, truncated Poisson sampling (and implies
+        `sampling="truncated_poisson"` when neither this `sampling=` nor
+        the plan chose one): every logical step is exactly ONE physical
+        batch of `max_batch_size` rows (no accumulation, no carried
+        overflow batches: one fixed shape per step); a Poisson draw larger
+        than that keeps a uniformly random `max_batch_size` of its
+        examples. Noise std stays σC, the sum is still divided by
+        `batch_size`, and ε is dp-accounting's
+        `TruncatedSubsampledGaussianDpEvent` per step, accounted with PLD
+        (RDP has no analysis of it; `tf_pxg.data.truncated_poisson`).
+        With `sampling="truncated_poisson"` and no `max_batch_size`,
+        B_max is `physical_batch_size`, by default ceil(B + 4 sqrt(B)).
+        Raises ValueError with a sampling that does not truncate, or a
+        different `physical_batch_size`.
       sampling_seed: seeds the sampler (tests); default OS entropy.
       augmult: K, augmentation multiplicity: each sampled example appears
         K times in its physical batch (the model's random augmentation
@@ -687,6 +702,12 @@ class _DPTrainingMixin:
     if _compat.compile_loss(self) is None:
       pe_losses.per_example_losses(self, None, None)  # raises, names fix
     from tf_pxg.keras import _poisson_fit  # noqa: PLC0415
+    if max_batch_size is not None:
+      from tf_pxg.data import truncated_poisson  # noqa: PLC0415
+      sampling, physical_batch_size = truncated_poisson.fit_sampling(
+          sampling if sampling is not None else self._dp_plan(
+              getattr(self, "optimizer", None)).sampling,
+          max_batch_size, physical_batch_size)
     sampling = self._dp_fit_sampling(sampling)
     run = _poisson_fit.fit_input(self, sampling, _poisson_fit.FitData(
         x=x, y=y, batch_size=batch_size, epochs=epochs,
