@@ -391,3 +391,99 @@ def test_mirrored_strategy_equals_one_device():
   result = multi_worker.run_script(_MIRRORED, timeout=240)
   for a, b in zip(result["one"], result["two"]):
     np.testing.assert_allclose(np.array(b), np.array(a), rtol=0, atol=1e-5)
+
+
+# Adaptive bounds --------------------------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="test_per_layer")
+def sum_loss(y_true, y_pred):
+  del y_true
+  return tf.reduce_sum(y_pred, axis=-1)
+
+
+def _two_group_model(policy, lr=0.0, **kw):
+  """Loss = a . x[:3] + b . x[3:]: example b's group gradients are x[:3]
+  and x[3:], whatever the weights."""
+  inp = keras.Input((6,))
+  left = keras.layers.Dense(1, use_bias=False, name="a")(inp[:, :3])
+  right = keras.layers.Dense(1, use_bias=False, name="b")(inp[:, 3:])
+  model = dpk.DPModel(inp, left + right, clipping=policy, **kw)
+  model.compile(optimizer=keras.optimizers.SGD(lr), loss=sum_loss)
+  return model
+
+
+def _radial(rng, n, top):
+  radius = rng.uniform(0.0, top, n)
+  direction = rng.standard_normal((n, 3))
+  direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+  return radius, radius[:, None] * direction
+
+
+def test_adaptive_bounds_track_each_groups_quantile():
+  rng = np.random.default_rng(0)
+  n = 4000
+  ra, xa = _radial(rng, n, 1.0)   # group a: norms ~ U(0, 1)
+  rb, xb = _radial(rng, n, 10.0)  # group b: norms ~ U(0, 10)
+  x = np.concatenate([xa, xb], 1).astype("float32")
+  policy = clipping.PerLayer(bounds={"a": 1.0, "b": 1.0},
+                             target_quantile=0.7, learning_rate=0.2,
+                             count_stddev=0.0)
+  model = _two_group_model(policy, l2_norm_clip=2.0, noise_multiplier=0.0)
+  hist = model.fit(x, np.zeros((n, 1), "float32"), batch_size=200,
+                   epochs=12, verbose=0, sampling_seed=3)
+  state = model.optimizer.dp_state.releases
+  sa, sb = float(state["clip_a"].numpy()), float(state["clip_b"].numpy())
+  assert sa == pytest.approx(np.quantile(ra, 0.7), rel=0.12)
+  assert sb == pytest.approx(np.quantile(rb, 0.7), rel=0.12)
+  assert hist.history["clip_b"][-1] == pytest.approx(sb)
+  # The bounds in use: C s_g / ||s||, so their ratio is the quantiles'.
+  bounds = policy.group_bounds(["a", "b"], 2.0, [sa, sb]).numpy()
+  assert math.sqrt((bounds ** 2).sum()) == pytest.approx(2.0, rel=1e-6)
+  assert bounds[1] / bounds[0] == pytest.approx(sb / sa, rel=1e-5)
+
+
+def test_adaptive_counts_take_their_share_of_sigma():
+  sigma, std = 1.0, 3.0
+  policy = clipping.PerLayer(bounds={"a": 1.0, "b": 2.0},
+                             target_quantile=0.5, count_stddev=std)
+  model = _two_group_model(policy, l2_norm_clip=1.0,
+                           noise_multiplier=sigma)
+  noise = model.optimizer.plan.step_noise(None)
+  assert len(noise.releases) == 2
+  sigma_g = (sigma ** -2 - 2 * (2 * std) ** -2) ** -0.5
+  assert noise.gradient == pytest.approx(sigma_g, rel=1e-12)
+  # One Gaussian: gradient (sigma_g) and the two counts (2 std each).
+  parts = dp_accounting.rdp.RdpAccountant()
+  parts.compose(dp_accounting.ComposedDpEvent([
+      dp_accounting.GaussianDpEvent(sigma_g),
+      dp_accounting.GaussianDpEvent(2 * std),
+      dp_accounting.GaussianDpEvent(2 * std)]))
+  one = dp_accounting.rdp.RdpAccountant()
+  one.compose(dp_accounting.GaussianDpEvent(sigma))
+  assert parts.get_epsilon(1e-5) == pytest.approx(one.get_epsilon(1e-5),
+                                                  rel=1e-9)
+  with pytest.raises(ValueError, match="whole"):
+    clipped = clipping.PerLayer(bounds={"a": 1.0, "b": 2.0},
+                                target_quantile=0.5, count_stddev=0.6)
+    _two_group_model(clipped, l2_norm_clip=1.0,
+                     noise_multiplier=1.0).optimizer.plan.step_noise(None)
+
+
+def test_adaptive_bounds_are_saved(tmp_path):
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((64, 6)).astype("float32")
+  policy = clipping.PerLayer(bounds={"a": 1.0, "b": 1.0},
+                             target_quantile=0.5, count_stddev=0.0)
+  model = _two_group_model(policy, l2_norm_clip=5.0, noise_multiplier=0.0)
+  model.fit(x, np.zeros((64, 1), "float32"), batch_size=16, verbose=0)
+  before = {k: float(v.numpy())
+            for k, v in model.optimizer.dp_state.releases.items()}
+  assert before["clip_a"] != pytest.approx(5.0 / math.sqrt(2))
+  path = str(tmp_path / "m.keras")
+  model.save(path)
+  loaded = keras.models.load_model(path)
+  assert loaded.clipping == policy
+  after = {k: float(v.numpy())
+           for k, v in loaded.optimizer.dp_state.releases.items()}
+  assert after == pytest.approx(before)

@@ -398,7 +398,7 @@ class GradientTape:
     with self._computing():
       flat_sources, engine = self._per_example(target, sources)
       if getattr(clipping, "grouped", False):
-        sums, norms = self._group_clipped_sums(
+        sums, norms, _ = self._group_clipped_sums(
             engine, target, flat_sources, l2_norm_clip, clipping,
             gradient_scale)
         return tf.nest.pack_sequence_as(sources, sums), norms
@@ -416,19 +416,47 @@ class GradientTape:
       sums = engine.weighted_sums(c)
     return tf.nest.pack_sequence_as(sources, sums), norms
 
+  def group_clipped_gradient_sum(self, target, sources, l2_norm_clip,
+                                 clipping, gradient_scale=None,
+                                 group_scales=None):
+    """`clipped_gradient_sum` for a grouped policy
+    (`tf_pxg.clipping.PerLayer`), also returning the group norms.
+
+    `[G, B]` group norms in the one backward pass
+    (`PerExampleBackprop.group_sq_norms`), `[G, B]` factors
+    `min(1, C_g / ||g_{b,g}||)`, one weighted pass with each source's
+    group's factors (`group_weighted_sums`).
+
+    Args:
+      target, sources, l2_norm_clip, gradient_scale: as in
+        `clipped_gradient_sum`; `l2_norm_clip` is the total C.
+      clipping: the grouped policy.
+      group_scales: None, or the `[G]` adaptive bounds' quantile
+        estimates (the policy's `GroupQuantileCount` states), which set
+        `C_g = C s_g / ||s||`.
+
+    Returns:
+      `(sums, norms, group_norms)`: the structure of `sources`, the `[B]`
+      global norms and the `[G, B]` group norms (unclipped; the groups in
+      `clipping.assign(sources)`'s order).
+    """
+    with self._computing():
+      flat_sources, engine = self._per_example(target, sources)
+      sums, norms, group_norms = self._group_clipped_sums(
+          engine, target, flat_sources, l2_norm_clip, clipping,
+          gradient_scale, group_scales)
+    return tf.nest.pack_sequence_as(sources, sums), norms, group_norms
+
   def _group_clipped_sums(self, engine, target, flat_sources, l2_norm_clip,
-                          clipping, gradient_scale):
-    """`clipped_gradient_sum` for a grouped policy (`tf_pxg.clipping.PerLayer`):
-    `[G, B]` group norms in the one backward pass, `[G, B]` factors, one
-    weighted pass with each source's group's factors."""
+                          clipping, gradient_scale, group_scales=None):
     index, names = clipping.assign(flat_sources)
-    ids = engine._source_ids  # noqa: SLF001  (one per flat source)
+    _, ids = self._sources(flat_sources)
     group_of = {i: g for i, g in zip(ids, index) if i is not None}
     norms = tf.sqrt(engine.group_sq_norms(group_of, len(names)))
     if gradient_scale is not None:
       norms = norms / tf.cast(gradient_scale, norms.dtype)
     c = clipping.group_factors(norms, clipping.group_bounds(
-        names, l2_norm_clip))
+        names, l2_norm_clip, group_scales))
     target = tf.convert_to_tensor(target)
     if engine.vector_target and target.dtype.is_floating:
       c = tf.where(tf.math.is_finite(target)[None, :], c, tf.zeros_like(c))
@@ -436,4 +464,4 @@ class GradientTape:
       c = c / tf.cast(gradient_scale, c.dtype)
     sums = engine.group_weighted_sums(tf.unstack(c, num=len(names)),
                                       group_of)
-    return sums, tf.sqrt(tf.reduce_sum(tf.square(norms), axis=0))
+    return (sums, tf.sqrt(tf.reduce_sum(tf.square(norms), axis=0)), norms)

@@ -384,7 +384,10 @@ class PerLayer(ClippingPolicy):
   grouped = True
 
   def __init__(self, groups="layer", bounds=None,
-               noise_allocation: str = "isotropic"):
+               noise_allocation: str = "isotropic",
+               target_quantile: Optional[float] = None,
+               learning_rate: float = 0.2,
+               count_stddev: Optional[float] = None):
     if isinstance(groups, dict):  # a serialised callable
       import keras  # noqa: PLC0415  (only for a saved function)
       groups = keras.saving.deserialize_keras_object(groups)
@@ -406,9 +409,28 @@ class PerLayer(ClippingPolicy):
     if noise_allocation not in ("isotropic", "per_group"):
       raise ValueError(f"PerLayer: noise_allocation must be 'isotropic' or "
                        f"'per_group'; got {noise_allocation!r}.")
+    if target_quantile is not None:
+      # The adaptive rule's checks (and its update, `next_clip`).
+      self._quantile = QuantileAdaptive(target_quantile, learning_rate,
+                                        count_stddev)
+      if not bounds:
+        raise ValueError(
+            "PerLayer: adaptive bounds (target_quantile) need bounds= naming "
+            "the groups, {group: initial relative weight}, so that the "
+            "count releases (one per group) are known before the model is "
+            "built.")
+      target_quantile = self._quantile.target_quantile
+      learning_rate = self._quantile.learning_rate
+      count_stddev = self._quantile.count_stddev
+    else:
+      self._quantile = None
+      learning_rate, count_stddev = float(learning_rate), count_stddev
     self.groups = groups
     self.bounds = bounds
     self.noise_allocation = noise_allocation
+    self.target_quantile = target_quantile
+    self.learning_rate = learning_rate
+    self.count_stddev = count_stddev
 
   # Groups ---------------------------------------------------------------
 
@@ -427,30 +449,46 @@ class PerLayer(ClippingPolicy):
     return keys
 
   def assign(self, sources):
-    """`(group index per source, the G group keys in order)`."""
+    """`(group index per source, the G group keys in order)`. With
+    adaptive bounds the groups are `bounds`' keys, in their order, each
+    matching exactly one of the sources' groups (module docstring)."""
     keys = self.group_keys(sources)
     names = list(dict.fromkeys(keys))
+    if self._quantile is not None:
+      own = list(self.bounds)
+      match = {n: self._bound_key(n, names) for n in names}
+      used = list(match.values())
+      if sorted(used) != sorted(own):
+        raise ValueError(
+            f"PerLayer: adaptive bounds need one bounds key per group; the "
+            f"groups {names!r} match the keys {used!r}, bounds has {own!r}.")
+      return [own.index(match[k]) for k in keys], own
     index = {k: g for g, k in enumerate(names)}
     return [index[k] for k in keys], names
+
+  def _bound_key(self, name, names):
+    hit = [k for k in self.bounds if k == name or name.endswith("/" + k)]
+    if not hit:
+      raise ValueError(
+          f"PerLayer: no bound for the group {name!r}; bounds has "
+          f"{sorted(self.bounds)!r}, the groups are {names!r}.")
+    return max(hit, key=len)
 
   def weights(self, names) -> list:
     """w_g per group key (the `bounds` entry for the key or the key's
     last "/"-separated parts; 1.0 for all when `bounds` is None)."""
     if self.bounds is None:
       return [1.0] * len(names)
-    out = []
-    for name in names:
-      hit = [k for k in self.bounds
-             if k == name or name.endswith("/" + k)]
-      if not hit:
-        raise ValueError(
-            f"PerLayer: no bound for the group {name!r}; bounds has "
-            f"{sorted(self.bounds)!r}, the groups are {names!r}.")
-      out.append(self.bounds[max(hit, key=len)])
-    return out
+    return [self.bounds[self._bound_key(name, names)] for name in names]
 
-  def group_bounds(self, names, clip):
-    """C_g = C w_g / sqrt(sum w^2), a `[G]` float32 tensor."""
+  def group_bounds(self, names, clip, scales=None):
+    """C_g = C w_g / sqrt(sum w^2), a `[G]` float32 tensor; with adaptive
+    bounds, `scales` (the `[G]` private quantile estimates s_g) replace
+    the weights: C_g = C s_g / sqrt(sum s^2)."""
+    if scales is not None:
+      scales = tf.cast(scales, tf.float32)
+      return tf.cast(clip, tf.float32) * scales / tf.maximum(
+          tf.norm(scales), _TINY)
     w = self.weights(names)
     total = math.sqrt(sum(x * x for x in w))
     rel = tf.constant([x / total for x in w], tf.float32)
@@ -461,6 +499,11 @@ class PerLayer(ClippingPolicy):
     "per_group" noise; None for "isotropic" (no scaling)."""
     if self.noise_allocation == "isotropic":
       return None
+    if self._quantile is not None:
+      raise ValueError(
+          "PerLayer: adaptive bounds (target_quantile) take isotropic "
+          "noise (noise_allocation='isotropic'): per-group noise would "
+          "follow the moving bounds.")
     index, names = self.assign(sources)
     w = self.weights(names)
     total = math.sqrt(sum(x * x for x in w))
@@ -487,13 +530,44 @@ class PerLayer(ClippingPolicy):
     within the total bound)."""
     return clip_factors(norms, clip)
 
+  # Adaptive bounds ------------------------------------------------------
+
+  def side_releases(self, expected_batch_size: Optional[float]) -> tuple:
+    """With adaptive bounds: one `GroupQuantileCount` per group (the
+    order of `bounds`); else none."""
+    if self._quantile is None:
+      return ()
+    std = self._quantile.resolve_count_stddev(expected_batch_size)
+    return tuple(GroupQuantileCount(self, g, key, std)
+                 for g, key in enumerate(self.bounds))
+
+  def state_releases(self) -> tuple:
+    """The releases whose state the `DPOptimizer` holds (the groups'
+    quantile estimates), for building it before the batch size is
+    known."""
+    if self._quantile is None:
+      return ()
+    return tuple(GroupQuantileCount(self, g, key, 1.0)
+                 for g, key in enumerate(self.bounds))
+
+  def initial_scales(self, l2_norm_clip: float) -> list:
+    """s_{g,0} = C w_g / sqrt(sum w^2): the initial bounds."""
+    w = list(self.bounds.values())
+    total = math.sqrt(sum(x * x for x in w))
+    return [float(l2_norm_clip) * x / total for x in w]
+
   def get_config(self):
     groups = self.groups
     if callable(groups):
       import keras  # noqa: PLC0415  (only for a saved function)
       groups = keras.saving.serialize_keras_object(groups)
-    return {"groups": groups, "bounds": self.bounds,
-            "noise_allocation": self.noise_allocation}
+    config = {"groups": groups, "bounds": self.bounds,
+              "noise_allocation": self.noise_allocation}
+    if self._quantile is not None:
+      config.update(target_quantile=self.target_quantile,
+                    learning_rate=self.learning_rate,
+                    count_stddev=self.count_stddev)
+    return config
 
   def __hash__(self):
     return hash((type(self).__name__, repr(self.get_config())))
@@ -545,6 +619,67 @@ class QuantileCount(releases.SideRelease):
 
   def get_config(self) -> dict:
     return {"policy": self.policy, "count_stddev": self.count_stddev}
+
+
+class GroupQuantileCount(releases.SideRelease):
+  """Adaptive per-group bounds' count for group g (`PerLayer` with
+  `target_quantile`): `sum_b mask_b (1[||g_{b,g}|| <= s_g] - 1/2)`,
+  sensitivity 1/2, noise std `count_stddev` (multiplier
+  `2 count_stddev`), its state s_g, the group's private γ-quantile
+  estimate: `s_{g,t+1} = s_g exp(-eta (noisy_count / n + 1/2 - gamma))`
+  (Andrew et al. 2021, per group). The G counts are G releases of the
+  plan's one σ split (`tf_pxg.dp.releases`): σ_g⁻² = σ⁻² − G (2
+  count_stddev)⁻², so ε covers them.
+
+  Args:
+    policy: the `PerLayer` policy.
+    index: g, the group's place in `policy.bounds`.
+    key: the group's `bounds` key (its log name is `clip_<key>`).
+    count_stddev: the count's noise std.
+  """
+
+  def __init__(self, policy, index: int, key: str, count_stddev: float):
+    self.policy = policy
+    self.index = int(index)
+    self.key = key
+    self.name = "clip_" + "".join(ch if ch.isalnum() else "_" for ch in key)
+    self.count_stddev = float(count_stddev)
+    self.noise_multiplier = 2.0 * self.count_stddev
+
+  def sensitivity(self, clip) -> float:
+    del clip
+    return 0.5
+
+  def stddev(self, clip) -> float:
+    del clip
+    return self.count_stddev
+
+  def statistic(self, batch: releases.ReleaseBatch) -> tf.Tensor:
+    norms = tf.cast(batch.group_norms[self.index], tf.float32)
+    scale = tf.cast(batch.group_scales[self.index], tf.float32)
+    within = tf.cast(norms <= scale, tf.float32) - 0.5
+    return tf.reduce_sum(within * tf.cast(batch.mask, tf.float32))
+
+  def initial_state(self, l2_norm_clip: float) -> float:
+    return self.policy.initial_scales(l2_norm_clip)[self.index]
+
+  def next_state(self, state, estimate):
+    return self.policy._quantile.next_clip(state, estimate, 1.0)  # noqa: SLF001
+
+  def overuse_hint(self, noise_multiplier: float) -> str:
+    return (f"{self.policy!r}: its {len(self.policy.bounds)} counts with "
+            f"2 * count_stddev = {self.noise_multiplier!r} use the whole "
+            f"budget of noise_multiplier={noise_multiplier!r} (they need "
+            "2 * count_stddev > noise_multiplier * sqrt(G)); raise "
+            "count_stddev.")
+
+  def get_config(self) -> dict:
+    return {"policy": self.policy, "index": self.index, "key": self.key,
+            "count_stddev": self.count_stddev}
+
+  def __hash__(self):
+    return hash((type(self).__name__, self.index, self.key,
+                 self.count_stddev))
 
 
 def known_names() -> tuple:

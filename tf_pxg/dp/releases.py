@@ -72,12 +72,18 @@ class ReleaseBatch(NamedTuple):
       (all ones for a plain batch).
     finite: `[B]` bool, the example's loss and norm are finite (its clip
       factor is not zeroed).
+    group_norms: `[G, B]` float32 per-group norms of a grouped clipping
+      policy (`tf_pxg.clipping.PerLayer`), else None.
+    group_scales: `[G]` its adaptive bounds' quantile estimates in use
+      this step, else None.
   """
   losses: Any
   norms: Any
   clip: Any
   mask: Any
   finite: Any
+  group_norms: Any = None
+  group_scales: Any = None
 
   @property
   def keep(self):

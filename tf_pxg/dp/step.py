@@ -142,9 +142,22 @@ def clip(tape, target, losses, variables, info, parts: StepParts, *,
       mask=None if info.is_plain else info.mask, step_end=info.step_end,
       xla=xla)
   # A non-finite example's clip factor is 0 there: nothing to check here.
-  sums, norms = tape.clipped_gradient_sum(
-      target, variables, clip_value, clipping=parts.clipping,
-      gradient_scale=gradient_scale)
+  group_norms = group_scales = None
+  if getattr(parts.clipping, "grouped", False):
+    # Per-layer clipping: its adaptive bounds' states (the groups' quantile
+    # estimates, `tf_pxg.clipping.GroupQuantileCount`) set the bounds.
+    states = [state.read_value() for r, state in
+              zip(parts.releases, parts.release_states)
+              if getattr(r, "policy", None) is parts.clipping and
+              hasattr(r, "key")]
+    group_scales = tf.stack(states) if states else None
+    sums, norms, group_norms = tape.group_clipped_gradient_sum(
+        target, variables, clip_value, parts.clipping,
+        gradient_scale=gradient_scale, group_scales=group_scales)
+  else:
+    sums, norms = tape.clipped_gradient_sum(
+        target, variables, clip_value, clipping=parts.clipping,
+        gradient_scale=gradient_scale)
   # An embedding's sum stays `IndexedSlices` up to the noise, which adds
   # its rows inside the fused noise loop (tf_pxg.dp.threefry).
   sums = [tf.zeros_like(v) if s is None else s
@@ -160,7 +173,8 @@ def clip(tape, target, losses, variables, info, parts: StepParts, *,
   finite = tf.logical_and(tf.math.is_finite(losses),
                           tf.math.is_finite(norms))
   batch = releases_lib.ReleaseBatch(losses, norms, clip_value,
-                                    tf.cast(info.mask, tf.float32), finite)
+                                    tf.cast(info.mask, tf.float32), finite,
+                                    group_norms, group_scales)
   statistics = [r.statistic(batch) for r in parts.releases]
   return Clipped(sums + statistics, norms, finite)
 

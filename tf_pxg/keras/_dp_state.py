@@ -69,7 +69,11 @@ class DPState(tf.Module):
     mechanism need (once; the noise state again for other variables)."""
     clipping, noise_mechanism = plan.clipping, plan.noise_mechanism
     l2_norm_clip = plan.l2_norm_clip
-    for release in plan.side_releases:
+    # The user's side releases and a policy's stateful releases other
+    # than the one clip (`PerLayer`'s adaptive bounds: one per group).
+    policy_releases = tuple(getattr(clipping, "state_releases",
+                                    lambda: ())())
+    for release in tuple(plan.side_releases) + policy_releases:
       if release.name not in self.releases:
         self.releases[release.name] = tf.Variable(
             float(release.initial_state(l2_norm_clip)), dtype=tf.float32,
