@@ -141,6 +141,7 @@ PARTS = {
     ("clipping policy", "quantile_adaptive"): _policy_case(
         "quantile_adaptive"),
     ("clipping policy", "norm_tracking"): _policy_case("norm_tracking"),
+    ("clipping policy", "per_layer"): _policy_case("per_layer"),
 }
 
 _LIST_REGISTERED = """
