@@ -20,6 +20,9 @@ Implementations (each states its own event):
   (`tf_pxg.accounting.cyclic_poisson_event`).
 - `tf_pxg.data.balls_in_bins.BallsInBinsSampler`: one batch per example
   per epoch (its stated upper bound).
+- `tf_pxg.data.truncated_poisson.TruncatedPoissonSampler`: Poisson draws
+  truncated to one physical batch of B_max rows per step
+  (`TruncatedSubsampledGaussianDpEvent`, accounted with PLD).
 - `tf_pxg.data.PoissonShards`: the Beam pipeline's cyclic Poisson shards.
 - `PrivacyUnits`: units of several rows (user-level DP, augmult) drawn by
   any of the above; the event is the inner sampler's, per unit.
@@ -36,7 +39,7 @@ one file plus a row in tests/test_parts.py (docs/extending.md).
 
 Names. `SAMPLINGS` maps the names `fit(sampling=...)` and
 `DPOptimizer(sampling=...)` take to classes ("poisson", "shuffled",
-"balls_in_bins"); `register(name, cls)` (or `@register(name)`) adds one,
+"balls_in_bins", "truncated_poisson"); `register(name, cls)` (or `@register(name)`) adds one,
 with the idiom of every part (`tf_pxg.parts`). The built-in samplers'
 modules are listed in `tf_pxg.parts.BUILTIN_MODULES` and imported when a
 name is first resolved, so no import is needed first. A DP plan's sampling
