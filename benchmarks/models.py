@@ -33,6 +33,7 @@ trains in a second, for the smoke test (`build(..., size="tiny")`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, Tuple
 
 import numpy as np
@@ -332,6 +333,18 @@ SPECS.update({
                       small=_SMALL_GPT2, lm=True),
     "bert_ft": Spec(bert_base, 8, lambda t: (t,), VOCAB_BERT_BASE, 128,
                     classes=2, tiny=_TINY_HUB, small=dict(depth=4)),
+})
+# The GPT-2-like model issue 51 measures under XLA: 6 layers, d = 256,
+# 4 heads, T = 128, B = 16, GPT-2's vocabulary (tied LM head); full
+# fine-tuning and LoRA of rank 4.
+_GPT2_6L = dict(depth=6, dim=256, heads=4)
+SPECS.update({
+    "gpt2_6l": Spec(functools.partial(gpt2, **_GPT2_6L), 16,
+                    lambda t: (t,), VOCAB_GPT2, 128, classes=VOCAB_GPT2,
+                    tiny=_TINY_HUB, lm=True),
+    "gpt2_6l_lora": Spec(functools.partial(gpt2_lora, **_GPT2_6L), 16,
+                         lambda t: (t,), VOCAB_GPT2, 128,
+                         classes=VOCAB_GPT2, tiny=_TINY_HUB, lm=True),
 })
 FINETUNE_MODELS = ("gpt2_ft", "gpt2_lora", "bert_ft")
 SMALL_MODELS = ("mlp", "cnn", "embed", "transformer", "lstm")
