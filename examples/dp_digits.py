@@ -8,6 +8,8 @@
     python examples/dp_digits.py --num_bands=0        # BandMF, b chosen
     python examples/dp_digits.py --clipping=quantile --l2_norm_clip=0.1
     python examples/dp_digits.py --clipping=automatic
+    python examples/dp_digits.py --clipping=per_layer   # a bound per layer
+    python examples/dp_digits.py --clipping=per_layer_quantile
 
 Prints test accuracy and ε after each epoch and a final line
 `final: test_accuracy=... epsilon=... delta=...`. The data (1797 images,
@@ -73,11 +75,17 @@ _NUM_BANDS = flags.DEFINE_integer(
     "chooses b from N, B, the epochs and --target_epsilon "
     "(tf_pxg.mf.choose_num_bands).")
 _CLIPPING = flags.DEFINE_enum(
-    "clipping", "flat", ["flat", "automatic", "quantile"],
+    "clipping", "flat", ["flat", "automatic", "quantile", "per_layer",
+                         "per_layer_quantile"],
     "flat: clip to --l2_norm_clip; automatic: R / (||g|| + 0.01) with "
     "R = --l2_norm_clip (Bu et al.); quantile: adaptive clipping to the "
     "--target_quantile of the norms, starting at --l2_norm_clip "
-    "(Andrew et al.; its noisy count is in the accounted noise).")
+    "(Andrew et al.; its noisy count is in the accounted noise); "
+    "per_layer: each layer clipped to --l2_norm_clip / sqrt(2) "
+    "(tf_pxg.clipping.PerLayer, total sensitivity --l2_norm_clip); "
+    "per_layer_quantile: the layers' bounds proportional to private "
+    "--target_quantile estimates of each layer's norms (one noisy count "
+    "per layer, in the accounted noise), total --l2_norm_clip.")
 _TARGET_QUANTILE = flags.DEFINE_float(
     "target_quantile", 0.5, "Quantile adaptive clipping aims for.")
 
@@ -155,7 +163,15 @@ def main(argv):
                   _TARGET_QUANTILE.value,
                   # Andrew et al.'s B / 20, at least sigma (then sigma_g is
                   # at most 1.16 sigma).
-                  count_stddev=max(batch / 20, noise))}[_CLIPPING.value]
+                  count_stddev=max(batch / 20, noise)),
+              "per_layer": tf_pxg.clipping.PerLayer(),
+              "per_layer_quantile": tf_pxg.clipping.PerLayer(
+                  bounds={l.name: 1.0 for l in layers
+                          if isinstance(l, (keras.layers.Conv2D,
+                                            keras.layers.Dense))},
+                  target_quantile=_TARGET_QUANTILE.value,
+                  count_stddev=max(batch / 20, noise)),
+              }[_CLIPPING.value]
     # The training loss is logged as a private release (clamped to
     # [0, 5], noise 10 sigma: the gradient keeps 99.5% of the budget).
     noisy_loss = (dpk.NoisyLoss(bound=5.0, noise_multiplier=10 * noise)
@@ -185,9 +201,15 @@ def main(argv):
   # The clip an adaptive policy (--clipping=quantile) ended at.
   clip = (model.optimizer.current_l2_norm_clip
           if model.dp_plan.clipping.adaptive else None)
+  # The per-layer quantile estimates (--clipping=per_layer_quantile).
+  scales = ({k: float(v.numpy()) for k, v in
+             model.optimizer.dp_state.releases.items()
+             if k.startswith("clip_")}
+            if _CLIPPING.value == "per_layer_quantile" else {})
   print(f"final: test_accuracy={accuracy:.4f} epsilon={epsilon:.3f} "
         f"delta={_DELTA.value:g}" +
-        (f" l2_norm_clip={clip:.4g}" if clip is not None else ""))
+        (f" l2_norm_clip={clip:.4g}" if clip is not None else "") +
+        "".join(f" {k}={v:.4g}" for k, v in scales.items()))
 
 
 if __name__ == "__main__":

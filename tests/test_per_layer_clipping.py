@@ -307,6 +307,11 @@ def test_errors_name_the_fix():
     clipping.PerLayer(bounds={"dense": 0.0})
   with pytest.raises(ValueError, match="noise_allocation"):
     clipping.PerLayer(noise_allocation="uniform")
+  with pytest.raises(ValueError, match="isotropic"):
+    clipping.PerLayer(bounds={"a": 1.0}, target_quantile=0.5,
+                      noise_allocation="per_group")
+  with pytest.raises(ValueError, match="naming"):
+    clipping.PerLayer(target_quantile=0.5)
   model = _dense_dp(clipping.PerLayer(bounds={"hidden": 1.0}),
                     noise_multiplier=0.0)
   model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")

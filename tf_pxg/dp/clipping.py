@@ -79,8 +79,11 @@ class ClippingPolicy:
   release it returns with `drives_clip` True (a
   `tf_pxg.dp.releases.SideRelease`: a noisy statistic of each step's
   batch, its `next_state` the next clip, e.g. `QuantileCount`); the plan
-  splits σ over the policy's releases with the others'. The policies are
-  small, immutable settings objects.
+  splits σ over the policy's releases with the others'. A grouped policy
+  (`grouped` True: `PerLayer`) clips each group of variables to its own
+  bound instead (`assign`, `group_bounds`, `group_factors`, read by
+  `tf_pxg.GradientTape.group_clipped_gradient_sum`; `noise_scales` by
+  the step's noise). The policies are small, immutable settings objects.
 
   Attributes:
     name: the policy's registered name (`serialize` saves it; `register`
@@ -371,14 +374,39 @@ class PerLayer(ClippingPolicy):
   (sparse selection's thresholds) sees group g scaled by a_g under
   "per_group".
 
+  Automatic bounds (`target_quantile` given). Each group g keeps a private
+  estimate s_g of the `target_quantile` γ of its per-example norms
+  (Andrew et al. 2021, one per group): every step releases, per group,
+  the count `sum_b (1[||g_{b,g}|| <= s_g] - 1/2)` (sensitivity 1/2) with
+  Gaussian noise of std `count_stddev` (`GroupQuantileCount`), and
+  `s_g <- s_g exp(-learning_rate (noisy_count / n + 1/2 - γ))`. The step
+  clips at `C_g = C s_g / sqrt(sum_h s_h^2)`: bounds in the ratio of the
+  groups' private quantiles, the total still the plan's C (so the
+  gradient's sensitivity and noise are those above, "isotropic" only).
+  The G counts are G Gaussian mechanisms on the same batch, each of
+  multiplier 2 count_stddev, so they take their share of the accounted
+  σ in the plan's one split (`tf_pxg.dp.releases`):
+  `σ_g^-2 = σ^-2 - G (2 count_stddev)^-2`, and ε (for σ) covers the
+  bounds; the update of s_g is post-processing. s_g starts at
+  `C w_g / sqrt(sum w^2)` and is optimizer state (saved, logged as
+  `clip_<group>`). `bounds` must name every group (its keys are the G
+  groups, known before the model is built).
+
   Args:
     groups: "layer", "variable" or a callable (above).
     bounds: None or a dict of relative weights (above), each finite > 0.
     noise_allocation: "isotropic" or "per_group".
+    target_quantile: None (fixed bounds) or γ in [0, 1] (automatic
+      bounds, above).
+    learning_rate: the update's rate (automatic bounds; default 0.2).
+    count_stddev: each count's noise std (automatic bounds; default
+      `expected_batch_size / 20`, as `QuantileAdaptive`).
 
   References:
     McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private
     Recurrent Language Models", ICLR 2018 (per-layer clipping, Sec. 3).
+    Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning
+    with Adaptive Clipping", NeurIPS 2021 (arXiv 1905.03871).
   """
 
   grouped = True
@@ -419,6 +447,11 @@ class PerLayer(ClippingPolicy):
             "the groups, {group: initial relative weight}, so that the "
             "count releases (one per group) are known before the model is "
             "built.")
+      if noise_allocation != "isotropic":
+        raise ValueError(
+            "PerLayer: adaptive bounds (target_quantile) take "
+            "noise_allocation='isotropic' (noise sigma * C; per-group "
+            "noise would follow the moving bounds).")
       target_quantile = self._quantile.target_quantile
       learning_rate = self._quantile.learning_rate
       count_stddev = self._quantile.count_stddev
@@ -690,7 +723,8 @@ def known_names() -> tuple:
 
 def get(identifier) -> ClippingPolicy:
   """A `ClippingPolicy` from None (flat), a registered name ("flat",
-  "automatic", "quantile_adaptive", "norm_tracking", or one added with
+  "automatic", "quantile_adaptive", "norm_tracking", "per_layer", or one
+  added with
   `register`; the built-ins' modules are imported first if the name is
   not yet known), a `{"class_name": ..., "config": ...}` dict (from
   `serialize`) or an instance.
