@@ -12,7 +12,10 @@ per-example values, or a scalar that is a sum over examples):
 * `per_example_gradient(target, sources)` -> `[B, *source.shape]` each;
 * `per_example_norms(target, sources)` -> `[B]` global L2 norms;
 * `clipped_gradient_sum(target, sources, l2_norm_clip)` ->
-  `(sum_b min(1, C/||g_b||) g_b per source, norms)` in one backward pass.
+  `(sum_b min(1, C/||g_b||) g_b per source, norms)` in one backward pass;
+* `group_clipped_gradient_sum(target, sources, C, clipping)` -> the same
+  with a bound per group of sources (`tf_pxg.clipping.PerLayer`), and the
+  `[G, B]` group norms.
 """
 
 from __future__ import annotations
