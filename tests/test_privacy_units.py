@@ -209,9 +209,14 @@ def run_loop(case, strategy, jit=True):
   before = [w.numpy() for w in model.trainable_variables]
   dist = strategy.distribute_datasets_from_function(
       lambda ctx: dpd.for_input_pipeline(dataset, ctx))
-  grads = tf.function(model.dp_gradients, jit_compile=jit)
+  # Without autograph, as Keras traces fit's step (and `traced_step` the
+  # DP step): autograph would convert tf_pxg's whole gradient path, once
+  # per process (~30 s of this test's subprocess); a Python branch on a
+  # tensor there is then an error, not a silent tf.cond. The loop with
+  # autograph is tests/test_distribute_poisson.py's.
+  grads = tf.function(model.dp_gradients, jit_compile=jit, autograph=False)
 
-  @tf.function
+  @tf.function(autograph=False)
   def step(b):
     strategy.run(lambda d: model.dp_apply(grads(d)), args=(b,))
 
