@@ -492,3 +492,30 @@ def test_adaptive_bounds_are_saved(tmp_path):
   after = {k: float(v.numpy())
            for k, v in loaded.optimizer.dp_state.releases.items()}
   assert after == pytest.approx(before)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_adaptive_bounds_with_accumulation_and_xla(jit):
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((96, 6)).astype("float32")
+
+  def run(k, jit):
+    keras.utils.set_random_seed(2)
+    policy = clipping.PerLayer(bounds={"a": 1.0, "b": 1.0},
+                               target_quantile=0.5, count_stddev=0.0)
+    model = _two_group_model(policy, lr=0.1, l2_norm_clip=0.5,
+                             noise_multiplier=0.0)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=sum_loss,
+                  jit_compile=jit)
+    model.fit(x, np.zeros((96, 1), "float32"), batch_size=16, epochs=2,
+              verbose=0, sampling_seed=9, accumulation_steps=k,
+              physical_batch_size=48 // k)
+    return model
+
+  ref, got = run(1, False), run(2, jit)
+  for a, b in zip(got.trainable_variables, ref.trainable_variables):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-5)
+  for k, v in ref.optimizer.dp_state.releases.items():
+    assert float(got.optimizer.dp_state.releases[k].numpy()) == (
+        pytest.approx(float(v.numpy()), rel=1e-5))
+    assert float(v.numpy()) != pytest.approx(0.5 / math.sqrt(2))
