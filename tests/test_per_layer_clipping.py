@@ -378,8 +378,7 @@ _MIRRORED = textwrap.dedent("""
                                                    name="hidden"),
              keras.layers.Dense(2, name="head")], l2_norm_clip=0.2,
             noise_multiplier=0.0, clipping=tf_pxg.clipping.PerLayer(
-                bounds={"hidden": 1.0, "head": 3.0},
-                noise_allocation="per_group"))
+                bounds={"hidden": 1.0, "head": 3.0}, **POLICY))
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
                       jit_compile=False)
       ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
@@ -392,8 +391,14 @@ _MIRRORED = textwrap.dedent("""
     """)
 
 
-def test_mirrored_strategy_equals_one_device():
-  result = multi_worker.run_script(_MIRRORED, timeout=240)
+@pytest.mark.parametrize("policy", [
+    "dict(noise_allocation='per_group')",
+    # The automatic bounds: each group's count summed over the replicas.
+    "dict(target_quantile=0.5, count_stddev=0.0)"], ids=["fixed", "auto"])
+def test_mirrored_strategy_equals_one_device(policy):
+  script = _MIRRORED.replace("import tf_pxg\n",
+                             f"import tf_pxg\nPOLICY = {policy}\n")
+  result = multi_worker.run_script(script, timeout=240)
   for a, b in zip(result["one"], result["two"]):
     np.testing.assert_allclose(np.array(b), np.array(a), rtol=0, atol=1e-5)
 
