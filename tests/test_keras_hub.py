@@ -9,7 +9,11 @@ step of `tf_pxg.keras.make_private(model)` with `noise_multiplier=0` and
 loop over single examples with the same loss
 (`tf_pxg.testing.reference_per_example_gradients`,
 `expected_dp_sgd_weights`), to 1e-4 of each variable's update; the clip is
-the median global norm, so some examples are clipped and some not.
+the median global norm, so some examples are clipped and some not. Full
+fine-tuning and LoRA share one build per family (`check_full_then_lora`):
+the full step is checked, then the built weights are restored, LoRA is
+enabled on the same backbone and the LoRA step checked, each mode with its
+own reference and traced step; a failure names the mode.
 
 The same step is also checked under XLA (`jit_compile=True`) for GPT-2,
 Llama, ViT and BERT, eagerly (`run_eagerly=True`) for GPT-2 and DeBERTa-v3,
@@ -24,7 +28,7 @@ the batch axis, `[B*W*s, d]` rows split into `[B*W, s, d]`) and RWKV-7
 (its time mix writes each step's `[B, H, N]` output into a `TensorArray`,
 a TensorList followed element-wise: `tests/test_tensor_lists.py`) run
 both modes;
-41 more families full fine-tuning (`slow`): Bloom, Falcon, GPT-NeoX,
+41 more families (`slow`), full fine-tuning: Bloom, Falcon, GPT-NeoX,
 XLM-RoBERTa, RoFormer-V2, ESM, ESM-2, Llama 3, Qwen 2, Qwen 3.5 (linear
 attention layers), Gemma 3n (AltUp, LAuReL, per-layer inputs), Gemma 4,
 SmolLM 3, T5Gemma, T5Gemma 2, EdRec, DeiT, DINOv2, DINOv3, ViTDet,
@@ -262,17 +266,23 @@ def _randomize_lora(model: keras.Model, rng) -> None:
       v.assign(0.3 * rng.standard_normal(v.shape).astype(v.dtype))
 
 
-def build(name: str, lora: bool):
-  """(model, inputs, labels) for one family and mode, seeded."""
+def _build(name: str):
+  """(model, backbone, inputs, labels) for one family, seeded."""
   keras.utils.set_random_seed(0)
   family = FAMILIES[name]
   backbone = family.build()
   model = classifier(backbone, family.outputs)
-  if lora:
-    backbone.enable_lora(2, family.lora_targets)
-    _randomize_lora(model, np.random.default_rng(1))
   x = batch(backbone, family.inputs)
   y = np.random.default_rng(2).integers(0, CLASSES, size=(B,))
+  return model, backbone, x, y
+
+
+def build(name: str, lora: bool):
+  """(model, inputs, labels) for one family and mode, seeded."""
+  model, backbone, x, y = _build(name)
+  if lora:
+    backbone.enable_lora(2, FAMILIES[name].lora_targets)
+    _randomize_lora(model, np.random.default_rng(1))
   return model, x, y
 
 
@@ -586,26 +596,13 @@ FAMILIES.update(MORE_FAMILIES)
 TRAINABLE = sorted(set(FAMILIES) - {"resnet"} - set(MORE_FAMILIES))
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("name", TRAINABLE)
-def test_dp_step_is_exact(name, lora):
-  model, x, y = build(name, lora)
-  _ERRORS[f"{name}-{'lora' if lora else 'full'}"] = dp_step_error(
-      model, x, y)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MORE_FAMILIES))
-def test_more_families_dp_step_is_exact(name):
-  model, x, y = build(name, lora=False)
-  if name in ONEDNN_DEFECTIVE and _compat.onednn_enabled():
-    # TF's oneDNN batch matmul computes this family's box encoding wrongly
-    # and corrupts the heap (tf_pxg.tape.tf_defects): refused by name.
-    with pytest.raises(ValueError, match=r"BatchMatMulV2.*"
-                       r"TF_ENABLE_ONEDNN_OPTS=0"):
-      dp_step_error(model, x, y)
-    return
-  _ERRORS[f"{name}-full"] = dp_step_error(model, x, y)
+def _checked(name: str, mode: str, check: Callable[[], Any]):
+  """`check()`, its failure message prefixed with the family and the mode
+  (full fine-tuning or LoRA) that failed."""
+  try:
+    return check()
+  except AssertionError as e:
+    raise AssertionError(f"{name}, {mode}: {e}") from e
 
 
 # Families whose forward pass has the matmul pattern TF's oneDNN kernel
@@ -620,24 +617,56 @@ ONEDNN_DEFECTIVE = ("sam",)
 NO_LORA_TARGET = ("mit", "sam", "vgg", "vitdet")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "name", sorted(set(MORE_FAMILIES) - set(NO_LORA_TARGET)))
-def test_more_families_lora_dp_step_is_exact(name):
-  """LoRA on every family of the table that has LoRA targets; each has LoRA
-  weights that train (not only the head)."""
-  model, x, y = build(name, lora=True)
-  assert any("lora_kernel_a" in v.path for v in model.trainable_variables)
-  _ERRORS[f"{name}-lora"] = dp_step_error(model, x, y)
+def check_full_then_lora(name: str) -> None:
+  """The DP step checked exactly in full fine-tuning, then in LoRA on the
+  same backbone: one build (seeded as `build`), the full step checked, then
+  `enable_lora` (base weights frozen, `lora_kernel_b` randomised as in
+  `build`) on the built weights (restored after the full step) and the
+  LoRA step checked. Each mode has its own reference, `make_private` and
+  traced step; a failure names the family and the mode. The families of NO_LORA_TARGET
+  are left out of LoRA only because `enable_lora` finds no layer of its
+  default names in them: that is checked instead."""
+  model, backbone, x, y = _build(name)
+  initial = [v.numpy() for v in model.weights]
+  if name in ONEDNN_DEFECTIVE and _compat.onednn_enabled():
+    # TF's oneDNN batch matmul computes this family's box encoding wrongly
+    # and corrupts the heap (tf_pxg.tape.tf_defects): refused by name.
+    with pytest.raises(ValueError, match=r"BatchMatMulV2.*"
+                       r"TF_ENABLE_ONEDNN_OPTS=0"):
+      dp_step_error(model, x, y)
+  else:
+    _ERRORS[f"{name}-full"] = _checked(
+        name, "full fine-tuning", lambda: dp_step_error(model, x, y))
+  # LoRA from the built weights (as `build(name, lora=True)`), not from
+  # those the full step (SGD(1)) left.
+  for v, value in zip(model.weights, initial):
+    v.assign(value)
+  backbone.enable_lora(2, FAMILIES[name].lora_targets)
+  _randomize_lora(model, np.random.default_rng(1))
+  if name in NO_LORA_TARGET:
+    assert not any("lora_kernel" in v.path for v in model.weights), name
+    return
+  if name in MORE_FAMILIES:  # LoRA weights that train (not only the head).
+    assert any("lora_kernel_a" in v.path
+               for v in model.trainable_variables), f"{name}: no LoRA weight"
+  _ERRORS[f"{name}-lora"] = _checked(
+      name, "LoRA", lambda: dp_step_error(model, x, y))
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_dp_step_is_exact(name):
+  """Full fine-tuning, then LoRA on the same backbone
+  (`check_full_then_lora`)."""
+  check_full_then_lora(name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NO_LORA_TARGET)
-def test_families_left_out_of_lora_have_no_lora_target(name):
-  """The LoRA test leaves these out only because `enable_lora` finds no
-  layer of its default names in them."""
-  model, _, _ = build(name, lora=True)
-  assert not any("lora_kernel" in v.path for v in model.weights)
+@pytest.mark.parametrize("name", sorted(MORE_FAMILIES))
+def test_more_families_dp_step_is_exact(name):
+  """Every family of the table, full fine-tuning then LoRA
+  (`check_full_then_lora`), except NO_LORA_TARGET: full fine-tuning, and
+  no LoRA target."""
+  check_full_then_lora(name)
 
 
 def _fit_error(model: keras.Model, x, y) -> str:
