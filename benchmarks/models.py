@@ -347,6 +347,9 @@ SPECS.update({
                          classes=VOCAB_GPT2, tiny=_TINY_HUB, lm=True),
 })
 FINETUNE_MODELS = ("gpt2_ft", "gpt2_lora", "bert_ft")
+# Every model built from KerasHub (`benchmarks.hlo_cost` compiles the
+# gpt2_6l pair; the timing suite runs FINETUNE_MODELS).
+HUB_MODELS = FINETUNE_MODELS + ("gpt2_6l", "gpt2_6l_lora")
 SMALL_MODELS = ("mlp", "cnn", "embed", "transformer", "lstm")
 REAL_MODELS = ("convnext", "wrn_gn", "vit", "bert", "lstm")
 SIZES = ("full", "small", "tiny")

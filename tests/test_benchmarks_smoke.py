@@ -25,7 +25,7 @@ from benchmarks import timing
 
 
 @pytest.mark.parametrize("name", sorted(
-    set(models.SPECS) - set(models.FINETUNE_MODELS)))
+    set(models.SPECS) - set(models.HUB_MODELS)))
 def test_models_build_for_keras3_and_take_their_batch(name):
   import keras  # pylint: disable=g-import-not-at-top
   model = models.build(keras, name, 8 if models.SPECS[name].seq_len else 0)
@@ -260,7 +260,7 @@ def test_real_models_train_a_dp_step_and_a_plain_step_at_tiny_size(name):
     assert changed >= least, (name, mode, changed, len(variables))
 
 
-@pytest.mark.parametrize("name", models.FINETUNE_MODELS)
+@pytest.mark.parametrize("name", models.HUB_MODELS)
 def test_finetune_models_train_a_dp_step_and_a_plain_step_at_tiny_size(
     name):
   """The KerasHub fine-tuning models (issue 28) at the tiny size: Keras'
@@ -274,7 +274,7 @@ def test_finetune_models_train_a_dp_step_and_a_plain_step_at_tiny_size(
   for mode in ("keras", "pxg"):
     step = modes.make(mode, name, 4, size="tiny")
     variables = step.model.trainable_variables
-    if name == "gpt2_lora":
+    if name.endswith("_lora"):
       # enable_lora: the LoRA factors and the biases of query and value.
       assert any("lora_kernel" in v.path for v in variables)
       assert all(v.path.split("/")[-2] in ("query", "value")
