@@ -606,7 +606,26 @@ class PerLayer(ClippingPolicy):
     return hash((type(self).__name__, repr(self.get_config())))
 
 
-class QuantileCount(releases.SideRelease):
+class _NoisyCount(releases.SideRelease):
+  """A count of examples whose term is `1[...] - 1/2`: sensitivity 1/2 to
+  adding or removing one example, noise std `count_stddev`, so its noise
+  multiplier (std / sensitivity) is `2 count_stddev` (Andrew et al.
+  2021)."""
+
+  def __init__(self, count_stddev: float):
+    self.count_stddev = float(count_stddev)
+    self.noise_multiplier = 2.0 * self.count_stddev
+
+  def sensitivity(self, clip) -> float:
+    del clip
+    return 0.5
+
+  def stddev(self, clip) -> float:
+    del clip
+    return self.count_stddev
+
+
+class QuantileCount(_NoisyCount):
   """Adaptive clipping's unclipped count (`tf_pxg.clipping.QuantileAdaptive`,
   Andrew et al. 2021): `sum_b mask_b (1[||g_b|| <= C_t] - 1/2)`,
   sensitivity 1/2, noise std `count_stddev` (multiplier `2 count_stddev`).
@@ -624,16 +643,7 @@ class QuantileCount(releases.SideRelease):
 
   def __init__(self, policy, count_stddev: float):
     self.policy = policy
-    self.count_stddev = float(count_stddev)
-    self.noise_multiplier = 2.0 * self.count_stddev
-
-  def sensitivity(self, clip) -> float:
-    del clip
-    return 0.5
-
-  def stddev(self, clip) -> float:
-    del clip
-    return self.count_stddev
+    super().__init__(count_stddev)
 
   def statistic(self, batch: releases.ReleaseBatch) -> tf.Tensor:
     return self.policy.unclipped_count(batch.norms, batch.clip, batch.mask)
@@ -654,7 +664,7 @@ class QuantileCount(releases.SideRelease):
     return {"policy": self.policy, "count_stddev": self.count_stddev}
 
 
-class GroupQuantileCount(releases.SideRelease):
+class GroupQuantileCount(_NoisyCount):
   """Adaptive per-group bounds' count for group g (`PerLayer` with
   `target_quantile`): `sum_b mask_b (1[||g_{b,g}|| <= s_g] - 1/2)`,
   sensitivity 1/2, noise std `count_stddev` (multiplier
@@ -676,16 +686,7 @@ class GroupQuantileCount(releases.SideRelease):
     self.index = int(index)
     self.key = key
     self.name = "clip_" + "".join(ch if ch.isalnum() else "_" for ch in key)
-    self.count_stddev = float(count_stddev)
-    self.noise_multiplier = 2.0 * self.count_stddev
-
-  def sensitivity(self, clip) -> float:
-    del clip
-    return 0.5
-
-  def stddev(self, clip) -> float:
-    del clip
-    return self.count_stddev
+    super().__init__(count_stddev)
 
   def statistic(self, batch: releases.ReleaseBatch) -> tf.Tensor:
     norms = tf.cast(batch.group_norms[self.index], tf.float32)
