@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 from typing import List
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +28,49 @@ tf.config.set_logical_device_configuration(
     cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 """
+
+
+def one_vs_mirrored_fit(model: str) -> str:
+  """A script that fits the DP model the expression `model` builds (from
+  `keras`, `tf_pxg` and `dpk` = `tf_pxg.keras`; inputs of 3 features,
+  targets of 2, MSE, SGD(0.1)) on one device and under MirroredStrategy
+  over two logical CPUs, 2 epochs of 4 shuffled batches of 16 each, and
+  prints `RESULT {"one": [clips, weights], "two": [...]}`: the optimizer's
+  `current_l2_norm_clip` after each batch and the trained weights."""
+  return textwrap.dedent("""
+      import json, os
+      os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+      import numpy as np
+      import tensorflow as tf
+      import keras
+      cpu = tf.config.list_physical_devices("CPU")[0]
+      tf.config.set_logical_device_configuration(
+          cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      import tf_pxg
+      import tf_pxg.keras as dpk
+
+      rng = np.random.default_rng(0)
+      x = rng.standard_normal((64, 3)).astype("float32")
+      y = rng.standard_normal((64, 2)).astype("float32")
+
+      def run(strategy):
+        with strategy.scope():
+          keras.utils.set_random_seed(1)
+          model = MODEL
+          model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                        jit_compile=False)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        clips = []
+        cb = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch,
+            logs: clips.append(model.optimizer.current_l2_norm_clip))
+        model.fit(ds, epochs=2, verbose=0, sampling="shuffled",
+                  callbacks=[cb])
+        return clips, [v.numpy().tolist() for v in model.trainable_variables]
+
+      one = run(tf.distribute.get_strategy())
+      two = run(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+      print("RESULT", json.dumps(dict(one=one, two=two)))
+      """).replace("MODEL", model)
 
 
 def env(**extra) -> dict:

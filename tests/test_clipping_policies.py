@@ -7,7 +7,6 @@ dp_accounting's composition of the two Gaussian releases.
 """
 
 import math
-import textwrap
 
 import _multi_worker as multi_worker
 import dp_accounting
@@ -277,42 +276,10 @@ def test_policy_errors_name_the_fix():
           0.7, 0.1, 3.0)
 
 
-_MIRRORED = textwrap.dedent("""
-    import json, os
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    import numpy as np
-    import tensorflow as tf
-    import keras
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import tf_pxg
-    import tf_pxg.keras as dpk
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 3)).astype("float32")
-    y = rng.standard_normal((64, 2)).astype("float32")
-
-    def run(strategy):
-      with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = dpk.DPSequential(
-            [keras.Input((3,)), keras.layers.Dense(2)], l2_norm_clip=0.05,
-            noise_multiplier=0.0, clipping=tf_pxg.clipping.QuantileAdaptive(
-                0.5, 0.5, count_stddev=0.0))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                      jit_compile=False)
-      ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-      clips = []
-      cb = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch,
-          logs: clips.append(model.optimizer.current_l2_norm_clip))
-      model.fit(ds, epochs=2, verbose=0, sampling="shuffled", callbacks=[cb])
-      return clips, [v.numpy().tolist() for v in model.trainable_variables]
-
-    one = run(tf.distribute.get_strategy())
-    two = run(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
-    print("RESULT", json.dumps(dict(one=one, two=two)))
-    """)
+_MIRRORED = multi_worker.one_vs_mirrored_fit(
+    "dpk.DPSequential([keras.Input((3,)), keras.layers.Dense(2)], "
+    "l2_norm_clip=0.05, noise_multiplier=0.0, "
+    "clipping=tf_pxg.clipping.QuantileAdaptive(0.5, 0.5, count_stddev=0.0))")
 
 
 def test_adaptive_clip_under_mirrored_strategy_equals_one_device():

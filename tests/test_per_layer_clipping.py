@@ -8,7 +8,6 @@ per-group `sigma C_g sqrt(G)`) and the one-Gaussian identity
 """
 
 import math
-import textwrap
 
 import _multi_worker as multi_worker
 import dp_accounting
@@ -354,41 +353,12 @@ def test_flat_program_has_no_group_ops():
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
 
 
-_MIRRORED = textwrap.dedent("""
-    import json, os
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    import numpy as np
-    import tensorflow as tf
-    import keras
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import tf_pxg
-    import tf_pxg.keras as dpk
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 3)).astype("float32")
-    y = rng.standard_normal((64, 2)).astype("float32")
-
-    def run(strategy):
-      with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = dpk.DPSequential(
-            [keras.Input((3,)), keras.layers.Dense(4, activation="tanh",
-                                                   name="hidden"),
-             keras.layers.Dense(2, name="head")], l2_norm_clip=0.2,
-            noise_multiplier=0.0, clipping=tf_pxg.clipping.PerLayer(
-                bounds={"hidden": 1.0, "head": 3.0}, **POLICY))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                      jit_compile=False)
-      ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-      model.fit(ds, epochs=2, verbose=0, sampling="shuffled")
-      return [v.numpy().tolist() for v in model.trainable_variables]
-
-    one = run(tf.distribute.get_strategy())
-    two = run(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
-    print("RESULT", json.dumps(dict(one=one, two=two)))
-    """)
+_MIRRORED_MODEL = (
+    "dpk.DPSequential([keras.Input((3,)), keras.layers.Dense(4, "
+    "activation='tanh', name='hidden'), keras.layers.Dense(2, name='head')],"
+    " l2_norm_clip=0.2, noise_multiplier=0.0, "
+    "clipping=tf_pxg.clipping.PerLayer(bounds={'hidden': 1.0, 'head': 3.0},"
+    " **POLICY))")
 
 
 @pytest.mark.parametrize("policy", [
@@ -396,10 +366,10 @@ _MIRRORED = textwrap.dedent("""
     # The automatic bounds: each group's count summed over the replicas.
     "dict(target_quantile=0.5, count_stddev=0.0)"], ids=["fixed", "auto"])
 def test_mirrored_strategy_equals_one_device(policy):
-  script = _MIRRORED.replace("import tf_pxg\n",
-                             f"import tf_pxg\nPOLICY = {policy}\n")
-  result = multi_worker.run_script(script, timeout=240)
-  for a, b in zip(result["one"], result["two"]):
+  result = multi_worker.run_script(multi_worker.one_vs_mirrored_fit(
+      _MIRRORED_MODEL.replace("POLICY", policy)), timeout=240)
+  (_, w1), (_, w2) = result["one"], result["two"]
+  for a, b in zip(w1, w2):
     np.testing.assert_allclose(np.array(b), np.array(a), rtol=0, atol=1e-5)
 
 
