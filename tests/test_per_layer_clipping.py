@@ -18,18 +18,20 @@ import tensorflow as tf
 
 import tf_pxg
 import tf_pxg.keras as dpk
+from tf_pxg.testing import reference
 
 clipping = tf_pxg.clipping
 
 
 def _reference_grads(model, x, y, loss_fn):
-  out = []
-  for b in range(len(x)):
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y[b:b + 1], model(x[b:b + 1]))
-    out.append([g.numpy().astype(np.float64)
-                for g in tape.gradient(loss, model.trainable_variables)])
-  return out
+  """`[B]` lists of per-example gradients (float64) by the single-example
+  loop of `tf_pxg.testing.reference`; `loss_fn` reduces one example's
+  outputs to a scalar."""
+  grads = reference.reference_per_example_gradients(
+      lambda t, p: tf.reshape(loss_fn(t, p), [1]), model,
+      model.trainable_variables, x, y)
+  return [[g[b].numpy().astype(np.float64) for g in grads]
+          for b in range(len(x))]
 
 
 def _models(dtype):
