@@ -97,3 +97,15 @@ def check_one_dp_fit_step(make_layers, x, y, *, reference_x=None,
       model.trainable_variables, before,
       pxg_testing.expected_dp_sgd_weights(before, ref, clip),
       names=[v.path for v in model.trainable_variables])
+
+
+def reference_grads_by_example(model, x, y, loss_fn):
+  """`[B]` lists of per-example gradients (float64, one per trainable
+  variable) by the single-example loop of `tf_pxg.testing.reference`;
+  `loss_fn(labels, outputs)` reduces one example's outputs to a scalar."""
+  from tf_pxg.testing import reference  # noqa: PLC0415
+  grads = reference.reference_per_example_gradients(
+      lambda t, p: tf.reshape(loss_fn(t, p), [1]), model,
+      model.trainable_variables, x, y)
+  return [[g[b].numpy().astype(np.float64) for g in grads]
+          for b in range(len(x))]

@@ -9,6 +9,7 @@ per-group `sigma C_g sqrt(G)`) and the one-Gaussian identity
 
 import math
 
+from _keras_models import reference_grads_by_example as _reference_grads
 import _multi_worker as multi_worker
 import dp_accounting
 import keras
@@ -18,20 +19,8 @@ import tensorflow as tf
 
 import tf_pxg
 import tf_pxg.keras as dpk
-from tf_pxg.testing import reference
 
 clipping = tf_pxg.clipping
-
-
-def _reference_grads(model, x, y, loss_fn):
-  """`[B]` lists of per-example gradients (float64) by the single-example
-  loop of `tf_pxg.testing.reference`; `loss_fn` reduces one example's
-  outputs to a scalar."""
-  grads = reference.reference_per_example_gradients(
-      lambda t, p: tf.reshape(loss_fn(t, p), [1]), model,
-      model.trainable_variables, x, y)
-  return [[g[b].numpy().astype(np.float64) for g in grads]
-          for b in range(len(x))]
 
 
 def _models(dtype):
