@@ -7,7 +7,9 @@ portable flags (an instruction-set level chosen from the CPU, never
 that no process retries it, with one quiet WARNING line per process;
 `--check` and `--force`.
 
-A fake compiler (a shell script writing the `-o` file) keeps most of these
+The build compiles each source to an object file, up to one compiler per
+CPU at once (a failing compile stops the others), then links them. A fake
+compiler (a shell script writing the `-o` file) keeps most of these
 fast; the FP16 checks compile one real kernel with `-fsyntax-only`, and
 tests/test_native_noise.py builds the real library.
 """
@@ -27,50 +29,113 @@ from tf_pxg import cli
 from tf_pxg import native
 
 
-def _fake_compiler(tmp_path, sleep=0.0, warning=True):
-  """A compiler that writes "fake" to its `-o` file (counting each such
-  build in the returned file; other calls, e.g. flag probes, fail)."""
-  script = tmp_path / "fake-cxx"
-  count = tmp_path / "compilations"
+def _compiler_script(tmp_path, name, sleep=0.0, warning=True,
+                     fail_source=None, slow=0.0, barrier=0):
+  """A fake compiler for the build's two kinds of command (other calls,
+  e.g. flag probes, fail): `-c ... X.cc -o X.o` writes an object file (a
+  line naming X.cc; with `warning`, compiling rows.cc prints a warning) and
+  `-shared X.o ... -o LIB` checks that every object exists and writes "fake"
+  to LIB. Each call sleeps `sleep` s. It records, in `tmp_path`:
+  `compiles` (a line "SOURCE OBJECT MODE" per compile, MODE the object
+  directory's), `links` (an "x" per
+  link) and `concurrency` (how many compiles were running, itself included,
+  as each started).
+
+  `fail_source` (a file name): compiling it fails, with 200 lines of
+  output, while the file `fail` in `tmp_path` exists; the other sources
+  then take `slow` s more. `barrier`: each compile waits (up to 20 s) until
+  that many compiles have started, and fails if they do not."""
+  script = tmp_path / name
+  running, started = tmp_path / "running", tmp_path / "started"
+  running.mkdir(exist_ok=True)
+  started.mkdir(exist_ok=True)
   script.write_text(
       "#!/bin/sh\n"
-      'out=""; prev=""\n'
-      'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
-      '[ -n "$out" ] || exit 1\n'
-      f'echo x >> "{count}"\n'
+      'out=""; prev=""; src=""; mode=""\n'
+      'for a in "$@"; do\n'
+      '  [ "$prev" = "-o" ] && out="$a"\n'
+      '  case "$a" in -c) mode=c;; -shared) mode=shared;; *.cc) src="$a";;\n'
+      "  esac\n"
+      '  prev="$a"\n'
+      "done\n"
+      '[ -n "$out" ] && [ -n "$mode" ] || exit 1\n'
+      'if [ "$mode" = shared ]; then\n'
+      '  for a in "$@"; do case "$a" in *.o) [ -e "$a" ] || {\n'
+      '    echo "ld: error: $a: no such file" >&2; exit 1; };; esac; done\n'
+      f'  echo x >> "{tmp_path / "links"}"\n'
+      f"  sleep {sleep}\n"
+      '  printf fake > "$out"\n'
+      "  exit 0\n"
+      "fi\n"
+      f'echo "$(basename "$src") $out $(stat -c %a "$(dirname "$out")")" '
+      f'>> "{tmp_path / "compiles"}"\n'
+      f'touch "{running}/$$" "{started}/$$"\n'
+      f'ls "{running}" | wc -l >> "{tmp_path / "concurrency"}"\n'
+      f"if [ {barrier} -gt 0 ]; then\n"
+      "  i=0\n"
+      f'  while [ "$(ls "{started}" | wc -l)" -lt {barrier} ]; do\n'
+      '    i=$((i+1)); [ $i -lt 400 ] || { rm -f "' + str(running) + '/$$";\n'
+      '      echo "$src: error: the compiles did not run in parallel" >&2;\n'
+      "      exit 1; }\n"
+      "    sleep 0.05\n"
+      "  done\n"
+      "fi\n"
       f"sleep {sleep}\n"
-      + ("echo \"rows.cc:1:1: warning: unused variable 'x'\" >&2\n"
+      + (f'if [ "$(basename "$src")" = "{fail_source}" ] && '
+         f'[ -e "{tmp_path / "fail"}" ]; then\n'
+         '  i=0; while [ $i -lt 200 ]; do\n'
+         f'    echo "In file included from x.h:$i: {_COMPILER_NOISE}" >&2\n'
+         '    i=$((i+1)); done\n'
+         f'  rm -f "{running}/$$"\n'
+         "  exit 1\n"
+         "fi\n"
+         f'if [ -e "{tmp_path / "fail"}" ]; then\n'
+         f'  sleep {slow} & echo $! > "{tmp_path}/sleeper.$$"; wait\n'
+         "fi\n" if fail_source else "")
+      + ('case "$src" in *rows.cc) '
+         "echo \"rows.cc:1:1: warning: unused variable 'x'\" >&2;; esac\n"
          if warning else "") +
-      'printf fake > "$out"\n')
+      'printf "object of %s\\n" "$src" > "$out"\n'
+      f'rm -f "{running}/$$"\n')
   script.chmod(0o755)
-  return str(script), count
+  return str(script)
+
+
+def _fake_compiler(tmp_path, sleep=0.0, warning=True):
+  """A compiler that builds a library of "fake" (`_compiler_script`);
+  returns it and the file with an "x" per build (link)."""
+  return (_compiler_script(tmp_path, "fake-cxx", sleep, warning),
+          tmp_path / "links")
 
 
 # What a broken compiler prints: pages of it, none of which may reach stderr.
 _COMPILER_NOISE = "PacketMathFP16.h:740:49: error: expected initializer"
+# The source a `_failing_compiler` fails on: the first, so that every build
+# attempt compiles it, whatever the number of parallel jobs.
+_BROKEN = "conv_norms.cc"
 
 
-def _failing_compiler(tmp_path):
-  """A compiler whose builds fail with pages of output while the file
-  `fail` beside it exists (it counts them in `compilations`)."""
-  script = tmp_path / "failing-cxx"
-  count = tmp_path / "compilations"
-  script.write_text(
-      "#!/bin/sh\n"
-      'case " $* " in *" -o "*) ;; *) exit 1;; esac\n'
-      f'echo x >> "{count}"\n'
-      'out=""; prev=""\n'
-      'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
-      f'if [ -e "{tmp_path / "fail"}" ]; then\n'
-      '  i=0; while [ $i -lt 200 ]; do\n'
-      f'    echo "In file included from x.h:$i: {_COMPILER_NOISE}" >&2\n'
-      '    i=$((i+1)); done\n'
-      "  exit 1\n"
-      "fi\n"
-      'printf fake > "$out"\n')
-  script.chmod(0o755)
+def _failing_compiler(tmp_path, slow=0.0):
+  """A compiler whose builds fail, compiling `_BROKEN` with pages of output,
+  while the file `fail` beside it exists (the other sources then take
+  `slow` s more); `_attempts` counts its build attempts."""
+  cxx = _compiler_script(tmp_path, "failing-cxx", warning=False,
+                         fail_source=_BROKEN, slow=slow)
   (tmp_path / "fail").write_text("")
-  return str(script), count
+  return cxx
+
+
+def _attempts(tmp_path):
+  """How many builds `_failing_compiler` saw: its compiles of `_BROKEN`."""
+  return sum(source == _BROKEN for source, *_ in _compiles(tmp_path))
+
+
+def _compiles(tmp_path):
+  """The compiles `_compiler_script` recorded: [(source name, object,
+  the object directory's mode)]."""
+  compiles = tmp_path / "compiles"
+  return [tuple(line.split()) for line in
+          (compiles.read_text().splitlines() if compiles.exists() else [])]
 
 
 @pytest.fixture
@@ -116,6 +181,8 @@ def test_first_use_warns_with_duration_and_compiler_warnings(
   assert "warning: unused variable 'x'" in log  # no -w: warnings kept
   assert "-w" not in log.split()
   assert "-w" not in native.compile_command("g++", path)
+  assert "-w" not in native.object_command("g++", native.KERNELS / "rows.cc",
+                                           path)
   caplog.clear()
   with caplog.at_level(logging.WARNING):
     native.build(cache_dir=tmp_path / "cache")  # cached: silent
@@ -195,6 +262,113 @@ def test_concurrent_processes_build_once(tmp_path):
   assert count.read_text().count("x") == 1  # built once, the others waited
 
 
+def test_sources_compile_in_parallel_then_link(tmp_path, monkeypatch,
+                                               tmpdir_env):
+  """With CPUs enough, every source compiles at once (each compile of the
+  fake waits until all have started), each to an object file in a private
+  directory beside the library, then one link; the directory is removed
+  and the log holds every command with its exit status."""
+  del tmpdir_env
+  sources = native.sources()
+  monkeypatch.setattr(native.os, "cpu_count", lambda: len(sources) + 3)
+  cxx = _compiler_script(tmp_path, "parallel-cxx", barrier=len(sources))
+  monkeypatch.setenv("CXX", cxx)
+  cache = tmp_path / "cache"
+  path = pathlib.Path(native.build(cache_dir=cache))
+  assert path.read_text() == "fake"
+  compiles = _compiles(tmp_path)
+  assert sorted(source for source, _, _ in compiles) == [
+      f.name for f in sources]
+  (objects,) = {pathlib.Path(obj).parent for _, obj, _ in compiles}
+  assert {mode for _, _, mode in compiles} == {"700"}
+  assert objects.parent == cache and objects.name.startswith(path.stem)
+  assert not objects.exists()
+  assert sorted(f.name for f in cache.iterdir()) == sorted(
+      [path.name, path.stem + ".lock", path.stem + ".log"])
+  assert (tmp_path / "links").read_text() == "x\n"
+  log = path.with_suffix(".log").read_text().splitlines()
+  commands = [line for line in log if line.startswith("$ ")]
+  assert len(commands) == len(sources) + 1
+  assert all(" -c -fPIC " in c for c in commands[:-1])
+  assert " -shared " in commands[-1]
+  assert sum(line.startswith("exit 0 after ") and line.endswith(" s")
+             for line in log) == len(sources) + 1
+
+
+@pytest.mark.parametrize("cpus", [2, 1, None])
+def test_at_most_one_compiler_per_cpu(tmp_path, monkeypatch, tmpdir_env,
+                                      cpus):
+  del tmpdir_env
+  monkeypatch.setattr(native.os, "cpu_count", lambda: cpus)
+  monkeypatch.setenv("CXX", _compiler_script(tmp_path, "cxx", sleep=0.3))
+  native.build(cache_dir=tmp_path / "cache")
+  running = [int(n) for n in
+             (tmp_path / "concurrency").read_text().split()]
+  assert len(running) == len(native.sources())
+  assert max(running) <= (cpus or 1), running
+
+
+def _alive(pid):
+  """Whether process `pid` runs (exists and is no zombie)."""
+  try:
+    stat_line = pathlib.Path(f"/proc/{pid}/stat").read_text()
+  except OSError:
+    return False
+  return stat_line.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_failing_compile_stops_the_others(tmp_path, monkeypatch,
+                                            tmpdir_env):
+  """One source fails at once while the others would take two minutes:
+  the build fails at once, the running compiles (and their children) are
+  killed, and the failure is recorded once, with the failing compile's
+  first error; nothing is linked and no object or partial file is left."""
+  del tmpdir_env
+  sources = native.sources()
+  monkeypatch.setattr(native.os, "cpu_count", lambda: len(sources))
+  cxx = _failing_compiler(tmp_path, slow=120)
+  monkeypatch.setenv("CXX", cxx)
+  cache = tmp_path / "cache"
+  start = time.monotonic()
+  with pytest.raises(native.BuildFailed,
+                     match="failing-cxx exited with status 1: In file "
+                     "included from x.h:0: PacketMathFP16"):
+    native.build(cache_dir=cache)
+  assert time.monotonic() - start < 60
+  deadline = time.monotonic() + 10
+  sleepers = [int(f.read_text()) for f in tmp_path.glob("sleeper.*")]
+  while any(map(_alive, sleepers)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not any(map(_alive, sleepers))
+  assert not (tmp_path / "links").exists()
+  log = next(cache.glob("*.log")).read_text()
+  assert log.count(_COMPILER_NOISE) == 200
+  assert sum(line.startswith("exit 1 after ") for line in
+             log.splitlines()) == 1
+  assert log.count("stopped (exit -9): another step failed\n") == len(
+      sources) - 1
+  assert sorted(f.suffix for f in cache.iterdir()) == [
+      ".failed", ".lock", ".log"]
+
+
+def test_a_build_that_takes_too_long_is_stopped(tmp_path, monkeypatch,
+                                                tmpdir_env):
+  del tmpdir_env
+  monkeypatch.setattr(native, "_TIMEOUT", 1)
+  monkeypatch.setenv("CXX", _compiler_script(tmp_path, "slow-cxx",
+                                             sleep=60))
+  cache = tmp_path / "cache"
+  start = time.monotonic()
+  with pytest.raises(native.BuildFailed, match="longer than 1 s"):
+    native.build(cache_dir=cache)
+  assert time.monotonic() - start < 30
+  log = next(cache.glob("*.log")).read_text()
+  assert log.count("stopped (exit -9): the build took too long\n") == min(
+      os.cpu_count() or 1, len(native.sources()))
+  assert sorted(f.suffix for f in cache.iterdir()) == [
+      ".failed", ".lock", ".log"]
+
+
 def test_cli_build_native(tmp_path, monkeypatch, capsys, tmpdir_env):
   del tmpdir_env
   cxx, _ = _fake_compiler(tmp_path, warning=False)
@@ -235,12 +409,14 @@ def test_isa_level_follows_the_cpu(monkeypatch, machine, flags, level):
   monkeypatch.setattr(native, "_cpu_info",
                       lambda: ("a CPU", frozenset(flags.split())))
   assert native.isa() == level
-  command = native.compile_command("g++", pathlib.Path("lib.so"))
-  assert "-march=native" not in command
   expected = [] if level == "baseline" else [f"-march={level}"]
-  assert [f for f in command if f.startswith("-march")] == expected
-  if machine != "x86_64":
-    assert "-mno-avx512fp16" not in command
+  for command in (native.compile_command("g++", pathlib.Path("lib.so")),
+                  native.object_command("g++", native.KERNELS / "rows.cc",
+                                        pathlib.Path("rows.o"))):
+    assert "-march=native" not in command
+    assert [f for f in command if f.startswith("-march")] == expected
+    if machine != "x86_64":
+      assert "-mno-avx512fp16" not in command
 
 
 def test_isa_level_from_the_environment(monkeypatch):
@@ -272,6 +448,13 @@ def test_the_library_name_keys_level_flags_compiler_and_cpu(
   monkeypatch.setattr(native, "_cpu_info", lambda: ("cpu C", frozenset()))
   assert native.library_name(cxx, "x86-64-v3") != tuned  # extra flags: CPU
   monkeypatch.delenv("TF_PXG_NATIVE_FLAGS")
+  # Another build command (e.g. an added link flag).
+  link = native.link_command
+  monkeypatch.setattr(native, "link_command",
+                      lambda *args: link(*args) + ["-Wl,-z,now"])
+  assert native.library_name(cxx, "x86-64-v3") != v3
+  monkeypatch.setattr(native, "link_command", link)
+  assert native.library_name(cxx, "x86-64-v3") == v3
   pathlib.Path(cxx).write_text(pathlib.Path(cxx).read_text() + "\n# new\n")
   assert native.library_name(cxx, "x86-64-v3") != v3  # an upgraded compiler
 
@@ -364,13 +547,14 @@ def _tf_pxg_lines(stderr):
 
 
 def test_a_failing_compiler_is_tried_once_across_processes(tmp_path):
-  cxx, count = _failing_compiler(tmp_path)
+  cxx = _failing_compiler(tmp_path)
   env = dict(os.environ, CXX=cxx, TMPDIR=str(tmp_path),
              TF_PXG_CACHE_DIR=str(tmp_path / "cache"))
   env.pop("TF_PXG_NATIVE", None)
   outs = _run_loaders(tmp_path, env, 3, "a") + _run_loaders(
       tmp_path, env, 1, "b")  # three together, one later
-  assert count.read_text().count("x") == 1  # one attempt in total
+  assert _attempts(tmp_path) == 1  # one attempt in total
+  assert not (tmp_path / "links").exists()
   for out, err in outs:
     assert out.strip() == "fallback"
     # The compiler's output goes to the log; the warning quotes its first
@@ -388,12 +572,13 @@ def test_a_failing_compiler_is_tried_once_across_processes(tmp_path):
   assert log.read_text().count(_COMPILER_NOISE) == 200
   (record,) = (tmp_path / "cache").glob("*.failed")
   assert record.stem == log.stem
+  assert not list((tmp_path / "cache").glob("*.objects"))
 
 
 def test_force_retries_a_recorded_failure(tmp_path, monkeypatch, capsys,
                                           tmpdir_env):
   del tmpdir_env
-  cxx, count = _failing_compiler(tmp_path)
+  cxx = _failing_compiler(tmp_path)
   monkeypatch.setenv("CXX", cxx)
   cache = tmp_path / "cache"
   with pytest.raises(native.BuildFailed, match="exited with status 1"):
@@ -404,15 +589,15 @@ def test_force_retries_a_recorded_failure(tmp_path, monkeypatch, capsys,
   assert cli.main(["tf-pxg", "build-native", f"--cache_dir={cache}"]) == 1
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "--force" in err
-  assert count.read_text().count("x") == 1
+  assert _attempts(tmp_path) == 1
   assert cli.main(["tf-pxg", "build-native", f"--cache_dir={cache}",
                    "--force"]) == 0
   path = pathlib.Path(capsys.readouterr().out.strip())
-  assert path.read_text() == "fake" and count.read_text().count("x") == 2
+  assert path.read_text() == "fake" and _attempts(tmp_path) == 2
   assert not list(cache.glob("*.failed"))
   assert native.build(cache_dir=cache) == str(path)  # cached
   assert native.build(cache_dir=cache, force=True) == str(path)  # rebuilt
-  assert count.read_text().count("x") == 3
+  assert _attempts(tmp_path) == 3
 
 
 def test_check_names_each_op_and_why(tmp_path, monkeypatch, capsys,
@@ -422,7 +607,7 @@ def test_check_names_each_op_and_why(tmp_path, monkeypatch, capsys,
   ops = native.ops()
   assert set(ops) == set(native.FALLBACKS)
   assert "TfPxgConv2DFilterWeightedSum" in ops and len(ops) == 8
-  cxx, _ = _failing_compiler(tmp_path)
+  cxx = _failing_compiler(tmp_path)
   monkeypatch.setenv("CXX", cxx)
   cache = tmp_path / "cache"
 

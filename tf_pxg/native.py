@@ -52,10 +52,18 @@ the same guard) for a library that need not leave its machine.
 
 Cache. The library goes into a cache directory, named by a digest of the
 sources, TensorFlow's version, the compiler (its path, size and date), the
-full command (flags included) and the level (the CPU's model and features
-too for `native` or extra flags), then is loaded with `tf.load_op_library`. Building
-takes a minute or two of one core; the first use logs a WARNING that it
-is compiling and how long it took. `tf-pxg build-native` builds ahead of
+build's commands (flags included) and the level (the CPU's model and features
+too for `native` or extra flags), then is loaded with `tf.load_op_library`.
+Building compiles each source to an object file, up to one compiler per
+CPU at once (`os.cpu_count()`, at most one per source), then links them:
+80-100 s of compiler CPU in all (gcc 12, clang 14; TF's and Eigen's
+headers), so roughly a minute with two free cores and less with four (an
+estimate from that CPU time: not measured on an idle machine). Measured
+on a 2-core machine shared with other jobs (load 5-6): 137 s, against
+195 s for the former single command compiling all sources in one
+process. A failing compile stops the others; the log gives each step's
+exit status and time. The first use logs a WARNING that it is compiling
+and how long it took. `tf-pxg build-native` builds ahead of
 time (for container images: run it in the image, with the cache directory
 the program will use). A file lock (`fcntl`) around the build makes
 concurrent processes (the workers of a multi-worker job) build once; the
@@ -104,12 +112,13 @@ import pathlib
 import platform
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -162,6 +171,9 @@ FALLBACKS = {
     "TfPxgRowSumOfSquares": "TF's Square and Sum",
     "TfPxgScaleRows": "TF's broadcasting Mul (with a select for factor 0)",
 }
+
+# How long a build takes (the sources compile in parallel: `_run_compiler`).
+_BUILD_TIME = "roughly a minute with two free cores"
 
 _lock = threading.Lock()
 _loaded = {}
@@ -332,9 +344,11 @@ def _guard_flags(cxx: str) -> Tuple[str, ...]:
 def compile_command(cxx: str, output: pathlib.Path, level: Optional[str] = None,
                     guard: bool = True,
                     files: Optional[List[pathlib.Path]] = None) -> List[str]:
-  """The command that builds the library (or, with `output` None and
-  `files`, checks their syntax only) with `cxx` for `level` (`isa()` unless
-  given); `guard=False` leaves out the FP16 guard (for its test)."""
+  """One command that builds the library into `output` (or, with `output`
+  None and `files`, checks their syntax only) with `cxx` for `level`
+  (`isa()` unless given); `guard=False` leaves out the FP16 guard (for its
+  test). `build` runs the same flags split into one `object_command` per
+  source, in parallel, and a `link_command`."""
   files = sources() if files is None else files
   target = ["-o", str(output), *_LIBRARY_FLAGS] if output else [
       "-fsyntax-only"]
@@ -342,6 +356,37 @@ def compile_command(cxx: str, output: pathlib.Path, level: Optional[str] = None,
           tf.sysconfig.get_compile_flags() +
           (tf.sysconfig.get_link_flags() if output else []) +
           list(_guard_flags(cxx) if guard else ()))
+
+
+def object_command(cxx: str, source: pathlib.Path, output: pathlib.Path,
+                   level: Optional[str] = None,
+                   guard: bool = True) -> List[str]:
+  """The command that compiles one source into the object file `output`
+  (position-independent, for the shared library) with `cxx` for `level`
+  (`isa()` unless given): the flags of `compile_command`, without TF's
+  link flags; `guard=False` leaves out the FP16 guard."""
+  return ([cxx, "-c", "-fPIC", str(source), "-o", str(output),
+           *optimization_flags(level)] + tf.sysconfig.get_compile_flags() +
+          list(_guard_flags(cxx) if guard else ()))
+
+
+def link_command(cxx: str, objects: List[pathlib.Path],
+                 output: pathlib.Path) -> List[str]:
+  """The command that links the object files into the library `output`
+  (`-shared` with TensorFlow's link flags)."""
+  return [cxx, "-shared", *map(str, objects), "-o", str(output),
+          *tf.sysconfig.get_link_flags()]
+
+
+def _build_commands(cxx: str, partial: pathlib.Path, objects: pathlib.Path,
+                    level: Optional[str] = None, guard: bool = True
+                    ) -> Tuple[List[List[str]], List[str]]:
+  """(one `object_command` per source, its object in the directory
+  `objects`; the `link_command` of those objects into `partial`)."""
+  targets = [(source, objects / f"{source.stem}.o") for source in sources()]
+  return ([object_command(cxx, source, obj, level, guard)
+           for source, obj in targets],
+          link_command(cxx, [obj for _, obj in targets], partial))
 
 
 def _compiler_identity(cxx: str) -> str:
@@ -366,10 +411,14 @@ def library_name(cxx: str, level: Optional[str] = None) -> str:
   cpu_specific = level == "native" or os.environ.get(
       "TF_PXG_NATIVE_FLAGS", "").strip()
   model, flags = _cpu_info() if cpu_specific else ("", frozenset())
-  command = [cxx, *optimization_flags(level)] + (
-      tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
+  # The build's commands with placeholder paths (the FP16 guard follows
+  # from the compiler, hashed below, so it is not probed here).
+  compiles, link = _build_commands(cxx, pathlib.Path("LIBRARY"),
+                                   pathlib.Path("OBJECTS"), level, False)
+  commands = "\n".join(" ".join(c) for c in (*compiles, link)).replace(
+      str(KERNELS), "KERNELS")  # wherever tf_pxg is installed
   for part in (*(f.read_bytes() for f in files), tf.__version__.encode(),
-               " ".join(command).encode(),
+               commands.encode(),
                _compiler_identity(cxx).encode(),
                f"{model} {' '.join(sorted(flags))}".encode()):
     digest.update(part)
@@ -473,8 +522,8 @@ def _compile(cxx: str, output: pathlib.Path) -> None:
   log = output.with_suffix(".log")
   logging.warning(
       "tf_pxg: compiling the native ops once for this CPU level (%s), "
-      "compiler and TensorFlow (a minute or two) into %s; `tf-pxg "
-      "build-native` does this ahead of time.", isa(), output)
+      "compiler and TensorFlow (%s) into %s; `tf-pxg build-native` does "
+      "this ahead of time.", isa(), _BUILD_TIME, output)
   start = time.monotonic()
   try:
     done = _run_compiler(cxx, partial, output, log)
@@ -493,25 +542,131 @@ def _compile(cxx: str, output: pathlib.Path) -> None:
     logging.warning("tf_pxg: %s", line)
 
 
+# How long the whole build (all compile steps and the link) may take.
+_TIMEOUT = 1200
+
+
+def _jobs(steps: int) -> int:
+  """How many compile steps run at once: one per CPU, at most `steps`."""
+  return max(1, min(os.cpu_count() or 1, steps))
+
+
 def _run_compiler(cxx: str, partial: pathlib.Path, output: pathlib.Path,
                   log: pathlib.Path) -> subprocess.CompletedProcess:
-  """Runs the build command (into `partial`), writing its output to `log`;
-  records the failure of `output` and raises BuildFailed unless it
-  succeeds."""
-  command = compile_command(cxx, partial)
+  """Compiles each source to an object file (up to `_jobs` compilers at
+  once, the objects in a private temporary directory beside `output`,
+  removed afterwards), then links them into `partial`; writes every
+  command, its output and exit status to `log`. Unless all succeed within
+  `_TIMEOUT` seconds, stops the steps still running, records the failure
+  of `output` and raises BuildFailed.
+
+  Returns:
+    A CompletedProcess whose `args` are the commands run and `stdout` and
+    `stderr` the outputs of all of them, in command order.
+  """
+  objects = pathlib.Path(tempfile.mkdtemp(  # mode 0700
+      prefix=f"{output.stem}.{os.getpid()}.", suffix=".objects",
+      dir=output.parent))
   try:
-    done = subprocess.run(command, capture_output=True, text=True,
-                          timeout=1200)
-  except (OSError, subprocess.SubprocessError) as e:
-    _write_private(log, f"$ {' '.join(command)}\n{e}\n")
-    _fail(output, f"running {cxx} failed: {_one_line(str(e))}", log)
-  _write_private(log, f"$ {' '.join(done.args)}\n{done.stdout}"
-                 f"{done.stderr}exit {done.returncode}\n")
-  if done.returncode != 0:
-    _fail(output, f"{os.path.basename(cxx)} exited with status "
-          f"{done.returncode}: {_first_error(done.stdout + done.stderr)}",
-          log)
-  return done
+    compiles, link = _build_commands(cxx, partial, objects)
+    deadline = time.monotonic() + _TIMEOUT
+    steps, why = _run_steps(compiles, _jobs(len(compiles)), deadline,
+                            objects)
+    if why is None:
+      more, why = _run_steps([link], 1, deadline, objects)
+      steps += more
+    _write_private(log, "".join(step.log() for step in steps))
+  finally:
+    shutil.rmtree(objects, ignore_errors=True)
+  if why is not None:
+    _fail(output, why, log)
+  return subprocess.CompletedProcess(
+      [step.command for step in steps], 0,
+      "".join(step.stdout for step in steps),
+      "".join(step.stderr for step in steps))
+
+
+@dataclasses.dataclass
+class _Step:
+  """One compiler command of a build, and what became of it."""
+  command: List[str]
+  stdout: str = ""
+  stderr: str = ""
+  status: str = "not run (another step failed)"
+
+  def log(self) -> str:
+    return f"$ {' '.join(self.command)}\n{self.stdout}{self.stderr}" \
+           f"{self.status}\n"
+
+
+def _run_steps(commands: List[List[str]], jobs: int, deadline: float,
+               scratch: pathlib.Path) -> Tuple[List["_Step"], Optional[str]]:
+  """Runs `commands`, up to `jobs` at once (each in a process group of its
+  own, its output in files under `scratch`), until all succeed, one fails,
+  or `deadline` passes; then stops (SIGKILL to the group) those still
+  running.
+
+  Returns:
+    (a `_Step` per command, in order; None if all succeeded, else why the
+    first failure failed, in one line).
+  """
+  steps = [_Step(command) for command in commands]
+  waiting = list(range(len(steps)))
+  running = {}  # step index -> (Popen, stdout file, stderr file, start)
+  why = None
+  stop = "another step failed"
+  try:
+    while (waiting or running) and why is None:
+      while waiting and len(running) < jobs:
+        i = waiting.pop(0)
+        out, err = (open(scratch / f"step{i}.{kind}", "w+")
+                    for kind in ("out", "err"))
+        try:
+          running[i] = (subprocess.Popen(
+              steps[i].command, stdin=subprocess.DEVNULL, stdout=out,
+              stderr=err, text=True, start_new_session=True), out, err,
+                        time.monotonic())
+        except OSError as e:
+          out.close()
+          err.close()
+          steps[i].status = f"not run: {e}"
+          why = f"running {steps[i].command[0]} failed: {_one_line(str(e))}"
+          break
+      for i, (process, out, err, began) in list(running.items()):
+        if process.poll() is None:
+          continue
+        del running[i]
+        _collect(steps[i], out, err, f"exit {process.returncode} after "
+                 f"{time.monotonic() - began:.1f} s")
+        if process.returncode != 0 and why is None:
+          why = (f"{os.path.basename(steps[i].command[0])} exited with "
+                 f"status {process.returncode}: "
+                 f"{_first_error(steps[i].stdout + steps[i].stderr)}")
+      if why is None and running and time.monotonic() > deadline:
+        stop = "the build took too long"
+        why = (f"running {steps[0].command[0]} failed: the build took "
+               f"longer than {_TIMEOUT} s")
+      if why is None and running:
+        time.sleep(0.05)
+  finally:
+    for i, (process, out, err, _) in running.items():
+      with contextlib.suppress(OSError):
+        os.killpg(process.pid, signal.SIGKILL)
+      process.wait()
+      _collect(steps[i], out, err,
+               f"stopped (exit {process.returncode}): "
+               f"{stop if why else 'interrupted'}")
+  return steps, why
+
+
+def _collect(step: "_Step", out, err, status: str) -> None:
+  """Reads a finished step's output files (and closes them)."""
+  for f in (out, err):
+    f.seek(0)
+  step.stdout, step.stderr = out.read(), err.read()
+  out.close()
+  err.close()
+  step.status = status
 
 
 def _fail(output: pathlib.Path, why: str, log: pathlib.Path) -> None:
@@ -641,7 +796,7 @@ def _availability(cache_dir) -> Tuple[List[str], Optional[str], object]:
   try:
     if not _cached(path):
       return header, ("not built yet: the first use in a process compiles "
-                      "it (a minute or two of one core); `tf-pxg "
+                      f"it ({_BUILD_TIME}); `tf-pxg "
                       "build-native` does it now"), None
     return header, None, tf.load_op_library(str(path))
   except (OSError, tf.errors.OpError) as e:
