@@ -162,7 +162,8 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
   if users is not None:
     index = tf.data.Dataset.zip((index, _selection_keys(sampler)))
   else:
-    index = index.map(lambda i, m, e: ((i, m, e), tf.zeros([2], tf.int64)))
+    index = index.map(sampling_ops.as_written(
+        lambda i, m, e: ((i, m, e), tf.zeros([2], tf.int64))))
 
   def rows_of(idx, mask, key):
     """The rows of the P units and their `[P G]` mask (None: G = 1)."""
@@ -192,7 +193,7 @@ def poisson_dataset(sampler: poisson.PoissonSampler, x, y,
 
   data = tf.data.Dataset.from_tensors(held).repeat()
   return tf.data.Dataset.zip((index, data)).map(
-      gather, num_parallel_calls=num_parallel_calls,
+      sampling_ops.as_written(gather), num_parallel_calls=num_parallel_calls,
       deterministic=True).prefetch(tf.data.AUTOTUNE)
 
 
@@ -206,9 +207,9 @@ def _selection_keys(sampler) -> tf.data.Dataset:
   if sampler.secure_mode:
     return sampling_ops.urandom_keys()
   base = sampling_ops.step_key(sampler.seed, -1)
-  return tf.data.Dataset.counter().map(
+  return tf.data.Dataset.counter().map(sampling_ops.as_written(
       lambda i: tf.cast(tf.random.experimental.stateless_fold_in(
-          base, tf.cast(i, tf.int64)), tf.int64))
+          base, tf.cast(i, tf.int64)), tf.int64)))
 
 
 class UserIndex:
@@ -328,10 +329,10 @@ def for_input_pipeline(dataset: tf.data.Dataset,
   local, first = r // w, input_context.input_pipeline_id * (r // w)
 
   def slices(*batch):
-    return tf.data.Dataset.range(local).map(
-        lambda j: shard_batch(batch, r, first + tf.cast(j, tf.int32)))
+    return tf.data.Dataset.range(local).map(sampling_ops.as_written(
+        lambda j: shard_batch(batch, r, first + tf.cast(j, tf.int32))))
 
-  return dataset.flat_map(slices)
+  return dataset.flat_map(sampling_ops.as_written(slices))
 
 
 def is_dp_batch_info(value) -> bool:

@@ -18,6 +18,14 @@ The `tf.data` stream of `tf_pxg.data.poisson_dataset` is built from these:
   as constant tensors) and map back to `members[offsets[g] + k]`.
 - `index_stream(...)`: a dataset of `(indices [P], mask [P], step_end)`
   physical batches, to be gathered from tensors held once.
+
+The functions tf_pxg hands to `tf.data` (`map`, `flat_map`, `filter`) are
+TF ops as written, with no Python control flow over tensors, so they are
+traced without autograph (`as_written`): its conversion of this module's
+functions cost about 2.6 s of the first pipeline a process builds and a
+third of every later one (0.8 s → 0.5 s per `index_stream`, measured on
+2026-12-07). A sampler's own `step_indices` (the sampler protocol: user
+code) is still converted as `tf.data` does by default.
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ from tf_pxg.data import participation
 from tf_pxg.data._gaps import gap_chunk_size
 
 _URANDOM = "/dev/urandom"
+
+
+def as_written(fn):
+  """`fn` for `tf.data.Dataset.map`/`flat_map`/`filter`, traced without
+  autograph's conversion (`tf.autograph.experimental.do_not_convert`): only
+  for tf_pxg's own functions, which use TF control flow explicitly."""
+  return tf.autograph.experimental.do_not_convert(fn)
 
 
 def step_key(seed: int, step) -> tf.Tensor:
@@ -60,7 +75,7 @@ def urandom_keys() -> tf.data.Dataset:
         "which this system does not have. Use PoissonSampler(secure_mode="
         "True) with your own input pipeline (it reads os.urandom).")
   lines = tf.data.TextLineDataset(_URANDOM).filter(
-      lambda line: tf.strings.length(line) >= 17)
+      as_written(lambda line: tf.strings.length(line) >= 17))
 
   def to_key(line):
     raw = tf.io.decode_raw(tf.strings.substr(line, 0, 16), tf.uint8)
@@ -69,7 +84,7 @@ def urandom_keys() -> tf.data.Dataset:
     # Two 64-bit words (wrapping into int64 is fine for a key).
     return tf.reduce_sum(tf.bitwise.left_shift(words, shifts), axis=1)
 
-  return lines.map(to_key)
+  return lines.map(as_written(to_key))
 
 
 def step_indices(key, num_examples, sampling_rate: float,
@@ -240,10 +255,10 @@ def index_stream(sampler: "tf_pxg.data.PoissonSampler",
            tf.data.Dataset.range(2 ** 62))
   if sampler.secure_mode:
     keys = tf.data.Dataset.zip((steps, urandom_keys())).map(
-        lambda t, key: (t + offset, key))
+        as_written(lambda t, key: (t + offset, key)))
   elif start_step is not None:
-    keys = steps.map(
-        lambda t: (t + start_step, step_key(sampler.seed, t + start_step)))
+    keys = steps.map(as_written(
+        lambda t: (t + start_step, step_key(sampler.seed, t + start_step))))
   else:
     nonces = tf.data.Dataset.random(
         seed=sampler.seed % (2 ** 63), rerandomize_each_iteration=True
@@ -251,10 +266,10 @@ def index_stream(sampler: "tf_pxg.data.PoissonSampler",
 
     def epoch(nonce):
       base = step_key(sampler.seed, 0) + nonce
-      return steps.map(lambda t: (t, tf.cast(
-          tf.random.experimental.stateless_fold_in(base, t), tf.int64)))
+      return steps.map(as_written(lambda t: (t, tf.cast(
+          tf.random.experimental.stateless_fold_in(base, t), tf.int64))))
 
-    keys = nonces.flat_map(epoch)
+    keys = nonces.flat_map(as_written(epoch))
 
   def batches_of(indices):
     idx, mask, end = layout(indices, p, k, r)
@@ -274,8 +289,8 @@ def index_stream(sampler: "tf_pxg.data.PoissonSampler",
           "start_step (e.g. optimizer.iterations) or repeat=True.")
     return keys.flat_map(lambda step, key: batches_of(select(step, key)))
   if b == 1:
-    return keys.flat_map(
-        lambda step, key: batches_of(step_indices(key, n, q, alg)))
+    return keys.flat_map(as_written(
+        lambda step, key: batches_of(step_indices(key, n, q, alg))))
   groups = sampler.group_index
   # The member lists are held once, as the data is in `poisson_dataset`,
   # and handed to every step.
@@ -289,4 +304,4 @@ def index_stream(sampler: "tf_pxg.data.PoissonSampler",
     return batches_of(group_step_indices(key, step, members, offsets, q,
                                          alg, max_group_size=max_size))
 
-  return tf.data.Dataset.zip((keys, held)).flat_map(group_batches)
+  return tf.data.Dataset.zip((keys, held)).flat_map(as_written(group_batches))

@@ -42,6 +42,7 @@ import tensorflow as tf
 from tf_pxg.data import batch_info
 from tf_pxg.data import participation
 from tf_pxg.data import protocol
+from tf_pxg.data.sampling_ops import as_written
 
 MANIFEST = "manifest.json"
 RECORDS = "dp/records"
@@ -138,9 +139,9 @@ class PoissonShards(protocol.Sampler):
       raise ValueError(f"start_step={start_step}: the shards hold steps "
                        f"0..{self.total_steps - 1}.")
     ds = tf.data.TFRecordDataset(self.files(replica, first)).map(
-        lambda r: tf.io.parse_single_example(r, spec))
+        as_written(lambda r: tf.io.parse_single_example(r, spec)))
     if start_step % self.steps_per_shard:
-      ds = ds.filter(lambda f: f[STEP] >= start_step)
+      ds = ds.filter(as_written(lambda f: f[STEP] >= start_step))
     return ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE,
                   deterministic=True)
 
@@ -178,9 +179,9 @@ class PoissonShards(protocol.Sampler):
                for i in range(r)]
       if r == 1:
         return parts[0].prefetch(tf.data.AUTOTUNE)
-      return tf.data.Dataset.zip(tuple(parts)).map(
+      return tf.data.Dataset.zip(tuple(parts)).map(as_written(
           lambda *slices: tf.nest.map_structure(
-              lambda *t: tf.concat(t, 0), *slices)).prefetch(
+              lambda *t: tf.concat(t, 0), *slices))).prefetch(
                   tf.data.AUTOTUNE)
     if input_context.num_replicas_in_sync != r:
       raise ValueError(
