@@ -1,6 +1,13 @@
-"""Shared pytest setup: quiet TF logs, the `slow` marker, a Keras dtype
+"""Shared pytest setup: quiet TF logs, the `slow` tier, a Keras dtype
 policy that a failing test cannot leak into the next ones, and the native
-op library (`native_ops`)."""
+op library (`native_ops`).
+
+The suite is what `pytest tests` runs (README command 2, and CI's first
+stage). Tests marked `slow` form a second tier: breadth beyond what the
+suite already proves (more architectures of a kind the suite covers), each
+skipped with that reason unless `--slow` is given (or `-m` names the
+marker). A test that is the only check of a property is never marked slow.
+"""
 
 import os
 import sys
@@ -12,6 +19,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def pytest_addoption(parser):
   parser.addoption(
+      "--slow", action="store_true", default=False,
+      help="also run the slow tier (tests marked `slow`: breadth beyond the "
+           "suite; see tests/conftest.py)")
+  parser.addoption(
       "--adversary-models", type=int, default=None,
       help="models the generated adversary tries "
            "(tests/test_generated_adversary.py; default 2000, or "
@@ -20,7 +31,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "slow: takes more than ~60 s; deselect with -m 'not slow'")
+      "markers", "slow: the second tier (breadth beyond the suite), run "
+                 "with --slow")
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +99,20 @@ def _grouped_conv_trains() -> bool:
     return False
 
 
+def _slow_tier_skipped(config, items):
+  """Skips the `slow` tier unless `--slow` or an `-m` expression that
+  names the marker asks for it."""
+  if config.getoption("--slow") or "slow" in (config.option.markexpr or ""):
+    return
+  skip = pytest.mark.skip(reason="slow tier (breadth beyond the suite): "
+                                 "run with --slow")
+  for item in items:
+    if item.get_closest_marker("slow") is not None:
+      item.add_marker(skip)
+
+
 def pytest_collection_modifyitems(config, items):
+  _slow_tier_skipped(config, items)
   grouped = [item for item in items
              if any(k in item.nodeid for k in _GROUPED)]
   if grouped and not _grouped_conv_trains():
