@@ -56,16 +56,20 @@ TensorFlow cannot run in a mode (a dynamic shape under XLA, a lookup table
 under XLA) is `unsupported` there; one whose reference loop itself fails is
 `invalid` (a generator bug).
 
-Speed: tracing one `tf.function` per model is slow, so graph and XLA modes
-trace a chunk of models in one function, each model's tape guarded on its
-own (a refusal is a `ValueError` at trace time, caught for that model alone,
-the others trace on); a chunk that fails when it runs (a model XLA cannot
-compile) is bisected until the model that fails runs alone.
+Speed: each model is traced on its own in each graph mode (a
+`tf.function` of its own, `jit_compile=True` for XLA), once for a batch
+(called on D and on D'); a refusal is a `ValueError` while it traces, and a
+refused model costs nothing more. The reference and the runs are only for
+the models some mode accepted; under XLA one compilation serves D and D',
+and a model XLA cannot compile fails alone. (Compiling several models in
+one XLA program saves little, and costs more for some.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import time
 import traceback
@@ -338,138 +342,135 @@ class _Case:
       self.ref_error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
-class _Chunk:
-  """A chunk of models traced in one `tf.function` (graph or XLA): each
-  model's tapes in a function of its own, called from the chunk's, so a
-  model refused while its function traces leaves no op in the chunk's
-  graph and the others trace on. The clip norms are an input: the
-  reference (which gives them) is computed only for the models some mode
-  accepted."""
+class _Traced:
+  """One model in one graph mode: a `tf.function` of its own
+  (`jit_compile=True` for XLA), traced once, on its own, for a batch, and
+  called on D and on D' with the clip norm as an input. A refusal is an
+  error while it traces, judged then (the error, whose traceback holds the
+  failed trace, is not kept): a refused model costs its failed trace, and
+  nothing is compiled or run for it."""
 
-  def __init__(self, cases: List[_Case], mode: str, d, d2):
-    self.cases, self.mode, self.d, self.d2 = cases, mode, d, d2
-    self.trace_errors: Dict[int, Exception] = {}
-    self.run_error: Optional[Exception] = None
+  def __init__(self, case: _Case, mode: str, d):
+    self.case, self.mode = case, mode
+    self.refused: Optional[Outcome] = None
     self.concrete = None
-    spec = [tf.TensorSpec(t.shape, t.dtype) for t in (*d, *d2)] + [
-        tf.TensorSpec([len(cases)], tf.float32)]
+    model = case.model
+    spec = [tf.TensorSpec(t.shape, t.dtype) for t in d] + [
+        tf.TensorSpec([], tf.float32)]
     try:
       self.concrete = tf.function(
-          self._fn, jit_compile=(mode == "jit"),
+          lambda x, ids, y, clip: _pxg_sum(model, (x, ids, y), clip),
+          jit_compile=(mode == "jit"),
           autograph=False).get_concrete_function(*spec)
-    except Exception as err:  # noqa: BLE001  (the chunk itself)
-      self.run_error = err
+    except Exception as err:  # noqa: BLE001  (a refusal, or a crash)
+      self.refused = _error_outcome(case.comp, mode, err, model, d,
+                                    **case.kw)
 
-  def _fn(self, x, ids, y, x2, ids2, y2, clips):
-    out = {}
-    def model_fn(model):
-      return tf.function(lambda x, ids, y, clip: _pxg_sum(
-          model, (x, ids, y), clip), autograph=False)
+  @property
+  def accepted(self) -> bool:
+    return self.refused is None
 
-    for i, c in enumerate(self.cases):
-      inner = model_fn(c.model)
-      try:  # One trace; D and D' are two calls of it.
-        out[str(i)] = (inner(x, ids, y, clips[i]),
-                       inner(x2, ids2, y2, clips[i]))
-      except Exception as err:  # noqa: BLE001
-        self.trace_errors[i] = err
-    return out
+  def outcome(self, d, d2) -> Outcome:
+    """Calls the function on D and on D' (under XLA one compilation
+    serves both: same function, same shapes) and judges it; a model XLA
+    cannot compile fails alone."""
+    c, mode = self.case, self.mode
+    if self.refused is not None:
+      return self.refused
+    if c.ref is None:
+      return Outcome(c.comp, mode, "invalid", error=c.ref_error, **c.kw)
+    clip = tf.constant(c.ref.clip, tf.float32)
+    try:
+      cs = self.concrete(*d, clip).numpy()
+      cs2 = self.concrete(*d2, clip).numpy()
+    except Exception as err:  # noqa: BLE001  (when it runs or compiles)
+      return _error_outcome(c.comp, mode, err, c.model, d, **c.kw)
+    return _judge(c.comp, mode, c.ref, None, cs, cs2, **c.kw)
 
-  def accepted(self, i: int) -> bool:
-    return self.run_error is None and i not in self.trace_errors
 
-  def outcomes(self) -> List[Outcome]:
-    mode, d, d2 = self.mode, self.d, self.d2
-    results = None
-    if self.run_error is None:
-      clips = tf.constant([c.ref.clip if c.ref else 1.0 for c in self.cases],
-                          tf.float32)
-      try:
-        results = self.concrete(*d, *d2, clips)
-      except Exception as err:  # noqa: BLE001  (when it runs: bisect)
-        self.run_error = err
-    if results is None:
-      if len(self.cases) == 1:
-        c = self.cases[0]
-        return [_error_outcome(c.comp, mode, self.run_error, c.model, d,
-                               **c.kw)]
-      half = len(self.cases) // 2
-      return (_Chunk(self.cases[:half], mode, d, d2).outcomes() +
-              _Chunk(self.cases[half:], mode, d, d2).outcomes())
-    out = []
-    for i, c in enumerate(self.cases):
-      if i in self.trace_errors:
-        out.append(_error_outcome(c.comp, mode, self.trace_errors[i],
-                                  c.model, d, **c.kw))
-      elif c.ref is None:
-        out.append(Outcome(c.comp, mode, "invalid", error=c.ref_error,
-                           **c.kw))
-      else:
-        cs, cs2 = (t.numpy() for t in results[str(i)])
-        out.append(_judge(c.comp, mode, c.ref, None, cs, cs2, **c.kw))
-    return out
+@contextlib.contextmanager
+def _young_gc():
+  """Python's cyclic collector scans only the objects made inside: those
+  that existed before are frozen (`gc.freeze`) for the while, then what
+  the models left (traced graphs hold cycles) is collected, and they are
+  unfrozen. (A full collection otherwise walks every object of the
+  process, several times per 50 models.) Nested uses, or a caller's own
+  freeze, leave the collector as it is."""
+  if gc.get_freeze_count():
+    yield
+    return
+  gc.freeze()
+  try:
+    yield
+  finally:
+    gc.collect()
+    gc.unfreeze()
 
 
 def check_models(compositions: Sequence, modes: Sequence[str] = MODES,
-                 data_seed: int = 0, chunk: int = 25,
+                 data_seed: int = 0,
                  seeds: Optional[Sequence[int]] = None) -> List[Outcome]:
   """Judges each composition (a `Composition` or its string) in each mode;
   one `Outcome` per (model, mode), in the order of `compositions` and then
   `modes`. `seeds` are the models' kernel seeds (default 0).
 
-  Order of work (each model still runs in every mode): eagerly up to
-  `per_example_gradient` (a refusal comes before any clipping; the
-  persistent tape is kept), then each graph/XLA chunk is traced; the
-  reference runs only for the models some mode accepted, and only those
-  go on (eagerly, on the kept tape) or are called (the traced chunks) with
-  their clip norm."""
-  d, d2 = make_data(data_seed)
-  cases = []
-  for j, comp in enumerate(compositions):
-    seed = seeds[j] if seeds is not None else 0
-    cases.append(_Case(j, str(comp), Model(Composition.parse(str(comp)),
-                                           seed), seed, data_seed))
-  eager_errors: Dict[int, Exception] = {}
+  Order of work (each model still runs in every mode, and is traced on its
+  own in each graph mode): eagerly up to `per_example_gradient` (a refusal
+  comes before any clipping; the persistent tape is kept), then each
+  model's `tf.function` and XLA function is traced (a refusal ends there);
+  the reference runs only for the models some mode accepted, and only
+  those go on (eagerly, on the kept tape) or are called with their clip
+  norm."""
+  with _young_gc():
+    cases = []
+    for j, comp in enumerate(compositions):
+      seed = seeds[j] if seeds is not None else 0
+      cases.append(_Case(j, str(comp), Model(Composition.parse(str(comp)),
+                                             seed), seed, data_seed))
+    return _check_cases(cases, modes)
+
+
+def _check_cases(cases: Sequence[_Case],
+                 modes: Sequence[str]) -> List[Outcome]:
+  """`check_models` for cases that may differ in their data seed."""
+  data = {ds: make_data(ds) for ds in sorted({c.data_seed for c in cases})}
+  outcomes = {}
   eager_first = {}
   if "eager" in modes:
     with _timed("eager"):
       for c in cases:
+        d = data[c.data_seed][0]
         try:
           eager_first[c.index] = _pxg_first(c.model, d)
         except Exception as err:  # noqa: BLE001
-          eager_errors[c.index] = err
-  chunks = {}
+          outcomes[(c.index, "eager")] = _error_outcome(
+              c.comp, "eager", err, c.model, d, **c.kw)
+  traced = {}
   for m in modes:
     if m != "eager":
       with _timed(f"trace {m}"):
-        chunks[m] = [_Chunk(cases[s:s + chunk], m, d, d2)
-                     for s in range(0, len(cases), chunk)]
+        traced[m] = [_Traced(c, m, data[c.data_seed][0]) for c in cases]
   with _timed("reference"):
     for k, c in enumerate(cases):
       wanted = c.index in eager_first or any(
-          ch[k // chunk].accepted(k % chunk) for ch in chunks.values())
+          t[k].accepted for t in traced.values())
       if wanted:
-        c.take_reference(d, d2)
-  outcomes = {}
+        c.take_reference(*data[c.data_seed])
   with _timed("eager"):
     for c in cases:
-      if "eager" not in modes:
-        break
-      if c.index in eager_errors:
-        outcomes[(c.index, "eager")] = _error_outcome(
-            c.comp, "eager", eager_errors[c.index], c.model, d, **c.kw)
-      elif c.ref is None:
+      if c.index not in eager_first:
+        continue
+      if c.ref is None:
         outcomes[(c.index, "eager")] = Outcome(c.comp, "eager", "invalid",
                                                error=c.ref_error, **c.kw)
       else:
         outcomes[(c.index, "eager")] = _run_eager(
-            c, eager_first.pop(c.index), d2)
-  for m, chs in chunks.items():
+            c, eager_first.pop(c.index), data[c.data_seed][1])
+  for m, ts in traced.items():
     with _timed(f"run {m}"):
-      for ch in chs:
-        for c, o in zip(ch.cases, ch.outcomes()):
-          outcomes[(c.index, m)] = o
-  return [outcomes[(j, m)] for j in range(len(compositions)) for m in modes]
+      for t in ts:
+        outcomes[(t.case.index, m)] = t.outcome(*data[t.case.data_seed])
+  return [outcomes[(c.index, m)] for c in cases for m in modes]
 
 
 # CPU seconds (`time.process_time`) spent per phase, summed over calls.
@@ -587,19 +588,25 @@ def minimize(outcome: Outcome, budget: int = 40) -> Composition:
 
 
 def search(n: int, start: int = 0, modes: Sequence[str] = MODES,
-           chunk: int = 25, data_seeds: int = 4, **gen_kw):
+           data_seeds: int = 4, block: int = 50, **gen_kw):
   """Generates and judges models `start .. start + n - 1` (the model seed
-  is the composition's seed; data seeds cycle over `data_seeds`). Returns
-  (outcomes, seconds)."""
+  is the composition's seed; data seeds cycle over `data_seeds`), `block`
+  models at a time (what one block traced is freed before the next).
+  Returns (outcomes, seconds), ordered by data seed, then model seed, then
+  mode."""
   t0 = time.time()
   outcomes = []
-  by_data: Dict[int, List[int]] = {}
-  for s in range(start, start + n):
-    by_data.setdefault(s % data_seeds, []).append(s)
-  for ds, seeds in sorted(by_data.items()):
-    comps = [generate(s, **gen_kw) for s in seeds]
-    outcomes += check_models(comps, modes, data_seed=ds, chunk=chunk,
-                             seeds=seeds)
+  for first in range(start, start + n, block):
+    seeds = sorted(range(first, min(first + block, start + n)),
+                   key=lambda s: (s % data_seeds, s))
+    with _young_gc():
+      cases = []
+      for k, s in enumerate(seeds):
+        comp = str(generate(s, **gen_kw))
+        cases.append(_Case(k, comp, Model(Composition.parse(comp), s), s,
+                           s % data_seeds))
+      outcomes += _check_cases(cases, modes)
+  outcomes.sort(key=lambda o: (o.data_seed, o.seed))   # stable: modes
   return outcomes, time.time() - t0
 
 
