@@ -6,17 +6,32 @@ print one `RESULT <json>` line. `run_script` runs one such process (e.g. a
 MirroredStrategy over 2 logical CPUs); `run_workers` starts a
 MultiWorkerMirroredStrategy cluster of worker processes on 127.0.0.1, one
 `TF_CONFIG` each, and collects their results. Not a test file itself.
+
+Each process pays ~10 s of CPU importing TensorFlow and Keras before its
+first op, so the cases share processes: a test file puts its
+MirroredStrategy cases in a script `MIRRORED_CASES` and its multi-worker
+cases in `MULTI_WORKER_CASES`, and gets their results from
+`mirrored_results` / `multi_worker_results` (through a module-scoped
+fixture). One process on 2 logical CPUs runs the `MIRRORED_CASES` of every
+file with a selected test that uses those results, and one cluster of two
+workers the `MULTI_WORKER_CASES` likewise, once per test run (`run_once`:
+also when pytest-xdist spreads the tests over workers). Each script runs in
+a namespace of its own with `strategy` bound, and ends by calling
+`scenarios(name=function, ...)`: each function's JSON result, or the
+traceback of its exception, is kept under its name, the next ones still
+run, and each test checks its case with `scenario(results, name)`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import textwrap
-from typing import List
+from typing import Any, Callable, List
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,6 +43,24 @@ tf.config.set_logical_device_configuration(
     cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 """
+
+
+def scenario(results: dict, name: str) -> Any:
+  """The result of case `name` among a file's results (`mirrored_results`,
+  or one worker's of `multi_worker_results`).
+
+  Raises:
+    AssertionError: the case (or the file's script before it) raised in the
+      subprocess, with its traceback.
+  """
+  for key in ("*", name):
+    got = results.get(key)
+    if isinstance(got, dict) and set(got) == {"error"}:
+      raise AssertionError(f"case {name!r} failed in the subprocess:\n"
+                           f"{got['error']}")
+  if name not in results:
+    raise AssertionError(f"case {name!r} did not run (ran: {sorted(results)})")
+  return results[name]
 
 
 def one_vs_mirrored_fit(model: str) -> str:
@@ -156,3 +189,142 @@ def run_workers(code: str, *, num_workers: int = 2,
   for code_, _, err in outputs:
     assert code_ == 0, err[-4000:]
   return [result(out) for _, out, _ in outputs]
+
+
+_ONCE = {}
+
+
+def run_once(tmp_path_factory, run: Callable[..., Any], *args,
+             **kwargs) -> Any:
+  """`run(*args, **kwargs)` (`run_script` or `run_workers`) once per test run.
+
+  In one pytest process the first call runs it and later calls with the
+  same arguments give its result (or its error) again. Under pytest-xdist
+  the tests of one file may run on different workers: the first worker to
+  call runs it under a lock in the workers' shared temporary directory
+  (`tmp_path_factory`'s) and leaves the outcome there; the others wait for
+  the lock and read it, so the subprocesses start once, not once per worker.
+
+  Raises:
+    AssertionError: `run` failed or timed out (here, or on the worker that
+      ran it), with its message.
+  """
+  key = hashlib.sha256(json.dumps(
+      [run.__name__, args, sorted(kwargs.items())]).encode()).hexdigest()[:16]
+  if key not in _ONCE:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+      _ONCE[key] = _outcome(run, args, kwargs)
+    else:
+      import fcntl  # pylint: disable=g-import-not-at-top  (POSIX, xdist only)
+      shared = tmp_path_factory.getbasetemp().parent / "tf_pxg_run_once"
+      shared.mkdir(exist_ok=True)
+      with open(shared / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = shared / f"{key}.json"
+        if done.exists():
+          _ONCE[key] = tuple(json.loads(done.read_text()))
+        else:
+          _ONCE[key] = _outcome(run, args, kwargs)
+          done.write_text(json.dumps(_ONCE[key]))
+  ok, value = _ONCE[key]
+  if not ok:
+    raise AssertionError(value)
+  return value
+
+
+def _outcome(run, args, kwargs):
+  """(True, run's result) or (False, the message of its failure)."""
+  try:
+    return True, run(*args, **kwargs)
+  except (AssertionError, subprocess.TimeoutExpired) as e:
+    return False, f"{type(e).__name__}: {e}"
+
+
+# The shared process: each file's cases script in a namespace of its own.
+_DRIVER = """\
+import json, os, sys, traceback
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+STRATEGY
+sys.path.insert(0, TESTS)
+out = {}
+for name, code in PARTS:
+  print("== cases of", name, file=sys.stderr, flush=True)
+  cases = out[name] = {}
+  def scenarios(**functions):
+    for case, function in functions.items():
+      try:
+        cases[case] = function()
+      except Exception:  # pylint: disable=broad-except
+        cases[case] = {"error": traceback.format_exc()}
+  try:
+    exec(compile(code, name + ".CASES", "exec"), {  # pylint: disable=exec-used
+        "__name__": name + "_cases", "strategy": strategy,
+        "scenarios": scenarios})
+  except Exception:  # pylint: disable=broad-except
+    cases["*"] = {"error": traceback.format_exc()}
+print("RESULT", json.dumps(out))
+"""
+
+_MWMS = "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
+
+# A file's share of the shared process's time limit.
+_PART_TIMEOUT = 300
+
+
+def _parts(request, attr: str, fixture: str) -> List[tuple]:
+  """(module name, its `attr` script) of every collected module with a
+  selected test that uses `fixture`, in name order."""
+  parts = {}
+  for item in request.session.items:
+    module = getattr(item, "module", None)
+    if (module is not None and hasattr(module, attr) and
+        fixture in getattr(item, "fixturenames", ())):
+      parts[module.__name__] = getattr(module, attr)
+  return sorted(parts.items())
+
+
+def _driver(strategy: str, parts: List[tuple]) -> str:
+  return (_DRIVER.replace("STRATEGY\n", strategy)
+          .replace("TESTS", repr(os.path.join(_ROOT, "tests")))
+          .replace("PARTS", repr(parts)))
+
+
+def mirrored_results(request, tmp_path_factory,
+                     fixture: str = "mirrored") -> dict:
+  """The results of the requesting file's `MIRRORED_CASES`: {case: JSON}.
+
+  They come from one process on 2 logical CPUs (`MIRRORED_TWO_CPUS`) that
+  runs the `MIRRORED_CASES` of every collected file with a selected test
+  using `fixture` (its module-scoped fixture calling this), once per test
+  run (`run_once`).
+
+  Raises:
+    AssertionError: the process failed (its stderr's tail names the file
+      whose cases it was running).
+  """
+  parts = _parts(request, "MIRRORED_CASES", fixture)
+  out = run_once(tmp_path_factory, run_script,
+                 _driver(MIRRORED_TWO_CPUS, parts),
+                 timeout=_PART_TIMEOUT * len(parts))
+  return out[request.module.__name__]
+
+
+def multi_worker_results(
+    request, tmp_path_factory,
+    fixture: str = "multi_worker_cluster") -> List[dict]:
+  """The results of the requesting file's `MULTI_WORKER_CASES`, one
+  {case: JSON} per worker, in index order.
+
+  They come from one cluster of two worker processes (`run_workers`, a
+  `MultiWorkerMirroredStrategy` over both) that runs the
+  `MULTI_WORKER_CASES` of every collected file with a selected test using
+  `fixture`, in the same order on both workers, once per test run.
+
+  Raises:
+    AssertionError: a worker failed or timed out.
+  """
+  parts = _parts(request, "MULTI_WORKER_CASES", fixture)
+  out = run_once(tmp_path_factory, run_workers, _driver(_MWMS, parts),
+                 timeout=_PART_TIMEOUT * len(parts))
+  return [worker[request.module.__name__] for worker in out]

@@ -196,51 +196,62 @@ def test_checkpoint_round_trip_continues_the_noise_sequence(tmp_path):
   assert np.abs(resumed(False) - want).max() > 1e-2
 
 
-_MIRRORED = textwrap.dedent("""
-    import json, os
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+# Run by tests/_multi_worker.py's shared MirroredStrategy process (2
+# logical CPUs, `strategy`; see `mirrored_results`).
+MIRRORED_CASES = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import keras
-    """) + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
     import tf_pxg.keras as dpk
     from tf_pxg.dp import blt
 
-    SIGMA, CLIP, B, LR = 1.3, 0.7, 16, 1.0
-    mech = blt.BLT(num_steps=20, min_separation=2, num_buffers=3)
-    with strategy.scope():
-      inp = keras.Input((100,))
-      out = keras.layers.Dense(300, use_bias=False,
-                               kernel_initializer="zeros")(inp)
-      model = dpk.DPModel(inp, out, l2_norm_clip=CLIP, noise_multiplier=SIGMA,
-                          seed=7, noise_mechanism=mech)
-      model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse",
-                    jit_compile=False)
-      model.optimizer.build(model.trainable_variables)
-    ds = tf.data.Dataset.from_tensor_slices(
-        (np.zeros((B, 100), "float32"), np.zeros((B, 300), "float32")))
-    @tf.function
-    def step(batch):
-      strategy.run(model.train_step, args=(batch,))
-    prev = model.trainable_variables[0].numpy().copy()
-    steps = []
-    for batch in strategy.experimental_distribute_dataset(
-        ds.batch(B).repeat(3)):
-      step(batch)
-      w = model.trainable_variables[0].numpy().copy()
-      steps.append(((prev - w) / LR).ravel())
-      prev = w
-    print("RESULT", json.dumps(dict(
-        cov=np.cov(np.stack(steps)).tolist(),
-        replicas=strategy.num_replicas_in_sync,
-        iterations=int(model.optimizer.iterations.numpy()))))
+    def sequence():
+      SIGMA, CLIP, B, LR = 1.3, 0.7, 16, 1.0
+      mech = blt.BLT(num_steps=20, min_separation=2, num_buffers=3)
+      with strategy.scope():
+        inp = keras.Input((100,))
+        out = keras.layers.Dense(300, use_bias=False,
+                                 kernel_initializer="zeros")(inp)
+        model = dpk.DPModel(inp, out, l2_norm_clip=CLIP,
+                            noise_multiplier=SIGMA, seed=7,
+                            noise_mechanism=mech)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse",
+                      jit_compile=False)
+        model.optimizer.build(model.trainable_variables)
+      ds = tf.data.Dataset.from_tensor_slices(
+          (np.zeros((B, 100), "float32"), np.zeros((B, 300), "float32")))
+      # Without autograph, as Keras traces fit's step: autograph would
+      # convert tf_pxg's whole train step first (~20 s of CPU per process).
+      @tf.function(autograph=False)
+      def step(batch):
+        strategy.run(model.train_step, args=(batch,))
+      prev = model.trainable_variables[0].numpy().copy()
+      steps = []
+      for batch in strategy.experimental_distribute_dataset(
+          ds.batch(B).repeat(3)):
+        step(batch)
+        w = model.trainable_variables[0].numpy().copy()
+        steps.append(((prev - w) / LR).ravel())
+        prev = w
+      return dict(
+          cov=np.cov(np.stack(steps)).tolist(),
+          replicas=strategy.num_replicas_in_sync,
+          iterations=int(model.optimizer.iterations.numpy()))
+
+    scenarios(sequence=sequence)
     """)
 
 
-def test_mirrored_strategy_replica_shares_give_one_global_blt_sequence():
+@pytest.fixture(scope="module")
+def mirrored(request, tmp_path_factory):
+  return multi_worker.mirrored_results(request, tmp_path_factory)
+
+
+def test_mirrored_strategy_replica_shares_give_one_global_blt_sequence(
+    mirrored):
   """Two replicas each stream their share z^r ~ N(0, s^2 / 2): the global
   noise's covariance over steps is s^2 C^-1 C^-T (not 2x, not 1/2x)."""
-  result = multi_worker.run_script(_MIRRORED, timeout=240)
+  result = multi_worker.scenario(mirrored, "sequence")
   assert result["replicas"] == 2 and result["iterations"] == 3
   mech = blt.BLT(num_steps=20, min_separation=2, num_buffers=3)
   inv = mech.noise_matrix(3)

@@ -289,57 +289,64 @@ def test_optimizer_config_round_trip_keeps_mechanism():
                                 mf.BandedToeplitz(8).coefs)
 
 
-_MIRRORED = textwrap.dedent("""
-    import json, os
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+# Run by tests/_multi_worker.py's shared MirroredStrategy process (2
+# logical CPUs, `strategy`; see `mirrored_results`).
+MIRRORED_CASES = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import keras
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import tf_pxg.keras as dpk
     from tf_pxg import mf
 
-    SIGMA, CLIP, B, LR = 1.3, 0.7, 16, 1.0
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    band = mf.BandedToeplitz(2)
-    with strategy.scope():
-      inp = keras.Input((100,))
-      out = keras.layers.Dense(500, use_bias=False,
-                               kernel_initializer="zeros")(inp)
-      model = dpk.DPModel(inp, out, l2_norm_clip=CLIP, noise_multiplier=SIGMA,
-                          seed=7, noise_mechanism=band)
-      model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse",
-                    jit_compile=False)
-    x = np.zeros((B, 100), "float32")
-    y = np.zeros((B, 500), "float32")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
-    w0 = model.trainable_variables[0].numpy().copy()
-    steps = []
-    @tf.function
-    def step(batch):
-      strategy.run(model.train_step, args=(batch,))
-    with strategy.scope():
-      model.optimizer.build(model.trainable_variables)
-    prev = w0
-    for batch in strategy.experimental_distribute_dataset(ds.repeat(2)):
-      step(batch)
-      w = model.trainable_variables[0].numpy().copy()
-      steps.append(((prev - w) / LR).ravel().tolist())
-      prev = w
-    buffers = model.optimizer.dp_state.noise.buffers[0]
-    print("RESULT", json.dumps(dict(
-        stds=[float(np.std(s)) for s in steps],
-        corr=float(np.corrcoef(steps[0], steps[1])[0, 1]),
-        coefs=band.coefs.tolist(),
-        replicas=strategy.num_replicas_in_sync,
-        iterations=int(model.optimizer.iterations.numpy()))))
+    def sequence():
+      SIGMA, CLIP, B, LR = 1.3, 0.7, 16, 1.0
+      band = mf.BandedToeplitz(2)
+      with strategy.scope():
+        inp = keras.Input((100,))
+        out = keras.layers.Dense(500, use_bias=False,
+                                 kernel_initializer="zeros")(inp)
+        model = dpk.DPModel(inp, out, l2_norm_clip=CLIP,
+                            noise_multiplier=SIGMA, seed=7,
+                            noise_mechanism=band)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse",
+                      jit_compile=False)
+      x = np.zeros((B, 100), "float32")
+      y = np.zeros((B, 500), "float32")
+      ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+      w0 = model.trainable_variables[0].numpy().copy()
+      steps = []
+      # Without autograph, as Keras traces fit's step: autograph would
+      # convert tf_pxg's whole train step first (~20 s of CPU per process).
+      @tf.function(autograph=False)
+      def step(batch):
+        strategy.run(model.train_step, args=(batch,))
+      with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+      prev = w0
+      for batch in strategy.experimental_distribute_dataset(ds.repeat(2)):
+        step(batch)
+        w = model.trainable_variables[0].numpy().copy()
+        steps.append(((prev - w) / LR).ravel().tolist())
+        prev = w
+      return dict(
+          stds=[float(np.std(s)) for s in steps],
+          corr=float(np.corrcoef(steps[0], steps[1])[0, 1]),
+          coefs=band.coefs.tolist(),
+          replicas=strategy.num_replicas_in_sync,
+          iterations=int(model.optimizer.iterations.numpy()))
+
+    scenarios(sequence=sequence)
     """)
 
 
-def test_mirrored_strategy_replica_shares_sum_to_one_global_sequence():
-  result = multi_worker.run_script(_MIRRORED, timeout=240)
+@pytest.fixture(scope="module")
+def mirrored(request, tmp_path_factory):
+  return multi_worker.mirrored_results(request, tmp_path_factory)
+
+
+def test_mirrored_strategy_replica_shares_sum_to_one_global_sequence(
+    mirrored):
+  result = multi_worker.scenario(mirrored, "sequence")
   assert result["replicas"] == 2 and result["iterations"] == 2
   c0, c1 = result["coefs"]
   s = 1.3 * 0.7 / 16

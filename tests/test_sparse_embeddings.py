@@ -483,13 +483,12 @@ def test_attack_a_row_reveals_only_its_selection():
   assert want["D'"] <= stats.norm.cdf(stats.norm.ppf(want["D"]) + mu) + 1e-12
 
 
-_MIRRORED = textwrap.dedent("""
-    import json, math, os, sys
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+# Run by tests/_multi_worker.py's shared MirroredStrategy process (2
+# logical CPUs, `strategy`; see `mirrored_results`).
+MIRRORED_CASES = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     import keras
-    """) + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
     import tf_pxg.keras as dpk
     from tf_pxg.dp import sparse_selection as ss
 
@@ -519,7 +518,9 @@ _MIRRORED = textwrap.dedent("""
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
 
     def mirrored_step(model):
-      @tf.function
+      # Without autograph, as Keras traces fit's step: autograph would
+      # convert tf_pxg's whole train step first (~20 s of CPU per process).
+      @tf.function(autograph=False)
       def step(batch):
         strategy.run(model.train_step, args=(batch,))
       before = model.layers[0].embeddings.numpy().copy()
@@ -527,38 +528,47 @@ _MIRRORED = textwrap.dedent("""
         step(batch)
       return before, model.layers[0].embeddings.numpy().copy()
 
-    out = {}
-    # A: no noise, tau = 0: equals one replica's dense DP-SGD step.
-    exact = build(ss.DPAdaFEST(threshold=0.0, selection_noise_multiplier=0.0),
-                  0.0, strategy)
-    before, after = mirrored_step(exact)
-    dense = build(None, 0.0)
-    dense.train_on_batch(x, y)
-    want = dense.layers[0].embeddings.numpy()
-    out["max_abs_err"] = float(np.max(np.abs(after - want)))
-    out["scale"] = float(np.max(np.abs(want - before)))
-    untouched = np.setdiff1d(np.arange(V), np.unique(x))
-    out["untouched_unchanged"] = bool(np.array_equal(after[untouched],
-                                                     before[untouched]))
-    # B: tau = 0, sigma_sel = 3: each untouched row selected w.p. 1/2, once
-    # for the global batch; its update is the noise, std lr sigma_g C / B.
-    sigma, sigma_sel = 1.0, 3.0
-    noisy = build(ss.DPAdaFEST(threshold=0.0,
-                               selection_noise_multiplier=sigma_sel), sigma,
-                  strategy)
-    before, after = mirrored_step(noisy)
-    delta = (after - before)[untouched]
-    moved = np.any(delta != 0, axis=1)
-    out["moved_fraction"] = float(moved.mean())
-    out["untouched"] = int(untouched.size)
-    out["noise_std"] = float(np.std(delta[moved]))
-    out["noise_n"] = int(delta[moved].size)
-    out["replicas"] = strategy.num_replicas_in_sync
-    print("RESULT", json.dumps(out))
+    def selection():
+      out = {}
+      # A: no noise, tau = 0: equals one replica's dense DP-SGD step.
+      exact = build(ss.DPAdaFEST(threshold=0.0,
+                                 selection_noise_multiplier=0.0), 0.0,
+                    strategy)
+      before, after = mirrored_step(exact)
+      dense = build(None, 0.0)
+      dense.train_on_batch(x, y)
+      want = dense.layers[0].embeddings.numpy()
+      out["max_abs_err"] = float(np.max(np.abs(after - want)))
+      out["scale"] = float(np.max(np.abs(want - before)))
+      untouched = np.setdiff1d(np.arange(V), np.unique(x))
+      out["untouched_unchanged"] = bool(np.array_equal(after[untouched],
+                                                       before[untouched]))
+      # B: tau = 0, sigma_sel = 3: each untouched row selected w.p. 1/2, once
+      # for the global batch; its update is the noise, std lr sigma_g C / B.
+      sigma, sigma_sel = 1.0, 3.0
+      noisy = build(ss.DPAdaFEST(threshold=0.0,
+                                 selection_noise_multiplier=sigma_sel), sigma,
+                    strategy)
+      before, after = mirrored_step(noisy)
+      delta = (after - before)[untouched]
+      moved = np.any(delta != 0, axis=1)
+      out["moved_fraction"] = float(moved.mean())
+      out["untouched"] = int(untouched.size)
+      out["noise_std"] = float(np.std(delta[moved]))
+      out["noise_n"] = int(delta[moved].size)
+      out["replicas"] = strategy.num_replicas_in_sync
+      return out
+
+    scenarios(selection=selection)
     """)
 
 
-def test_mirrored_strategy_selects_once_for_the_global_batch():
+@pytest.fixture(scope="module")
+def mirrored(request, tmp_path_factory):
+  return multi_worker.mirrored_results(request, tmp_path_factory)
+
+
+def test_mirrored_strategy_selects_once_for_the_global_batch(mirrored):
   """Two replicas (MirroredStrategy on 2 logical CPUs), one global batch
   of 16 split 8 + 8: with no noise and tau = 0 the table equals one
   replica's dense DP-SGD step (tf_pxg's clipped sum, the sparse path
@@ -568,7 +578,7 @@ def test_mirrored_strategy_selects_once_for_the_global_batch():
   would select 3/4) and moves by the noise alone, whose std is
   lr sigma_g C / B with sigma_g = (1 - 1/9)^-1/2 (not sqrt(2) or
   1/sqrt(2) times it: the replicas' shares add up to one draw)."""
-  r = multi_worker.run_script(_MIRRORED, timeout=600)
+  r = multi_worker.scenario(mirrored, "selection")
   assert r["replicas"] == 2
   assert r["untouched_unchanged"]
   assert r["max_abs_err"] <= 1e-5 * r["scale"] + 1e-8, r
