@@ -274,12 +274,14 @@ _PART_TIMEOUT = 300
 
 def _parts(request, attr: str, fixture: str) -> List[tuple]:
   """(module name, its `attr` script) of every collected module with a
-  selected test that uses `fixture`, in name order."""
+  selected test that uses `fixture` and is not marked skip (the slow tier
+  without --slow, tests/conftest.py), in name order."""
   parts = {}
   for item in request.session.items:
     module = getattr(item, "module", None)
     if (module is not None and hasattr(module, attr) and
-        fixture in getattr(item, "fixturenames", ())):
+        fixture in getattr(item, "fixturenames", ()) and
+        item.get_closest_marker("skip") is None):
       parts[module.__name__] = getattr(module, attr)
   return sorted(parts.items())
 

@@ -1,9 +1,11 @@
 """Noise under tf.distribute: the global step gets std sigma*C/B, once.
 
-Each case runs in a fresh subprocess (logical devices and TF_CONFIG must be
-set before TensorFlow initialises). The model has zero inputs, zero weights
-and an MSE loss to zero, so every per-example gradient is exactly 0 and the
-update is `-lr * noise / B`; its std over 5050 coordinates is compared with
+The cases run in fresh subprocesses (logical devices and TF_CONFIG must be
+set before TensorFlow initialises), the suite's shared ones
+(`tests/_multi_worker.py`): the MirroredStrategy cases in its process on 2
+logical CPUs, the multi-worker case in its cluster of two worker processes. The model has zero inputs, zero weights and an MSE loss to
+zero, so every per-example gradient is exactly 0 and the update is
+`-lr * noise / B`; its std over 5050 coordinates is compared with
 `sigma * C / B` (within 5%), which rules out sqrt(R) (1.41x) or R (2x) times
 that, and correlated replica noise.
 """
@@ -40,11 +42,12 @@ _COMMON = textwrap.dedent(f"""
         # Keras 3.15's fit fails under multi-worker MWMS before any step, for
         # any model (`_maybe_symbolic_build` passes the (x, y) tuple of
         # PerReplica to strategy.reduce; keras-team/keras#20585,
-        # tensorflow/tensorflow#72388); run the same train_step as fit does.
+        # tensorflow/tensorflow#72388); run the same train_step as fit does,
+        # traced as fit traces it (without autograph).
         with strategy.scope():
           model.optimizer.build(model.trainable_variables)
 
-        @tf.function
+        @tf.function(autograph=False)
         def step(batch):
           strategy.run(model.train_step, args=(batch,))
 
@@ -76,14 +79,84 @@ _COMMON = textwrap.dedent(f"""
       return result
     """)
 
-_MIRRORED = _COMMON + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
-    print("RESULT", json.dumps(run(strategy)))
+_EXACT = textwrap.dedent("""
+    def exact(strategy, num, with_reg):
+      import tf_pxg.keras as dpk
+      CLIP, LR, REG = 0.3, 0.5, 0.25
+      rng = np.random.default_rng(0)
+      x = rng.standard_normal((num, 4)).astype("float32")
+      y = rng.standard_normal((num, 3)).astype("float32")
+
+      def build(dp):
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((4,))
+        out = keras.layers.Dense(
+            3, kernel_regularizer=keras.regularizers.L2(REG) if with_reg
+            else None)(inp)
+        if not dp:
+          return keras.Model(inp, out)
+        return dpk.DPModel(inp, out, l2_norm_clip=CLIP, noise_multiplier=0.0)
+
+      # Reference without a strategy: per step, the mean over the step's
+      # examples of the clipped gradients, plus the regulariser's gradient.
+      ref = build(False)
+      w = [v.numpy().astype("float64") for v in ref.trainable_variables]
+      for start in range(0, num, 4):
+        xs, ys = x[start:start + 4], y[start:start + 4]
+        total = [np.zeros_like(t) for t in w]
+        for b in range(len(xs)):
+          for v, t in zip(ref.trainable_variables, w):
+            v.assign(t)
+          with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(ref(xs[b:b + 1]) - ys[b:b + 1]))
+          g = [t.numpy() for t in tape.gradient(loss, ref.trainable_variables)]
+          f = min(1.0, CLIP / np.sqrt(sum((t * t).sum() for t in g)))
+          total = [a + f * t for a, t in zip(total, g)]
+        grads = [t / len(xs) for t in total]
+        if with_reg:
+          grads[0] = grads[0] + 2 * REG * w[0]
+        w = [t - LR * g for t, g in zip(w, grads)]
+
+      with strategy.scope():
+        model = build(True)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+      ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+      import inspect
+      fixed = ({"sampling": "shuffled"} if "sampling" in
+               inspect.signature(model.fit).parameters else {})
+      model.fit(ds, epochs=1, verbose=0, **fixed)
+      got = [v.numpy().astype("float64") for v in model.trainable_variables]
+      err = max(float(np.abs(a - b).max()) for a, b in zip(got, w))
+      size = max(float(np.abs(a - b).max())
+                 for a, b in zip(w, [v.numpy() for v in
+                                     build(False).trainable_variables]))
+      return dict(
+          err=err, size=size, replicas=strategy.num_replicas_in_sync,
+          iterations=int(keras.ops.convert_to_numpy(
+              model.optimizer.iterations)))
     """)
 
-_MULTI_WORKER = _COMMON + textwrap.dedent("""
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    print("RESULT", json.dumps(run(strategy, use_fit=False)))
+# Run by tests/_multi_worker.py's shared processes (`strategy` bound; see
+# `mirrored_results` and `multi_worker_results`), each case its own models.
+MIRRORED_CASES = _COMMON + _EXACT + textwrap.dedent("""
+    scenarios(noise=lambda: run(strategy),
+              regularizer=lambda: exact(strategy, 8, True),
+              uneven=lambda: exact(strategy, 7, False))
     """)
+
+MULTI_WORKER_CASES = _COMMON + textwrap.dedent("""
+    scenarios(noise=lambda: run(strategy, use_fit=False))
+    """)
+
+
+@pytest.fixture(scope="module")
+def mirrored(request, tmp_path_factory):
+  return multi_worker.mirrored_results(request, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def multi_worker_cluster(request, tmp_path_factory):
+  return multi_worker.multi_worker_results(request, tmp_path_factory)
 
 
 def _check(result, replicas):
@@ -96,8 +169,9 @@ def _check(result, replicas):
       f"(ratio {ratio:.3f}; sqrt(R) would be {replicas ** 0.5:.3f})")
 
 
-def test_mirrored_two_replicas_total_noise_and_non_finite_example_dropped():
-  result = multi_worker.run_script(_MIRRORED, timeout=240)
+def test_mirrored_two_replicas_total_noise_and_non_finite_example_dropped(
+    mirrored):
+  result = multi_worker.scenario(mirrored, "noise")
   _check(result, replicas=2)
   assert result["nan_weights_finite"]
   assert result["nan_weights_changed"]
@@ -105,100 +179,32 @@ def test_mirrored_two_replicas_total_noise_and_non_finite_example_dropped():
   assert "dp_skipped_steps" not in result["logged"]
 
 
-def test_multi_worker_two_processes_total_noise_is_sigma_clip_over_batch():
-  results = multi_worker.run_workers(_MULTI_WORKER, timeout=240)
+def test_multi_worker_two_processes_total_noise_is_sigma_clip_over_batch(
+    multi_worker_cluster):
+  results = [multi_worker.scenario(r, "noise") for r in multi_worker_cluster]
   for r in results:
     _check(r, replicas=2)
   # Both workers hold the same (all-reduced) weights.
   assert results[0]["std"] == pytest.approx(results[1]["std"], rel=1e-6)
 
 
-_MIRRORED_EXACT = textwrap.dedent("""
-    import json, os
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    import numpy as np
-    import tensorflow as tf
-    import keras
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import tf_pxg.keras as dpk
-
-    CLIP, LR, REG = 0.3, 0.5, 0.25
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((NUM, 4)).astype("float32")
-    y = rng.standard_normal((NUM, 3)).astype("float32")
-
-    def build(dp):
-      keras.utils.set_random_seed(0)
-      inp = keras.Input((4,))
-      out = keras.layers.Dense(
-          3, kernel_regularizer=keras.regularizers.L2(REG) if WITH_REG
-          else None)(inp)
-      if not dp:
-        return keras.Model(inp, out)
-      return dpk.DPModel(inp, out, l2_norm_clip=CLIP, noise_multiplier=0.0)
-
-    # Reference without a strategy: per step, the mean over the step's
-    # examples of the clipped gradients, plus the regulariser's gradient.
-    ref = build(False)
-    w = [v.numpy().astype("float64") for v in ref.trainable_variables]
-    for start in range(0, NUM, 4):
-      xs, ys = x[start:start + 4], y[start:start + 4]
-      total = [np.zeros_like(t) for t in w]
-      for b in range(len(xs)):
-        for v, t in zip(ref.trainable_variables, w):
-          v.assign(t)
-        with tf.GradientTape() as tape:
-          loss = tf.reduce_mean(tf.square(ref(xs[b:b + 1]) - ys[b:b + 1]))
-        g = [t.numpy() for t in tape.gradient(loss, ref.trainable_variables)]
-        f = min(1.0, CLIP / np.sqrt(sum((t * t).sum() for t in g)))
-        total = [a + f * t for a, t in zip(total, g)]
-      grads = [t / len(xs) for t in total]
-      if WITH_REG:
-        grads[0] = grads[0] + 2 * REG * w[0]
-      w = [t - LR * g for t, g in zip(w, grads)]
-
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with strategy.scope():
-      model = build(True)
-      model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
-    import inspect
-    fixed = ({"sampling": "shuffled"} if "sampling" in
-             inspect.signature(model.fit).parameters else {})
-    model.fit(ds, epochs=1, verbose=0, **fixed)
-    got = [v.numpy().astype("float64") for v in model.trainable_variables]
-    err = max(float(np.abs(a - b).max()) for a, b in zip(got, w))
-    size = max(float(np.abs(a - b).max())
-               for a, b in zip(w, [v.numpy() for v in
-                                   build(False).trainable_variables]))
-    print("RESULT", json.dumps(dict(
-        err=err, size=size, replicas=strategy.num_replicas_in_sync,
-        iterations=int(keras.ops.convert_to_numpy(
-            model.optimizer.iterations)))))
-    """)
-
-
-def _run_mirrored_exact(num, with_reg):
-  code = _MIRRORED_EXACT.replace("NUM", str(num)).replace(
-      "WITH_REG", str(with_reg))
-  result = multi_worker.run_script(code, timeout=240)
+def _exact(mirrored, name, num):
+  result = multi_worker.scenario(mirrored, name)
   assert result["replicas"] == 2
   assert result["iterations"] == -(-num // 4)
   assert result["size"] > 1e-3
   return result
 
 
-def test_mirrored_regularizer_gradient_counted_once():
+def test_mirrored_regularizer_gradient_counted_once(mirrored):
   """Two replicas: the weight regulariser's gradient (divided by R on each
   replica, summed by the all-reduce) is added once, unclipped."""
-  result = _run_mirrored_exact(8, True)
+  result = _exact(mirrored, "regularizer", 8)
   assert result["err"] <= 1e-5 * max(1.0, result["size"]), result
 
 
-def test_mirrored_uneven_last_batch_divides_by_its_examples():
+def test_mirrored_uneven_last_batch_divides_by_its_examples(mirrored):
   """7 examples, global batch 4: the last batch of 3 splits 2/1 over the
   replicas; its update is the mean over those 3 clipped gradients."""
-  result = _run_mirrored_exact(7, False)
+  result = _exact(mirrored, "uneven", 7)
   assert result["err"] <= 1e-5 * max(1.0, result["size"]), result

@@ -1,7 +1,9 @@
 """Poisson logical steps under real strategies: exact, and noise once.
 
-Each case runs in fresh subprocesses (2 logical CPUs for MirroredStrategy;
-2 worker processes on 127.0.0.1 for MultiWorkerMirroredStrategy, `tests/_multi_worker.py`). In each:
+The cases run in the suite's shared subprocesses (`tests/_multi_worker.py`):
+its process on 2 logical CPUs for MirroredStrategy, its 2 worker processes
+on 127.0.0.1 for MultiWorkerMirroredStrategy (the last test runs the
+example script, which starts its own). In each:
 - exactness: with sigma = 0, q = 1 and SGD(1), one logical step over k = 4
   physical batches (each split over 2 replicas, padded and masked) moves
   the weights by `-mean_b clip(g_b)` from a plain `tf.GradientTape` loop
@@ -12,7 +14,11 @@ Each case runs in fresh subprocesses (2 logical CPUs for MirroredStrategy;
 Under Mirrored the step runs through `fit`, and again as a custom loop whose
 replica-local half (`dp_gradients`) is compiled with XLA, with its HLO
 fetched; under MWMS (where Keras' fit fails upstream) as the custom loop
-of `examples/dp_digits_multiworker.py`'s kind.
+of `examples/dp_digits_multiworker.py`'s kind. The custom loops are traced
+without autograph, as Keras traces fit's step: autograph would first
+convert tf_pxg's whole gradient path, ~25 s of CPU per process (the
+example's own test below, tests/test_xla_step.py and
+tests/test_weights_ledger.py trace DP steps with autograph).
 """
 
 import subprocess
@@ -89,9 +95,9 @@ _COMMON = textwrap.dedent(f"""
       def input_fn(ctx):
         return dpd.for_input_pipeline(dpd.poisson_dataset(sampler, x, y), ctx)
       dist = strategy.distribute_datasets_from_function(input_fn)
-      grads = tf.function(model.dp_gradients, jit_compile=True) if jit else (
-          model.dp_gradients)
-      @tf.function
+      grads = tf.function(model.dp_gradients, jit_compile=True,
+                          autograph=False) if jit else model.dp_gradients
+      @tf.function(autograph=False)
       def step(b):
         strategy.run(lambda d: model.dp_apply(grads(d)), args=(b,))
       for b in dist:
@@ -135,14 +141,15 @@ _COMMON = textwrap.dedent(f"""
       return out
     """)
 
-_MIRRORED = _COMMON + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
-    import sys
-    print("RESULT", json.dumps(run(strategy, sys.argv[1])))
+# Run by tests/_multi_worker.py's shared processes (`strategy` bound; see
+# `mirrored_results` and `multi_worker_results`).
+MIRRORED_CASES = _COMMON + textwrap.dedent("""
+    scenarios(fit=lambda: run(strategy, "fit"),
+              jit=lambda: run(strategy, "jit"))
     """)
 
-_MULTI_WORKER = _COMMON + textwrap.dedent("""
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    print("RESULT", json.dumps(run(strategy, "loop")))
+MULTI_WORKER_CASES = _COMMON + textwrap.dedent("""
+    scenarios(loop=lambda: run(strategy, "loop"))
     """)
 
 
@@ -154,22 +161,29 @@ def _check(result):
   assert abs(result["noise_ratio"] - 1) < 0.03, result
 
 
-def _mirrored(mode):
-  return multi_worker.run_script(_MIRRORED, mode, timeout=300)
+@pytest.fixture(scope="module")
+def mirrored(request, tmp_path_factory):
+  return multi_worker.mirrored_results(request, tmp_path_factory)
 
 
-def test_mirrored_fit_poisson_logical_step_exact_and_noise_once():
-  _check(_mirrored("fit"))
+@pytest.fixture(scope="module")
+def multi_worker_cluster(request, tmp_path_factory):
+  return multi_worker.multi_worker_results(request, tmp_path_factory)
 
 
-def test_mirrored_custom_loop_with_xla_replica_step_exact_and_hlo():
-  result = _mirrored("jit")
+def test_mirrored_fit_poisson_logical_step_exact_and_noise_once(mirrored):
+  _check(multi_worker.scenario(mirrored, "fit"))
+
+
+def test_mirrored_custom_loop_with_xla_replica_step_exact_and_hlo(mirrored):
+  result = multi_worker.scenario(mirrored, "jit")
   _check(result)
   assert len(result["hlo_len"]) == 2 and min(result["hlo_len"]) > 1000
 
 
-def test_multi_worker_poisson_logical_step_exact_and_noise_once():
-  results = multi_worker.run_workers(_MULTI_WORKER, timeout=300)
+def test_multi_worker_poisson_logical_step_exact_and_noise_once(
+    multi_worker_cluster):
+  results = [multi_worker.scenario(r, "loop") for r in multi_worker_cluster]
   for r in results:
     _check(r)
   # Both workers hold the same (all-reduced) weights.
