@@ -23,7 +23,6 @@ Keras' fit there needs `steps_per_execution=1`).
 """
 
 import math
-import os
 import textwrap
 
 import _multi_worker as multi_worker
@@ -205,32 +204,34 @@ def test_max_steps_is_consistent_with_compute_epsilon():
   assert math.isfinite(TARGET)
 
 
-_MIRRORED = textwrap.dedent("""
-    import json, os, sys
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    import numpy as np
-    import tensorflow as tf
-    import keras
-    """) + multi_worker.MIRRORED_TWO_CPUS + textwrap.dedent("""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+# Run by tests/_multi_worker.py's shared MirroredStrategy process (2
+# logical CPUs, `strategy`; see `mirrored_results`).
+MIRRORED_CASES = textwrap.dedent("""
     import test_budget as t
-    x, y = t._data()
-    with strategy.scope():
-      model = t._model()
-    history = model.fit(x, y, batch_size=t.BATCH, epochs=4, verbose=0,
-                        callbacks=[t._callback()], accumulation_steps=2,
-                        physical_batch_size=8, sampling_seed=1)
-    print("RESULT", json.dumps(dict(
-        iterations=int(model.optimizer.iterations.numpy()),
-        epsilon=history.history["epsilon"][-1],
-        replicas=strategy.num_replicas_in_sync)))
+
+    def budget():
+      x, y = t._data()
+      with strategy.scope():
+        model = t._model()
+      history = model.fit(x, y, batch_size=t.BATCH, epochs=4, verbose=0,
+                          callbacks=[t._callback()], accumulation_steps=2,
+                          physical_batch_size=8, sampling_seed=1)
+      return dict(
+          iterations=int(model.optimizer.iterations.numpy()),
+          epsilon=history.history["epsilon"][-1],
+          replicas=strategy.num_replicas_in_sync)
+
+    scenarios(budget=budget)
     """)
 
 
-def test_budget_under_mirrored_strategy():
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = multi_worker.run_script(f"ROOT = {root!r}\n" + _MIRRORED,
-                                   timeout=300)
+@pytest.fixture(scope="module")
+def mirrored(request, tmp_path_factory):
+  return multi_worker.mirrored_results(request, tmp_path_factory)
+
+
+def test_budget_under_mirrored_strategy(mirrored):
+  result = multi_worker.scenario(mirrored, "budget")
   assert result["replicas"] == 2
   assert result["iterations"] == STEPS
   assert result["epsilon"] <= TARGET

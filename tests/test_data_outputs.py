@@ -537,16 +537,13 @@ def test_noisy_loss_errors_and_saving(tmp_path):
                                                                         8.0)
 
 
-_MIRRORED_NOISY_LOSS = """
-import json, os
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+# Run by tests/_multi_worker.py's shared MirroredStrategy process (2
+# logical CPUs, `strategy`; see `mirrored_results`).
+MIRRORED_CASES = """
 import numpy as np
 import tensorflow as tf
 import keras
-""" + multi_worker.MIRRORED_TWO_CPUS + """
-import sys
 import tf_pxg.keras as dpk
-sys.path.insert(0, TESTS)
 from test_data_outputs import RunningMean
 
 class Steps(keras.callbacks.Callback):
@@ -555,44 +552,52 @@ class Steps(keras.callbacks.Callback):
   def on_train_batch_end(self, batch, logs=None):
     self.means.append(float(logs["loss"]))
 
-result = {}
-with strategy.scope():
-  model = dpk.DPSequential(
-      [keras.layers.Dense(4, kernel_initializer="zeros")], l2_norm_clip=1.0,
-      noise_multiplier=1.0, noisy_loss=dpk.NoisyLoss(1.5, 4.0))
-  model.compile(keras.optimizers.SGD(0.0), "mse")
-x = np.zeros((16, 8), "float32")
-y = np.zeros((16, 4), "float32")
-ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat(300)
-steps = Steps()
-model.fit(ds, epochs=1, verbose=0, sampling="shuffled", callbacks=[steps])
-m = np.array(steps.means)
-t = np.arange(1, len(m) + 1)
-per_step = t * m - np.concatenate([[0.0], (t * m)[:-1]])
-result["replicas"] = strategy.num_replicas_in_sync
-result["steps"] = len(per_step)
-result["std"] = float(per_step.std())
-with strategy.scope():
-  leaky = dpk.DPSequential([RunningMean(name="running"),
-                            keras.layers.Dense(4)],
-                           l2_norm_clip=1.0, noise_multiplier=1.0)
-  leaky.compile(keras.optimizers.SGD(0.1), "mse")
-try:
-  leaky.fit(ds.take(2), epochs=1, verbose=0, sampling="shuffled")
-  result["refused"] = ""
-except ValueError as e:
-  result["refused"] = str(e)
-result["stat"] = float(np.abs(leaky.layers[0].moving_mean.numpy()).max())
-print("RESULT", json.dumps(result))
+def noisy_loss():
+  result = {}
+  with strategy.scope():
+    model = dpk.DPSequential(
+        [keras.layers.Dense(4, kernel_initializer="zeros")],
+        l2_norm_clip=1.0, noise_multiplier=1.0,
+        noisy_loss=dpk.NoisyLoss(1.5, 4.0))
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+  x = np.zeros((16, 8), "float32")
+  y = np.zeros((16, 4), "float32")
+  ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat(300)
+  steps = Steps()
+  model.fit(ds, epochs=1, verbose=0, sampling="shuffled", callbacks=[steps])
+  m = np.array(steps.means)
+  t = np.arange(1, len(m) + 1)
+  per_step = t * m - np.concatenate([[0.0], (t * m)[:-1]])
+  result["replicas"] = strategy.num_replicas_in_sync
+  result["steps"] = len(per_step)
+  result["std"] = float(per_step.std())
+  with strategy.scope():
+    leaky = dpk.DPSequential([RunningMean(name="running"),
+                              keras.layers.Dense(4)],
+                             l2_norm_clip=1.0, noise_multiplier=1.0)
+    leaky.compile(keras.optimizers.SGD(0.1), "mse")
+  try:
+    leaky.fit(ds.take(2), epochs=1, verbose=0, sampling="shuffled")
+    result["refused"] = ""
+  except ValueError as e:
+    result["refused"] = str(e)
+  result["stat"] = float(np.abs(leaky.layers[0].moving_mean.numpy()).max())
+  return result
+
+scenarios(noisy_loss=noisy_loss)
 """
 
 
-def test_mirrored_noisy_loss_noise_once_and_write_refused():
+@pytest.fixture(scope="module")
+def mirrored(request, tmp_path_factory):
+  return multi_worker.mirrored_results(request, tmp_path_factory)
+
+
+def test_mirrored_noisy_loss_noise_once_and_write_refused(mirrored):
   # Zero losses: each step logs N(0, (z bound)^2) / B, the replicas' shares
   # (std z bound / sqrt(R) each) summed once: std 4 * 1.5 / 16 = 0.375,
   # not sqrt(2) or 1/sqrt(2) times it (300 steps: 4% standard error).
-  result = multi_worker.run_script(_MIRRORED_NOISY_LOSS.replace(
-      "TESTS", repr(os.path.dirname(os.path.abspath(__file__)))), timeout=400)
+  result = multi_worker.scenario(mirrored, "noisy_loss")
   assert result["replicas"] == 2 and result["steps"] == 300
   assert result["std"] / (4.0 * 1.5 / 16) == pytest.approx(1.0, abs=0.16)
   assert "running/moving_mean'" in result["refused"]

@@ -5,17 +5,16 @@ others): one logical step of `fit(augmult=K)` / `fit(user_ids=...,
 examples_per_user=k)` moves the weights by `-(1/B) sum_u clip(mean_{rows
 of u} g_row)`, computed here with a plain `tf.GradientTape` per unit; in
 eager, tf.function and XLA, with accumulation_steps=2, and under
-MirroredStrategy on 2 logical CPUs (subprocess). The user sampler's law:
+MirroredStrategy on 2 logical CPUs (the suite's shared subprocess,
+tests/_multi_worker.py). The user sampler's law:
 users per step ~ Binomial(U, q), at most k examples per user, every example
 reachable. User-level ε equals dp_accounting's Poisson-subsampled Gaussian
 at rate B/U.
 """
 
 import math
-import os
-import subprocess
-import sys
 
+import _multi_worker as multi_worker
 import keras
 import numpy as np
 import pytest
@@ -24,8 +23,6 @@ import tensorflow as tf
 import tf_pxg.keras as dpk
 from tf_pxg import data as dpd
 from tf_pxg import testing as pxg_testing
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class CopyScale(keras.layers.Layer):
@@ -212,8 +209,9 @@ def run_loop(case, strategy, jit=True):
   # Without autograph, as Keras traces fit's step (and `traced_step` the
   # DP step): autograph would convert tf_pxg's whole gradient path, once
   # per process (~30 s of this test's subprocess); a Python branch on a
-  # tensor there is then an error, not a silent tf.cond. The loop with
-  # autograph is tests/test_distribute_poisson.py's.
+  # tensor there is then an error, not a silent tf.cond. DP steps traced
+  # with autograph: tests/test_xla_step.py, tests/test_weights_ledger.py
+  # and the multi-worker example (tests/test_distribute_poisson.py).
   grads = tf.function(model.dp_gradients, jit_compile=jit, autograph=False)
 
   @tf.function(autograph=False)
@@ -241,40 +239,35 @@ def test_one_step_with_accumulation(case):
   assert err < 1e-5
 
 
-_MIRRORED = f"""
-import json, os, sys
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-sys.path.insert(0, {_HERE!r})
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+# Run by tests/_multi_worker.py's shared MirroredStrategy process (2
+# logical CPUs, `strategy`; see `mirrored_results`).
+MIRRORED_CASES = """
 import test_privacy_units as t
-out = {{}}
-for case in t._CASES:
-  out[case] = t.run_case(case, "function", accumulation=1, strategy=strategy)
-out["users_acc"] = t.run_case("users", "function", accumulation=2,
-                              strategy=strategy)
+cases = {case: (lambda case=case: t.run_case(case, "function", accumulation=1,
+                                             strategy=strategy))
+         for case in t._CASES}
+cases["users_acc"] = lambda: t.run_case("users", "function", accumulation=2,
+                                        strategy=strategy)
 for case in ("augmult_copies", "users"):
-  out[case + "_xla_loop"] = t.run_loop(case, strategy, jit=True)
-print("RESULT", json.dumps(out))
+  cases[case + "_xla_loop"] = (
+      lambda case=case: t.run_loop(case, strategy, jit=True))
+scenarios(**cases)
 """
 
+_MIRRORED_NAMES = _CASES + ("users_acc", "augmult_copies_xla_loop",
+                            "users_xla_loop")
 
-def test_one_step_under_mirrored_strategy():
+
+@pytest.fixture(scope="module")
+def mirrored(request, tmp_path_factory):
+  return multi_worker.mirrored_results(request, tmp_path_factory)
+
+
+def test_one_step_under_mirrored_strategy(mirrored):
   """fit (tf.function) for every case, with accumulation for users, and a
   custom loop with the replica step compiled by XLA for augmult and users."""
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      [os.path.dirname(_HERE), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", _MIRRORED], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  import json  # noqa: PLC0415
-  result = json.loads(line[0][len("RESULT "):])
-  for case, (err, iterations) in result.items():
+  for case in _MIRRORED_NAMES:
+    err, iterations = multi_worker.scenario(mirrored, case)
     assert iterations == 1, case
     assert err < 1e-5, (case, err)
 
