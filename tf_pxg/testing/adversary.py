@@ -380,9 +380,18 @@ class _Traced:
     if c.ref is None:
       return Outcome(c.comp, mode, "invalid", error=c.ref_error, **c.kw)
     clip = tf.constant(c.ref.clip, tf.float32)
+    call = self.concrete
+    if mode == "jit":
+      # Called from a `jit_compile=True` step, as a DP train step would
+      # call it: XLA compiles the step with the model's function inlined
+      # (an op whose result is unused is pruned, as in a compiled Keras
+      # step; the function compiled on its own keeps it).
+      inner = self.concrete
+      call = tf.function(lambda x, ids, y, clip: inner(x, ids, y, clip),
+                         jit_compile=True, autograph=False)
     try:
-      cs = self.concrete(*d, clip).numpy()
-      cs2 = self.concrete(*d2, clip).numpy()
+      cs = call(*d, clip).numpy()
+      cs2 = call(*d2, clip).numpy()
     except Exception as err:  # noqa: BLE001  (when it runs or compiles)
       return _error_outcome(c.comp, mode, err, c.model, d, **c.kw)
     return _judge(c.comp, mode, c.ref, None, cs, cs2, **c.kw)
