@@ -56,13 +56,13 @@ TensorFlow cannot run in a mode (a dynamic shape under XLA, a lookup table
 under XLA) is `unsupported` there; one whose reference loop itself fails is
 `invalid` (a generator bug).
 
-Speed: each model is traced on its own in each graph mode (a
-`tf.function` of its own, `jit_compile=True` for XLA), once for a batch
-(called on D and on D'); a refusal is a `ValueError` while it traces, and a
-refused model costs nothing more. The reference and the runs are only for
-the models some mode accepted; under XLA one compilation serves D and D',
-and a model XLA cannot compile fails alone. (Compiling several models in
-one XLA program saves little, and costs more for some.)
+Speed: each model is traced on its own in each graph mode (a `tf.function`
+of its own, under XLA called from a `jit_compile=True` step), once for a
+batch (called on D and on D'); a refusal is a `ValueError` while it traces,
+and a refused model costs nothing more. The reference and the runs are only
+for the models some mode accepted; under XLA one compilation serves D and
+D', and a model XLA cannot compile fails alone. (Compiling several models
+in one XLA program saves little, and costs more for some.)
 """
 
 from __future__ import annotations
@@ -343,12 +343,14 @@ class _Case:
 
 
 class _Traced:
-  """One model in one graph mode: a `tf.function` of its own
-  (`jit_compile=True` for XLA), traced once, on its own, for a batch, and
-  called on D and on D' with the clip norm as an input. A refusal is an
-  error while it traces, judged then (the error, whose traceback holds the
-  failed trace, is not kept): a refused model costs its failed trace, and
-  nothing is compiled or run for it."""
+  """One model in one graph mode, traced on its own, once for a batch, and
+  called on D and on D' with the clip norm as an input: a `tf.function` of
+  its own, and under XLA that function called from a `jit_compile=True`
+  step, as a compiled DP train step calls the model (XLA compiles the step
+  with the function inlined: an op whose result is unused is pruned). A
+  refusal is an error while it traces, judged then (the error, whose
+  traceback holds the failed trace, is not kept): a refused model costs
+  its failed trace, and nothing is compiled or run for it."""
 
   def __init__(self, case: _Case, mode: str, d):
     self.case, self.mode = case, mode
@@ -357,11 +359,15 @@ class _Traced:
     model = case.model
     spec = [tf.TensorSpec(t.shape, t.dtype) for t in d] + [
         tf.TensorSpec([], tf.float32)]
+    fn = tf.function(
+        lambda x, ids, y, clip: _pxg_sum(model, (x, ids, y), clip),
+        autograph=False)
+    if mode == "jit":
+      inner = fn
+      fn = tf.function(lambda x, ids, y, clip: inner(x, ids, y, clip),
+                       jit_compile=True, autograph=False)
     try:
-      self.concrete = tf.function(
-          lambda x, ids, y, clip: _pxg_sum(model, (x, ids, y), clip),
-          jit_compile=(mode == "jit"),
-          autograph=False).get_concrete_function(*spec)
+      self.concrete = fn.get_concrete_function(*spec)
     except Exception as err:  # noqa: BLE001  (a refusal, or a crash)
       self.refused = _error_outcome(case.comp, mode, err, model, d,
                                     **case.kw)
@@ -380,18 +386,9 @@ class _Traced:
     if c.ref is None:
       return Outcome(c.comp, mode, "invalid", error=c.ref_error, **c.kw)
     clip = tf.constant(c.ref.clip, tf.float32)
-    call = self.concrete
-    if mode == "jit":
-      # Called from a `jit_compile=True` step, as a DP train step would
-      # call it: XLA compiles the step with the model's function inlined
-      # (an op whose result is unused is pruned, as in a compiled Keras
-      # step; the function compiled on its own keeps it).
-      inner = self.concrete
-      call = tf.function(lambda x, ids, y, clip: inner(x, ids, y, clip),
-                         jit_compile=True, autograph=False)
     try:
-      cs = call(*d, clip).numpy()
-      cs2 = call(*d2, clip).numpy()
+      cs = self.concrete(*d, clip).numpy()
+      cs2 = self.concrete(*d2, clip).numpy()
     except Exception as err:  # noqa: BLE001  (when it runs or compiles)
       return _error_outcome(c.comp, mode, err, c.model, d, **c.kw)
     return _judge(c.comp, mode, c.ref, None, cs, cs2, **c.kw)
