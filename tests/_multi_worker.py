@@ -11,12 +11,13 @@ Each process pays ~10 s of CPU importing TensorFlow and Keras before its
 first op, so the cases share processes: a test file puts its
 MirroredStrategy cases in a script `MIRRORED_CASES` and its multi-worker
 cases in `MULTI_WORKER_CASES`, and gets their results from
-`mirrored_results` / `multi_worker_results` (through a module-scoped
-fixture). One process on 2 logical CPUs runs the `MIRRORED_CASES` of every
-file with a selected test that uses those results, and one cluster of two
-workers the `MULTI_WORKER_CASES` likewise, once per test run (`run_once`:
-also when pytest-xdist spreads the tests over workers). Each script runs in
-a namespace of its own with `strategy` bound, and ends by calling
+`mirrored_results` / `multi_worker_results` through a module-scoped
+fixture named `mirrored` / `multi_worker_cluster`. One process on 2 logical
+CPUs runs the `MIRRORED_CASES` of every file with a selected, unskipped
+test that uses that fixture, and one cluster of two workers the
+`MULTI_WORKER_CASES` likewise, once per test run (`run_once`: also when
+pytest-xdist spreads the tests over workers). Each script runs in a
+namespace of its own with `strategy` bound, and ends by calling
 `scenarios(name=function, ...)`: each function's JSON result, or the
 traceback of its exception, is kept under its name, the next ones still
 run, and each test checks its case with `scenario(results, name)`.
@@ -242,7 +243,7 @@ def _outcome(run, args, kwargs):
 
 # The shared process: each file's cases script in a namespace of its own.
 _DRIVER = """\
-import json, os, sys, traceback
+import faulthandler, json, os, sys, traceback
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import tensorflow as tf
 STRATEGY
@@ -250,6 +251,8 @@ sys.path.insert(0, TESTS)
 out = {}
 for name, code in PARTS:
   print("== cases of", name, file=sys.stderr, flush=True)
+  # A file's cases that hang: every thread's stack to stderr, and exit 1.
+  faulthandler.dump_traceback_later(PART_TIMEOUT, exit=True)
   cases = out[name] = {}
   def scenarios(**functions):
     for case, function in functions.items():
@@ -263,13 +266,16 @@ for name, code in PARTS:
         "scenarios": scenarios})
   except Exception:  # pylint: disable=broad-except
     cases["*"] = {"error": traceback.format_exc()}
+faulthandler.cancel_dump_traceback_later()
 print("RESULT", json.dumps(out))
 """
 
 _MWMS = "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
 
-# A file's share of the shared process's time limit.
-_PART_TIMEOUT = 300
+# Seconds a file's cases may take in a shared process (then it exits with
+# every thread's stack), and the process's own start (imports, strategy).
+_PART_TIMEOUT = 600
+_START_TIMEOUT = 300
 
 
 def _parts(request, attr: str, fixture: str) -> List[tuple]:
@@ -289,7 +295,12 @@ def _parts(request, attr: str, fixture: str) -> List[tuple]:
 def _driver(strategy: str, parts: List[tuple]) -> str:
   return (_DRIVER.replace("STRATEGY\n", strategy)
           .replace("TESTS", repr(os.path.join(_ROOT, "tests")))
+          .replace("PART_TIMEOUT", str(_PART_TIMEOUT))
           .replace("PARTS", repr(parts)))
+
+
+def _timeout(parts: List[tuple]) -> float:
+  return _START_TIMEOUT + _PART_TIMEOUT * len(parts)
 
 
 def mirrored_results(request, tmp_path_factory,
@@ -302,13 +313,13 @@ def mirrored_results(request, tmp_path_factory,
   run (`run_once`).
 
   Raises:
-    AssertionError: the process failed (its stderr's tail names the file
-      whose cases it was running).
+    AssertionError: the process failed, or one file's cases took over
+      `_PART_TIMEOUT` seconds (then its stderr's tail holds every thread's
+      stack); the tail names the file whose cases were running.
   """
   parts = _parts(request, "MIRRORED_CASES", fixture)
   out = run_once(tmp_path_factory, run_script,
-                 _driver(MIRRORED_TWO_CPUS, parts),
-                 timeout=_PART_TIMEOUT * len(parts))
+                 _driver(MIRRORED_TWO_CPUS, parts), timeout=_timeout(parts))
   return out[request.module.__name__]
 
 
@@ -324,9 +335,9 @@ def multi_worker_results(
   `fixture`, in the same order on both workers, once per test run.
 
   Raises:
-    AssertionError: a worker failed or timed out.
+    AssertionError: a worker failed or timed out (as in `mirrored_results`).
   """
   parts = _parts(request, "MULTI_WORKER_CASES", fixture)
   out = run_once(tmp_path_factory, run_workers, _driver(_MWMS, parts),
-                 timeout=_PART_TIMEOUT * len(parts))
+                 timeout=_timeout(parts))
   return [worker[request.module.__name__] for worker in out]
