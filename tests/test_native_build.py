@@ -508,6 +508,34 @@ def test_avx512fp16_is_neutralised(cxx, monkeypatch):
   assert "PacketMathFP16" not in output
 
 
+@pytest.mark.skipif(not shutil.which("g++"), reason="needs g++")
+@pytest.mark.parametrize("flags", [
+    "-fsanitize=signed-integer-overflow -fno-sanitize-recover=all"])
+def test_extra_flags_reach_the_link(tmp_path, monkeypatch, flags):
+  """Stop 56's CI: with `$TF_PXG_NATIVE_FLAGS` holding sanitizer flags,
+  the objects called the sanitizer's runtime but the link did not name it,
+  so the library failed to load ("undefined symbol:
+  __ubsan_handle_add_overflow_abort"). The build's own object and link
+  commands, with real g++, on a source whose signed addition the flag
+  instruments: the library loads (ctypes binds every symbol at load,
+  RTLD_NOW) and its function runs."""
+  import ctypes
+  monkeypatch.setenv("TF_PXG_NATIVE_FLAGS", flags)
+  monkeypatch.setattr(native, "_probed", {})
+  source = tmp_path / "add.cc"
+  source.write_text('extern "C" int tf_pxg_add(int a, int b) '
+                    "{ return a + b; }\n")
+  obj, lib = tmp_path / "add.o", tmp_path / "libadd.so"
+  for command in (native.object_command("g++", source, obj),
+                  native.link_command("g++", [obj], lib)):
+    done = subprocess.run(command, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+  assert "__ubsan_handle_add_overflow" in subprocess.run(
+      ["nm", "-u", str(lib)], capture_output=True, text=True).stdout
+  assert ctypes.CDLL(str(lib)).tf_pxg_add(40, 2) == 42
+
+
 # A failed build: recorded, one attempt, quiet -------------------------------
 
 _LOADER = """

@@ -371,11 +371,16 @@ def object_command(cxx: str, source: pathlib.Path, output: pathlib.Path,
 
 
 def link_command(cxx: str, objects: List[pathlib.Path],
-                 output: pathlib.Path) -> List[str]:
+                 output: pathlib.Path,
+                 level: Optional[str] = None) -> List[str]:
   """The command that links the object files into the library `output`
-  (`-shared` with TensorFlow's link flags)."""
+  (`-shared` with TensorFlow's link flags), with the compiles'
+  `optimization_flags(level)`: flags such as `-fsanitize=...` in
+  `$TF_PXG_NATIVE_FLAGS` must reach the link too, or the library is left
+  with undefined references to their runtime (`__ubsan_handle_*`,
+  `__asan_*`) and fails to load."""
   return [cxx, "-shared", *map(str, objects), "-o", str(output),
-          *tf.sysconfig.get_link_flags()]
+          *optimization_flags(level), *tf.sysconfig.get_link_flags()]
 
 
 def _build_commands(cxx: str, partial: pathlib.Path, objects: pathlib.Path,
@@ -386,7 +391,7 @@ def _build_commands(cxx: str, partial: pathlib.Path, objects: pathlib.Path,
   targets = [(source, objects / f"{source.stem}.o") for source in sources()]
   return ([object_command(cxx, source, obj, level, guard)
            for source, obj in targets],
-          link_command(cxx, [obj for _, obj in targets], partial))
+          link_command(cxx, [obj for _, obj in targets], partial, level))
 
 
 def _compiler_identity(cxx: str) -> str:
