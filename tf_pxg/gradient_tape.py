@@ -35,6 +35,16 @@ from tf_pxg.tape import side_effects
 from tf_pxg.tape.recording import Recorder, tensor_id
 
 
+# The tape's methods run as written, never converted by autograph: called
+# from a user's `tf.function` (autograph on by default), autograph would
+# otherwise rewrite tf_pxg's whole backward pass (the engine, the rules,
+# `imperative_grad`: over a hundred functions, about 6 s of CPU on the first
+# trace of a small model's clipped sum) into the same ops. Keras traces
+# `fit`'s step without autograph too. The user's own code (the forward
+# pass under `with tape:`) is converted as before.
+_as_written = tf.autograph.experimental.do_not_convert
+
+
 def _tf_variable(v):
   """The `tf.Variable` behind a Keras 3 variable (or `v` itself)."""
   inner = _compat.keras_variable_value(v)
@@ -153,6 +163,7 @@ class GradientTape:
         out.append(v)
     return tuple(out)
 
+  @_as_written
   def recorded_uses(self, source) -> Optional[tuple]:
     """What the recording did with `source` (a watched variable or tensor):
     `(id, entries)`, the recorded id of its value (a variable's resource
@@ -201,6 +212,7 @@ class GradientTape:
         self._recorder.entries,
         [tensor_id(t) for t in tf.nest.flatten(data) if t is not None])
 
+  @_as_written
   def data_dependence(self, data) -> Callable[[Any], bool]:
     """A predicate: whether a tensor recorded so far depends on `data`.
 
@@ -212,6 +224,7 @@ class GradientTape:
     dependent = self._dependent_ids(data)
     return lambda t: tensor_id(t) in dependent
 
+  @_as_written
   def data_dependent_writes(self, data, variables=()) -> list:
     """The state writes recorded so far whose value depends on `data`.
 
@@ -280,6 +293,7 @@ class GradientTape:
 
   # Gradients ----------------------------------------------------------------
 
+  @_as_written
   def gradient(self, target, sources, output_gradients=None,
                unconnected_gradients=tf.UnconnectedGradients.NONE):
     """Same contract as `tf.GradientTape.gradient`."""
@@ -318,6 +332,7 @@ class GradientTape:
                                 source_names=names)
     return flat_sources, engine
 
+  @_as_written
   def per_example_gradient(self, target, sources,
                            unconnected_gradients=tf.UnconnectedGradients.NONE):
     """One gradient per example and source.
@@ -346,12 +361,14 @@ class GradientTape:
              for s, g in zip(flat_sources, grads)]
     return tf.nest.pack_sequence_as(sources, out)
 
+  @_as_written
   def per_example_norms(self, target, sources):
     """`[B]` float32: each example's gradient norm over all sources jointly."""
     with self._computing():
       _, engine = self._per_example(target, sources)
       return tf.sqrt(engine.sq_norms())
 
+  @_as_written
   def clipped_gradient_sum(self, target, sources, l2_norm_clip,
                            clipping=None, gradient_scale=None):
     """Sum over examples of per-example gradients clipped to `l2_norm_clip`.
@@ -419,6 +436,7 @@ class GradientTape:
       sums = engine.weighted_sums(c)
     return tf.nest.pack_sequence_as(sources, sums), norms
 
+  @_as_written
   def group_clipped_gradient_sum(self, target, sources, l2_norm_clip,
                                  clipping, gradient_scale=None,
                                  group_scales=None):

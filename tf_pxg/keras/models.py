@@ -477,9 +477,17 @@ class _DPTrainingMixin:
     for key in (_TRACED_TRAIN_STEP, _TRACED_GRADIENTS):
       self.__dict__.pop(key, None)
 
+  @tf.autograph.experimental.do_not_convert
   def train_step(self, data):
     """The DP step (`tf_pxg.keras._train_step.dp_train_step`), traced even
-    when called eagerly (`tf_pxg.keras._train_step.traced_step`)."""
+    when called eagerly (`tf_pxg.keras._train_step.traced_step`).
+
+    Like `dp_gradients` and `dp_apply`, never converted by autograph: a
+    custom loop's `tf.function` traces it as Keras' `fit` does (its step is
+    `do_not_convert` too), so the forward pass is the same graph in both,
+    and tf_pxg's backward pass is not rewritten on each first trace. A
+    Python `if` on a tensor in the model's `call` is then an error, as in
+    `fit`: write it with `tf.cond` or `keras.ops.cond`."""
     return _train_step.traced_step(self, _TRACED_TRAIN_STEP,
                                    self._dp_train_step)(data)
 
@@ -490,6 +498,7 @@ class _DPTrainingMixin:
         _applying(self.optimizer),
         loss_scale=_loss_scale_optimizer(self.optimizer))
 
+  @tf.autograph.experimental.do_not_convert
   def dp_gradients(self, data):
     """The replica-local half of `train_step` (no synchronisation).
 
@@ -515,6 +524,7 @@ class _DPTrainingMixin:
       return result
     return result._replace(parts=self._dp_step_parts())
 
+  @tf.autograph.experimental.do_not_convert
   def dp_apply(self, result):
     """The synchronising half of `train_step`: apply (within the step
     limit), metrics."""
