@@ -16,7 +16,10 @@ XLA setting: without XLA the noise is drawn once per logical step, under
 XLA at every physical batch (used only at a step's end), so with
 `accumulation_steps=2` the two settings draw different streams; within a
 setting `steps_per_execution` does not change the stream (the weights
-match exactly for 1, 8 and 32). Also: two `fit` calls sharing one
+match exactly for 1, 8 and 32). The budget given to `fit` itself
+(`target_epsilon=`, `delta=`), or to a callback without N and the batch
+size (then its sampler's), holds the same way. Also: two `fit` calls
+sharing one
 callback, a resume (`iterations` and the privacy ledger restored from saved
 weights), and MirroredStrategy over 2 logical CPUs (`iterations` only:
 Keras' fit there needs `steps_per_execution=1`).
@@ -127,6 +130,22 @@ def test_budget_holds_for_any_execution_layout(steps_per_execution,
                       callbacks=[_callback()],
                       accumulation_steps=accumulation_steps, sampling_seed=1)
   _assert_at_budget(model, history, accumulation_steps)
+
+
+@pytest.mark.parametrize("how", ["fit", "callback_without_n_or_b"])
+def test_budget_as_an_argument_of_fit(how):
+  """`fit(target_epsilon=, delta=)` with no callback, or a
+  `PrivacyCallback` given only the budget (N and the batch size from
+  fit's sampler), hold the budget exactly as `_callback()` does: the
+  weights of the reference's 10th step, then no further step."""
+  x, y = _data()
+  model = _model(steps_per_execution=8)
+  budget = (dict(target_epsilon=TARGET, delta=DELTA) if how == "fit" else
+            dict(callbacks=[dpk.PrivacyCallback(delta=DELTA,
+                                                target_epsilon=TARGET)]))
+  history = model.fit(x, y, batch_size=BATCH, epochs=4, verbose=0,
+                      sampling_seed=1, **budget)
+  _assert_at_budget(model, history, 1)
 
 
 def test_budget_under_xla():

@@ -409,7 +409,7 @@ def test_privacy_callback_logs_user_level_key_and_checks_the_unit():
   with pytest.raises(ValueError, match="sampled examples"):
     model.fit(x, y, batch_size=3, epochs=1, verbose=0, callbacks=[
         dpk.PrivacyCallback(num_users=3, batch_size=3)])
-  with pytest.raises(ValueError, match="exactly one"):
+  with pytest.raises(ValueError, match="without num_examples"):
     dpk.PrivacyCallback(batch_size=3)
 
 

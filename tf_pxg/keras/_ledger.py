@@ -48,7 +48,6 @@ import hashlib
 import json
 import warnings
 import weakref
-from typing import Optional
 
 import keras
 import numpy as np

@@ -52,6 +52,7 @@ from tf_pxg import data as dp_data
 from tf_pxg.data import participation
 from tf_pxg.data import samplers
 from tf_pxg.data import sampling_ops
+from tf_pxg.keras import callbacks as dp_callbacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,13 +498,7 @@ def with_step_limit(model, callbacks, sampler, epochs):
                            int(round(sampler.expected_batch_size)), epochs)
       if float(sampler.expected_batch_size).is_integer() else
       epochs * sampler.steps_per_epoch)
-  stop = _StepLimit(limit)
-  if callbacks is None:
-    return [stop]
-  if isinstance(callbacks, keras.callbacks.CallbackList):
-    callbacks.append(stop)
-    return callbacks
-  return list(callbacks) + [stop]
+  return dp_callbacks.appended(callbacks, _StepLimit(limit))
 
 
 def _train_validation_split(arrays, validation_split: float):

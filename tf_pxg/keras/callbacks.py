@@ -84,10 +84,17 @@ class PrivacyCallback(keras.callbacks.Callback):
   only the per-execution stop remains, which may overshoot by up to
   `steps_per_execution - 1` steps.
 
+  A DP model's `fit` adds one (`with_privacy_log`) unless one is given,
+  so ε is logged with no callback; give one for the rest of its options.
+
   Args:
-    num_examples: training set size (example-level ε).
+    num_examples: training set size (example-level ε). With neither it nor
+      `num_users` nor `batch_size`, all three come from the sampler of the
+      model's `fit` at `on_train_begin` (its N, expected batch size and
+      privacy unit): give them only outside a DP model's `fit` (a custom
+      loop), where there is no sampler.
     batch_size: (expected) batch size per global step (examples, or users
-      with `num_users`).
+      with `num_users`); given with `num_examples` or `num_users`.
     num_users: instead of `num_examples`, for `fit(user_ids=...,
       examples_per_user=k)`: U users Poisson-sampled at rate
       `batch_size / U`. The ε is then user-level (it bounds what training
@@ -128,7 +135,10 @@ class PrivacyCallback(keras.callbacks.Callback):
       1e-2 at each epoch end (above). Default False.
 
   Raises:
-    ValueError: when `noise_multiplier`, `min_separation` or `accountant`
+    ValueError: `batch_size` without `num_examples` or `num_users`, or
+      the converse, or both of those; the sampler's N needed (ε outside a
+      DP model's `fit`, without a ledger) and none given;
+      when `noise_multiplier`, `min_separation` or `accountant`
       is given and differs from the DP model's plan (at the first read of
       the plan: `on_train_begin`, before any step, or `epsilon()` /
       `max_steps()` after `set_model`); at `on_train_begin` when even the
@@ -161,21 +171,37 @@ class PrivacyCallback(keras.callbacks.Callback):
     if target_epsilon is not None and not target_epsilon > 0:
       raise ValueError(
           f"target_epsilon must be > 0; got {target_epsilon!r}.")
-    if (num_examples is None) == (num_users is None):
-      raise ValueError(
-          "PrivacyCallback needs exactly one of num_examples (example-level "
-          "ε) and num_users (user-level ε, for fit(user_ids=...)).")
-    if batch_size is None:
-      raise ValueError("PrivacyCallback needs batch_size (the expected "
-                       "number of examples, or users, per step).")
+    # Neither N nor B: both from the sampler of the model's `fit`.
+    self._from_sampler = (num_examples is None and num_users is None and
+                          batch_size is None)
+    if not self._from_sampler:
+      if num_examples is not None and num_users is not None:
+        raise ValueError(
+            "PrivacyCallback takes one of num_examples (example-level ε) "
+            "and num_users (user-level ε, for fit(user_ids=...)), not both.")
+      if num_examples is None and num_users is None:
+        raise ValueError(
+            f"PrivacyCallback: batch_size={batch_size!r} without "
+            "num_examples (or num_users): give both, or neither (then both "
+            "are the sampler's of the model's fit).")
+      if batch_size is None:
+        raise ValueError(
+            "PrivacyCallback: num_examples (or num_users) without "
+            "batch_size (the expected number of examples, or users, per "
+            "step): give both, or neither (then both are the sampler's of "
+            "the model's fit).")
     # User-level: the population is the U users, sampled at rate B / U;
-    # the ε then bounds what the model reveals about any one user.
+    # the ε then bounds what the model reveals about any one user. From
+    # the sampler: its privacy unit (`_check_sampling`).
     self.user_level = num_users is not None
     self.num_users = num_users
     if self.user_level:
       num_examples = num_users
     self.num_examples = num_examples
     self.batch_size = batch_size
+    # Added by `fit` (`with_privacy_log`), not by the user: on shuffled
+    # batches it logs nothing rather than raise.
+    self._added_by_fit = False
     self.delta = delta
     self.target_epsilon = target_epsilon
     self.allow_shuffled = allow_shuffled
@@ -192,7 +218,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     self._warned_redundant = False
     self._max_steps_cache = {}
     # Validate the accounting arguments now rather than after an epoch.
-    accounting.compute_epsilon(num_examples, batch_size,
+    accounting.compute_epsilon(num_examples or 1, batch_size or 1,
                                noise_multiplier if noise_multiplier is not None
                                else 1.0, steps=0, delta=delta,
                                accountant=accountant or "rdp",
@@ -327,6 +353,11 @@ class PrivacyCallback(keras.callbacks.Callback):
     if sampler is None or not sampler.certified:
       # No sampler known yet (or shuffled batches, `epsilon_if_poisson`):
       # the Poisson sampler at this callback's rate.
+      if self.num_examples is None:
+        raise ValueError(
+            "PrivacyCallback() takes num_examples and batch_size from the "
+            "sampler of the model's fit, and the model has none (a custom "
+            "loop, or no fit yet): pass num_examples= and batch_size=.")
       return accounting.mechanism_dp_event(
           mechanism, self.num_examples, self.batch_size,
           self.noise_multiplier, steps)
@@ -364,9 +395,32 @@ class PrivacyCallback(keras.callbacks.Callback):
   def _base_key(self) -> str:
     return "epsilon_user_level" if self.user_level else "epsilon"
 
+  def _from_fit(self, sampler) -> None:
+    """N, B and the privacy unit from `sampler` (the model's `fit`'s), for
+    a callback given neither N nor B.
+
+    Raises:
+      ValueError: no sampler (not in a DP model's `fit`).
+    """
+    if sampler is None:
+      raise ValueError(
+          "PrivacyCallback() takes num_examples and batch_size from the "
+          "sampler of a tf_pxg DP model's fit; this model has none (not a "
+          "tf_pxg DP model, or a custom loop): pass num_examples= and "
+          "batch_size=.")
+    self.user_level = sampler.privacy_unit == "user"
+    self.num_users = sampler.num_examples if self.user_level else None
+    self.num_examples = sampler.num_examples
+    self.batch_size = (sampler.expected_batch_size
+                       if sampler.expected_batch_size is not None else
+                       getattr(sampler, "batch_size", None))
+
   def _check_sampling(self):
-    """Matches the accounting to how the model's `fit` samples batches."""
+    """Matches the accounting to how the model's `fit` samples batches
+    (given neither N nor B, takes them from its sampler: `_from_fit`)."""
     sampler = self._sampler()
+    if self._from_sampler:
+      self._from_fit(sampler)
     self._log_key = self._base_key()
     unit = None if sampler is None else sampler.privacy_unit
     if self.user_level and unit == "example":
@@ -379,6 +433,9 @@ class PrivacyCallback(keras.callbacks.Callback):
           "fit samples users (user_ids=...): give PrivacyCallback "
           "num_users=U (the ε is then per user), not num_examples.")
     if sampler is not None and not sampler.certified:
+      if self._added_by_fit and self.target_epsilon is None:
+        self._log_key = None  # no ε is claimed: log none
+        return
       if not self.allow_shuffled:
         raise ValueError(
             "PrivacyCallback: fit was called with sampling='shuffled' "
@@ -393,7 +450,7 @@ class PrivacyCallback(keras.callbacks.Callback):
           "'epsilon_if_poisson' is the ε of Poisson sampling at rate "
           f"{self.batch_size}/{self.num_examples}, not a guarantee for "
           "these batches.", stacklevel=2)
-    elif sampler is not None:
+    elif sampler is not None and not self._from_sampler:
       rate = self.batch_size * self.min_separation / self.num_examples
       if not math.isclose(rate, sampler.sampling_rate, rel_tol=1e-9):
         raise ValueError(
@@ -418,7 +475,8 @@ class PrivacyCallback(keras.callbacks.Callback):
     if self.target_epsilon is not None and hasattr(self.model,
                                                    "set_step_limit"):
       self.model.set_step_limit(self.max_steps())
-    if getattr(self.model, "unprotected_training_metrics", False):
+    if (getattr(self.model, "unprotected_training_metrics", False) and
+        self._log_key is not None):
       warnings.warn(
           f"PrivacyCallback: model {self.model.name!r} logs "
           "unprotected_training_metrics (the 'unprotected_*' keys): they are "
@@ -437,12 +495,60 @@ class PrivacyCallback(keras.callbacks.Callback):
       self.model.set_step_limit(None)
 
   def on_epoch_end(self, epoch, logs=None):
-    if logs is not None:
+    if logs is not None and self._log_key is not None:
       eps = self.epsilon()
       logs[self._log_key] = eps if math.isfinite(eps) else float("inf")
       if self.log_risk:
         logs.update(self.risk().logs(
             suffix=self._log_key[len("epsilon"):]))
+
+
+def appended(callbacks, callback):
+  """`callbacks` (None, a list or a `keras.callbacks.CallbackList`, as
+  `fit` takes them) with `callback` last."""
+  if callbacks is None:
+    return [callback]
+  if isinstance(callbacks, keras.callbacks.CallbackList):
+    callbacks.append(callback)
+    return callbacks
+  return list(callbacks) + [callback]
+
+
+def with_privacy_log(callbacks, delta: Optional[float] = None,
+                     target_epsilon: Optional[float] = None):
+  """`callbacks` with ε logged: a DP model's `fit` logs ε (and stops at
+  `target_epsilon`) with no callback given.
+
+  If `callbacks` holds a `PrivacyCallback`, they are returned as they are
+  (that callback logs ε, at its δ). Otherwise a `PrivacyCallback(delta=
+  delta, target_epsilon=target_epsilon)` is added last: N, the batch size
+  and the privacy unit are the sampler's of the `fit` (`_from_fit`), ε is
+  the model's privacy ledger's (the whole history behind the weights),
+  logged as `epsilon` (`epsilon_user_level` for users) at each epoch end,
+  so the progress bar and `History` show it. On shuffled batches (no ε
+  claimed) it logs nothing, unless `target_epsilon` is given (then it
+  raises, as `PrivacyCallback` does: no budget holds for them). `delta`
+  None: `PrivacyCallback`'s default, 1e-5 (as `model.epsilon()`).
+
+  Raises:
+    ValueError: `delta` or `target_epsilon` given while `callbacks` holds
+      a `PrivacyCallback` (two places for one setting: give it to the
+      callback).
+  """
+  given = (callbacks.callbacks if isinstance(
+      callbacks, keras.callbacks.CallbackList) else callbacks) or []
+  if any(isinstance(c, PrivacyCallback) for c in given):
+    if delta is not None or target_epsilon is not None:
+      raise ValueError(
+          "fit: delta= and target_epsilon= set the ε that fit logs when no "
+          "PrivacyCallback is given; a PrivacyCallback is among the "
+          "callbacks: give them to it instead (PrivacyCallback(delta=..., "
+          "target_epsilon=...)).")
+    return callbacks
+  added = PrivacyCallback(target_epsilon=target_epsilon,
+                          **({} if delta is None else {"delta": delta}))
+  added._added_by_fit = True  # pylint: disable=protected-access
+  return appended(callbacks, added)
 
 
 def _history_key(ledger, callback):

@@ -22,6 +22,7 @@ from tf_pxg.dp import step as dp_step
 from tf_pxg.dp import step_state
 from tf_pxg.keras import _ledger
 from tf_pxg.keras import _validation
+from tf_pxg.keras import callbacks as dp_callbacks
 from tf_pxg.keras import losses as pe_losses
 from tf_pxg.keras import _train_step
 from tf_pxg.keras.optimizers import DPOptimizer
@@ -601,8 +602,10 @@ class _DPTrainingMixin:
           max_batch_size: Optional[int] = None,
           sampling_seed: Optional[int] = None, augmult: int = 1,
           user_ids=None, examples_per_user: Optional[int] = None,
-          unprotected_training_metrics: Optional[bool] = None):
-    """Keras `fit`, by default on Poisson-sampled logical batches.
+          unprotected_training_metrics: Optional[bool] = None,
+          target_epsilon: Optional[float] = None,
+          delta: Optional[float] = None):
+    """Keras `fit`, by default on Poisson-sampled logical batches, logging ε.
 
     The sampling is the DP plan's (`DPOptimizer(sampling=...)`) when it
     chose one, else this `sampling=` argument, else "poisson".
@@ -689,9 +692,23 @@ class _DPTrainingMixin:
         False logs none; None (default) keeps the model's setting
         (`unprotected_training_metrics` of the constructor, default
         False). Validation metrics are logged as in Keras either way.
+      target_epsilon: a privacy budget: training stops before ε at `delta`
+        would exceed it (the step limit of `PrivacyCallback`).
+      delta: the δ of the ε that `fit` logs (default 1e-5, as
+        `epsilon()`).
       (others: as `keras.Model.fit`; `batch_size` is the expected logical
       batch size, default min(32, N); `steps_per_epoch` counts logical
       steps.)
+
+    ε is logged with no callback: unless `callbacks` holds a
+    `tf_pxg.keras.PrivacyCallback` (which then logs it, at its δ, and holds
+    the budget), `fit` adds one with `delta` and `target_epsilon`, whose
+    N, batch size and privacy unit are this `fit`'s sampler's. At each
+    epoch end `epsilon` (`epsilon_user_level` with `user_ids`) is the ε
+    of the privacy ledger (the whole history behind the weights, as
+    `epsilon(delta)`), in the progress bar and the `History`. On shuffled
+    batches no ε is claimed and none is logged
+    (`tf_pxg.keras.callbacks.with_privacy_log`).
 
     `validation_split` is refused (it would hold out rows of the private
     `x` and log un-noised `val_*` values on them): pass `validation_data`
@@ -702,7 +719,8 @@ class _DPTrainingMixin:
         callback); unknown `sampling`, or one that differs from the plan's
         (`DPOptimizer(sampling=...)`); data that cannot be Poisson-sampled
         (a batched dataset, a generator, a `PyDataset`); a `batch_size`
-        larger than the dataset.
+        larger than the dataset; `delta` or `target_epsilon` with a
+        `PrivacyCallback` among the callbacks (give them to it).
     """
     # First: before the data is read and before any callback's check.
     _validation.check_no_validation_split(self, validation_split)
@@ -711,6 +729,8 @@ class _DPTrainingMixin:
       self._check_trainable_for_dp(self.optimizer)  # before building
     if _compat.compile_loss(self) is None:
       pe_losses.per_example_losses(self, None, None)  # raises, names fix
+    callbacks = dp_callbacks.with_privacy_log(callbacks, delta,
+                                              target_epsilon)
     from tf_pxg.keras import _poisson_fit  # noqa: PLC0415
     if max_batch_size is not None:
       from tf_pxg.data import truncated_poisson  # noqa: PLC0415
