@@ -31,9 +31,11 @@ import tf_pxg
 from tf_pxg import keras as pxg_keras
 
 
-# The files of the methods a user calls: the tape's and the DP model's.
+# The files of the methods a user calls: the tape's and the DP model's
+# (its step methods; `fit`, whose symbolic build calls the loss too).
 _ENTRIES = tuple(os.path.join(os.path.dirname(tf_pxg.__file__), *f) for f in
-                 (("gradient_tape.py",), ("keras", "models.py")))
+                 (("gradient_tape.py",), ("keras", "models.py"),
+                  ("keras", "_fit.py")))
 
 
 def _converted_frames():

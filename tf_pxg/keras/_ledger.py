@@ -48,6 +48,7 @@ import hashlib
 import json
 import warnings
 import weakref
+from typing import Optional
 
 import keras
 import numpy as np
@@ -377,3 +378,78 @@ class StoreWithout:
 
   def __getitem__(self, key):
     return self._store[key]
+
+
+class LedgerMixin:
+  """The privacy ledger's methods of a DP model (`privacy_ledger`,
+  `epsilon`, `privacy_summary`, `declare_public_weights`) and the Keras
+  weights paths that carry it (`save_own_variables`, `load_own_variables`,
+  `load_weights`, `get_weights`): a base of
+  `tf_pxg.keras.models._DPTrainingMixin`, before Keras' model class in the
+  MRO."""
+
+  @property
+  def privacy_ledger(self):
+    """The `tf_pxg.dp.ledger.PrivacyLedger` of the history behind this
+    model's weights (every fit, recompile, resume, and the histories of
+    weights copied or loaded into it; `summary()` prints it): held by the
+    model, settled and checked against the weights when read
+    (this module)."""
+    return ledger_of(self)
+
+  def epsilon(self, delta: float = 1e-5,
+              accountant: Optional[str] = None) -> float:
+    """ε at `delta` of everything behind this model's weights: the
+    composition of its privacy ledger's runs, by dp-accounting (∞ if
+    steps on batches no sampler drew are among them: `train_on_batch`, a
+    custom loop); `accountant` defaults to the plan's."""
+    return self.privacy_ledger.epsilon(
+        delta, accountant or self.dp_plan.accountant or "rdp")
+
+  def privacy_summary(self, delta: float = 1e-5) -> str:
+    """What the training released so far, one line per run of the privacy
+    ledger (settings, steps, whether an ε is claimed), then a line with
+    the risk of the whole history in attack terms
+    (`PrivacyLedger.risk(delta)`: μ-GDP, exact or the dominating fit at
+    `delta`, and the best membership attack's TPR at FPR 1e-3 and 1e-2;
+    docs/threat_model.md, "Reading the risk")."""
+    return self.privacy_ledger.summary(delta=delta)
+
+  def declare_public_weights(self, note: str = "declared public by the "
+                             "user") -> None:
+    """Starts a fresh privacy history for the current weights, which the
+    caller states are public (e.g. pretrained on public data); `note` is
+    kept in the ledger's summary.
+
+    Raises:
+      ValueError: a weight holds a value DP training wrote in this
+        process (named): its history is known and stays.
+    """
+    declare_public(self, note)
+
+  # Weights paths carry the ledger ---------------------------------------------
+
+  def save_own_variables(self, store):
+    super().save_own_variables(store)
+    store[STORE_KEY] = saved_bytes(self)
+
+  def load_own_variables(self, store):
+    if STORE_KEY in list(store.keys()):
+      load_saved(self, store[STORE_KEY])
+      store = StoreWithout(store, STORE_KEY)
+    super().load_own_variables(store)
+
+  def load_weights(self, filepath, *args, **kwargs):
+    """Keras' `load_weights`; a compiled model's optimizer is built first,
+    so its state (step count, noise buffers) is restored with the weights
+    and the privacy ledger, not skipped."""
+    optimizer = getattr(self, "optimizer", None)
+    if optimizer is not None and not optimizer.built and self.built:
+      optimizer.build(self.trainable_variables)
+    return super().load_weights(filepath, *args, **kwargs)
+
+  def get_weights(self):
+    """Keras' `get_weights`, after the ledger is settled and the values
+    registered (a DP model that takes them then takes their history)."""
+    reconcile(self)
+    return super().get_weights()
