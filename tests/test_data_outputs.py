@@ -326,8 +326,10 @@ def test_planted_record_changes_no_log_step_count_or_learning_rate(seed, mode):
   assert runs[True][:2] == runs[False][:2] == (12, pytest.approx(0.1))
   for plant in (False, True):
     hist = runs[plant][2]
-    assert set(hist) == {"learning_rate"}, hist
+    # The learning rate, and the ε fit logs (from the step count alone).
+    assert set(hist) == {"learning_rate", "epsilon"}, hist
     assert all(np.isfinite(v).all() for v in hist.values())
+  assert runs[True][2]["epsilon"] == runs[False][2]["epsilon"]
 
 
 @pytest.mark.parametrize("mode", list(MODES))

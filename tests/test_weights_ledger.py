@@ -119,6 +119,35 @@ def test_weights_moved_in_memory_bring_their_history(move):
   assert b.epsilon(DELTA) > 1.3 * _true(t2)  # what it reported before
 
 
+class _ReadsEpsilon(keras.callbacks.Callback):
+  """Reads the model's ε after every batch (each read settles its
+  ledger inside `fit`)."""
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.model.epsilon(DELTA)
+
+
+@pytest.mark.parametrize("reads", ["epoch_end", "every_batch"])
+def test_reading_epsilon_during_fit_keeps_the_history_with_the_weights(
+    reads):
+  """The attack: read ε inside `fit` after its last step (fit's own log at
+  the epoch end; a callback at every batch end), then copy the weights.
+  Each read settles the step count; before the fix the settle at `fit`'s
+  end then saw no new step and did not register the values the steps
+  wrote, so the copy came without its history (ε of t2 steps alone,
+  3.79 instead of 5.41 in the suite run that found it)."""
+  keras.utils.set_random_seed(1)
+  a = _private(_plain())
+  x, y = _data()
+  a.fit(x, y, batch_size=8, epochs=2, verbose=0,
+        callbacks=[_ReadsEpsilon()] if reads == "every_batch" else None)
+  t1 = int(a.optimizer.iterations.numpy())
+  assert t1 > 0
+  b = _set_weights(a, None)
+  t2 = _fit(b)
+  assert b.epsilon(DELTA) == pytest.approx(_true(t1, t2), rel=1e-9)
+
+
 def test_a_second_make_private_over_the_same_layers_shares_the_history():
   keras.utils.set_random_seed(1)
   base = _plain()

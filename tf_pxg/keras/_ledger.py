@@ -31,7 +31,11 @@ Steps are counted from the compiled `DPOptimizer`'s `iterations` at each
 recompile): the steps since the last settle are the open run's when they
 were taken inside `fit` (its sampler drew them), else an unsampled run's
 (`train_on_batch`, a custom loop: no ε claimed). A restore re-bases the
-count (the restored ledger is exact at the moment it was saved).
+count (the restored ledger is exact at the moment it was saved). A
+settle alone counts steps but registers nothing; `reconcile` registers
+the values written by every step since the last reconcile (not the last
+settle), so an ε read at each epoch end (`fit` logs it) does not keep
+the trained values from carrying their history.
 
 Residual limits (docs/threat_model.md, "What ε means"): values read out of
 a model between its last settle and a copy made without its
@@ -97,6 +101,8 @@ class LedgerState(tf.train.experimental.PythonState):
     self.written = set()
     self.in_fit = False
     self._counter = None  # (weakref to the DPOptimizer, its count)
+    # Steps settled since the last `reconcile` (`take_unreconciled`).
+    self._unreconciled = 0
 
   # tf.train.experimental.PythonState ------------------------------------
 
@@ -128,6 +134,7 @@ class LedgerState(tf.train.experimental.PythonState):
     self.vouched = set(data.get("vouched", []))
     self.written = set(data.get("written", []))
     self._counter = None
+    self._unreconciled = 0  # the steps wrote values the restore replaced
     _register(self.written, self.ledger)
     if training is not None:
       self.ledger.begin(training)
@@ -145,6 +152,15 @@ class LedgerState(tf.train.experimental.PythonState):
       self.ledger.add_steps(
           steps, sampled=self.in_fit and self.ledger.current_run is not None)
     self._counter = (weakref.ref(optimizer), now)
+    self._unreconciled += steps
+    return steps
+
+  def take_unreconciled(self) -> int:
+    """The steps settled since the last call (`reconcile`'s): a settle
+    alone (ε read inside `fit`, a recompile) counts steps for the ledger
+    but does not register the values they wrote, so `reconcile` must still
+    see them, or the trained values would not carry their history."""
+    steps, self._unreconciled = self._unreconciled, 0
     return steps
 
 
@@ -206,7 +222,8 @@ def reconcile(model, check: bool = True) -> None:
   for; those DP training wrote (the trainable ones the steps changed, the
   adopted ones) are registered with the ledger."""
   state = state_of(model)
-  steps = state.settle(dp_optimizer(getattr(model, "optimizer", None)))
+  state.settle(dp_optimizer(getattr(model, "optimizer", None)))
+  steps = state.take_unreconciled()  # since the last reconcile, not settle
   weights = _weights(model)
   digests = [digest(v) for v in weights]
   written = state.written & set(digests)
@@ -349,6 +366,7 @@ def declare_public(model, note: str) -> None:
         "with them. Declare public only weights trained on public data "
         "(e.g. loaded from a public checkpoint before any DP step).")
   state.ledger.declare_public(note)
+  state.take_unreconciled()  # no step wrote the declared values
   state.vouched, state.written = {digest(v) for v in _weights(model)}, set()
 
 
