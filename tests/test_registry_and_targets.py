@@ -82,6 +82,57 @@ def test_the_call_form_registers_and_a_flag_in_its_place_raises():
     registry.unregister("PxgTestOp")
 
 
+def _rule_member_reads():
+  """{member: ["file:line", ...]}: the members of a per-example rule that
+  tf_pxg's code outside `tf_pxg/rules` reads (an attribute of a name
+  `rule` or `*_rule`, or of an attribute `.rule`; `hasattr`/`getattr` of
+  such a value with a literal name)."""
+  import ast  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(tf_pxg.__file__).parent
+
+  def rule_like(node):
+    name = (node.id if isinstance(node, ast.Name) else
+            node.attr if isinstance(node, ast.Attribute) else None)
+    return name is not None and (name == "rule" or name.endswith("_rule"))
+
+  reads = {}
+  for path in sorted(root.rglob("*.py")):
+    if path.parent.name == "rules":
+      continue
+    where = str(path.relative_to(root))
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Attribute) and rule_like(node.value):
+        reads.setdefault(node.attr, []).append(f"{where}:{node.lineno}")
+      elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("hasattr", "getattr") and
+            len(node.args) >= 2 and rule_like(node.args[0]) and
+            isinstance(node.args[1], ast.Constant)):
+        reads.setdefault(node.args[1].value, []).append(
+            f"{where}:{node.lineno}")
+  return reads
+
+
+def test_the_engine_reads_only_declared_rule_members():
+  """Issue 52: the per-example rule is a declared plug point. Every member
+  the engine reads of a rule is declared on `tf_pxg.rules.base.Rule` (an
+  optional form as None there), so a rule author finds the whole contract
+  in one class; `chunked_sq_norm` and `outer_factors` were read through
+  `hasattr` and declared nowhere, which this fails on."""
+  reads = _rule_member_reads()
+  assert {"batch_axes", "layouts", "chunked_sq_norm",
+          "outer_factors"} <= set(reads), sorted(reads)  # the scan sees them
+  undeclared = {m: w for m, w in reads.items() if not hasattr(base.Rule, m)}
+  assert not undeclared, undeclared
+  # The optional forms: None on the base, methods where a rule has them.
+  from tf_pxg.rules import contraction  # pylint: disable=import-outside-toplevel
+  assert base.Rule.chunked_sq_norm is None and base.Rule.outer_factors is None
+  rule = registry.lookup("MatMul")
+  assert isinstance(rule, contraction.MatMulRule)
+  assert callable(rule.chunked_sq_norm) and callable(rule.outer_factors)
+  assert base.as_rule(lambda ctx: None).chunked_sq_norm is None
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_scalar_target_is_a_sum_over_examples(w, mode):
   # The batch is a tf.function argument (a captured eager tensor would be a

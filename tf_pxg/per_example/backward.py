@@ -438,7 +438,7 @@ class PerExampleBackprop:
     where it has one (contractions: ghost terms of every pair of chunks),
     else the norm of the sum of the chunks' per-example gradients."""
     rule = itfs[0].rule
-    if hasattr(rule, "chunked_sq_norm"):
+    if rule.chunked_sq_norm is not None:
       rule_trace.call(itfs[0].entry.op_type, rule, "chunked_sq_norm")
       return rule.chunked_sq_norm([self._context(itf) for itf in itfs])
     return base.batch_sq_norm(tf.add_n(
@@ -459,7 +459,7 @@ class PerExampleBackprop:
       swap = self._factor_orientation(itf.param_id, source)
       if (swap is None or itf.original_param_shape is not None or
           itf.copy_axis is not None or
-          not hasattr(itf.rule, "outer_factors")):
+          itf.rule.outer_factors is None):
         return None
       found.append((itf, swap))
     terms, parts = [], []

@@ -541,6 +541,20 @@ class Rule:
     rule adds up per-chunk results without concatenating the chunks' rows
     (a `chunked_sq_norm`, or per-example gradients the size of the
     parameter); default False.
+
+  Two optional forms, None (default) where the rule has none, a method
+  where it has (the engine tests `is not None`, and reads no member this
+  class does not declare: `tests/test_registry_and_targets.py`):
+
+  * `chunked_sq_norm(ctxs)`: `[B]` squared norms of the sum of one
+    parameter's per-example gradients over the chunks `ctxs` of its merged
+    uses, without materialising them (contractions: ghost terms of every
+    pair of chunks); without it the engine adds the chunks' per-example
+    gradients.
+  * `outer_factors(ctx)`: the `tf_pxg.rules.factors.OuterFactors` of a
+    matrix parameter's per-example gradient (sums of outer products), or
+    None for that instance; with it, the uses of a tied parameter (an
+    embedding and its LM head) get their cross terms from factors.
   """
 
   drop_inputs = True
@@ -550,6 +564,8 @@ class Rule:
   broadcasts_param = False
   mergeable = False
   chunked = False
+  chunked_sq_norm: Optional[Callable] = None
+  outer_factors: Optional[Callable] = None
 
   def batch_axes(self, itf) -> tuple:
     """`(data axis, output axis or None)` where this rule expects the
