@@ -148,5 +148,10 @@ def test_dp_step_methods_are_not_converted():
   assert seen and all(frames == [] for frames in seen), seen
   three.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
   for a, b, c in zip(one.weights, two.weights, three.weights):
-    np.testing.assert_array_equal(a.numpy(), b.numpy())
-    np.testing.assert_array_equal(a.numpy(), c.numpy())
+    np.testing.assert_array_equal(a.numpy(), b.numpy())  # the same graph
+    # fit's step runs on a padded Poisson batch (q = 1 here: all 4 rows),
+    # another shape, so another summation order on some CPUs: equal up to
+    # float32 rounding, scaled to the weights' magnitude.
+    np.testing.assert_allclose(
+        a.numpy(), c.numpy(), rtol=1e-6,
+        atol=1e-6 * max(1.0, float(np.max(np.abs(c.numpy())))))
